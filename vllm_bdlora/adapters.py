@@ -1,0 +1,131 @@
+"""PEFT BD-LoRA adapter format: reading `use_bdlora` and reporting what is wrong with an adapter.
+
+PEFT (>= 0.19) saves `LoraConfig(use_bdlora=BdLoraConfig(...))` adapters with
+`"use_bdlora": {"target_modules_bd_a": [...], "target_modules_bd_b": [...], "nblocks": N, ...}`
+in `adapter_config.json`, `r` being the full rank, and the block-diagonal factor stored without its
+zeros (N blocks stacked along the non-rank dimension). The tensor layouts are documented and handled
+in `vllm_bdlora.sharding`; this module only decides, per module, which factor is block-diagonal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+BlockDiagonalFactor = Literal["a", "b"]
+
+
+class AdapterRejected(ValueError):
+    """An adapter that cannot be served as it is. The message names the adapter, every problem found
+    and the fix; the server and the other adapters are unaffected."""
+
+    MARKER = "LoRA adapter rejected"
+
+    def __init__(self, adapter: str, problems: list[str], hint: str | None = None):
+        self.adapter = adapter
+        self.problems = list(problems)
+        lines = [f"{self.MARKER}: '{adapter}'."]
+        lines += [f"  - {p}" for p in _grouped(self.problems)]
+        if hint:
+            lines.append(f"  Fix: {hint}")
+        super().__init__("\n".join(lines))
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _grouped(problems: list[str], shown: int = 12) -> list[str]:
+    """Collapse the same problem repeated over every decoder layer into one line."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for problem in problems:
+        indices = _LAYER_INDEX.findall(problem.split(":", 1)[0])
+        key = _LAYER_INDEX.sub(".*.", problem, count=1) if indices else problem
+        groups[key].append(indices[0] if indices else "")
+    lines = []
+    for key, indices in groups.items():
+        if len(indices) > 1 and all(indices):
+            key = key.replace(":", f" (layers {_ranges(sorted(map(int, indices)))}):", 1)
+        lines.append(key)
+    if len(lines) > shown:
+        lines = lines[:shown] + [f"... and {len(lines) - shown} more problem(s)"]
+    return lines
+
+
+def _ranges(values: list[int]) -> str:
+    spans, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(spans)
+
+
+@dataclass(frozen=True)
+class BlockDiagonalSpec:
+    """The `use_bdlora` section of an adapter config."""
+
+    nblocks: int
+    bd_a_patterns: tuple[str, ...]
+    bd_b_patterns: tuple[str, ...]
+
+    def factor_of(self, module_name: str) -> BlockDiagonalFactor | None:
+        """Which LoRA factor of `module_name` PEFT made block-diagonal.
+
+        PEFT matches each pattern as a substring of the module's own (last) name; the stored tensors
+        follow that rule, so serving must use it too.
+        """
+        short = module_name.rsplit(".", 1)[-1]
+        if self.nblocks == 1:
+            return None
+        if any(p in short for p in self.bd_a_patterns):
+            return "a"
+        if any(p in short for p in self.bd_b_patterns):
+            return "b"
+        return None
+
+
+def read_adapter_config(adapter_dir: str) -> dict:
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def parse_block_diagonal_spec(config: dict, adapter: str) -> BlockDiagonalSpec | None:
+    """The adapter's BD-LoRA section, or None for a standard LoRA adapter."""
+    section = config.get("use_bdlora")
+    if section in (None, False, {}):
+        return None
+    problems = []
+    if not isinstance(section, dict):
+        raise AdapterRejected(adapter, [f"use_bdlora must be an object as PEFT writes it, got {section!r}"])
+    nblocks = section.get("nblocks", 1)
+    if isinstance(nblocks, bool) or not isinstance(nblocks, int) or nblocks < 1:
+        problems.append(f"use_bdlora.nblocks must be a positive integer, got {nblocks!r}")
+    patterns = {}
+    for key in ("target_modules_bd_a", "target_modules_bd_b"):
+        value = section.get(key) or []
+        if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+            problems.append(f"use_bdlora.{key} must be a list of module names, got {value!r}")
+            value = []
+        patterns[key] = tuple(value)
+    both = sorted(set(patterns["target_modules_bd_a"]) & set(patterns["target_modules_bd_b"]))
+    if both:
+        problems.append(f"modules {both} are listed in both target_modules_bd_a and target_modules_bd_b")
+    if problems:
+        raise AdapterRejected(adapter, problems, "re-save the adapter with PEFT's BdLoraConfig.")
+    return BlockDiagonalSpec(
+        nblocks=nblocks,
+        bd_a_patterns=patterns["target_modules_bd_a"],
+        bd_b_patterns=patterns["target_modules_bd_b"],
+    )
+
+
+def read_block_diagonal_spec(adapter_dir: str, adapter: str) -> BlockDiagonalSpec | None:
+    return parse_block_diagonal_spec(read_adapter_config(adapter_dir), adapter)

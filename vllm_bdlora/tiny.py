@@ -1,0 +1,163 @@
+"""A small random Llama model and PEFT adapters, made locally (no model hub): the demo's embedded
+default and the tests' fixtures.
+
+The model has GQA (4 query heads, 2 KV heads) so TP=2 shards q, k and v like a real Llama, and a
+word-level tokenizer whose tokens round-trip exactly. Adapters are made with PEFT itself (so they are in
+PEFT's own format, BD-LoRA blocks stored without zeros) and then given random non-zero weights: PEFT
+initialises LoRA-B (and block-diagonal B) to zero, which would make every adapter a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+ALL_PROJECTIONS = ATTENTION + MLP
+# The BD-LoRA rule for Llama: column-parallel projections get a block-diagonal B, row-parallel ones A.
+BD_A = ("o_proj", "down_proj")
+BD_B = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
+
+
+def word(i: int) -> str:
+    return f"w{i}"
+
+
+def make_tokenizer(path: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "<unk>": 3}
+    vocab.update({word(i): i for i in range(4, vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "model_max_length": TINY_LLAMA["max_position_embeddings"],
+                "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+            },
+            f,
+        )
+
+
+def make_tiny_llama(path: str, seed: int = 0, **overrides) -> str:
+    """Save a random LlamaForCausalLM (float32) with its tokenizer to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    config = LlamaConfig(**{**TINY_LLAMA, **overrides}, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue
+            # Wider than the usual 0.02 so that greedy choices have clear margins.
+            param.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 1.0 / param.shape[-1] ** 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(path, config.vocab_size)
+    return path
+
+
+def randomize_lora_weights(model: torch.nn.Module, seed: int, std: float = 0.1) -> int:
+    """Give every LoRA factor random non-zero weights; returns how many tensors were set."""
+    generator = torch.Generator().manual_seed(seed)
+    count = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+                count += 1
+    if not count:
+        raise RuntimeError("no LoRA parameters found to randomize")
+    return count
+
+
+def make_adapter(
+    base_model: str,
+    out_dir: str,
+    rank: int,
+    nblocks: int | None = None,
+    target_modules: Sequence[str] = ALL_PROJECTIONS,
+    lora_alpha: int | None = None,
+    seed: int = 1,
+    std: float = 0.1,
+) -> str:
+    """Train-free PEFT adapter: BD-LoRA with `nblocks` blocks, or standard LoRA when nblocks is None."""
+    from peft import BdLoraConfig, LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, torch_dtype=torch.float32)
+    bd = None
+    if nblocks is not None:
+        bd = BdLoraConfig(
+            target_modules_bd_a=[m for m in BD_A if m in target_modules],
+            target_modules_bd_b=[m for m in BD_B if m in target_modules],
+            nblocks=nblocks,
+        )
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=lora_alpha or rank,
+        target_modules=list(target_modules),
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        use_bdlora=bd,
+    )
+    model = get_peft_model(base, config)
+    randomize_lora_weights(model, seed, std)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def densify_adapter(bd_dir: str, out_dir: str) -> str:
+    """Write a BD-LoRA adapter as the equivalent standard LoRA adapter (zeros written out)."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_bdlora.adapters import read_adapter_config, parse_block_diagonal_spec
+    from vllm_bdlora.sharding import densify
+
+    config = read_adapter_config(bd_dir)
+    spec = parse_block_diagonal_spec(config, bd_dir)
+    tensors = load_file(os.path.join(bd_dir, "adapter_model.safetensors"))
+    dense = {}
+    for key, value in tensors.items():
+        module = key.split(".lora_")[0]
+        factor = spec.factor_of(module) if spec else None
+        is_a = ".lora_A." in key
+        if factor == ("a" if is_a else "b"):
+            value = densify(value, spec.nblocks)
+        dense[key] = value.contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(dense, os.path.join(out_dir, "adapter_model.safetensors"))
+    config.pop("use_bdlora", None)
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir
