@@ -40,16 +40,18 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 def _grouped(problems: list[str], shown: int = 12) -> list[str]:
     """Collapse the same problem repeated over every decoder layer into one line."""
-    groups: dict[str, list[str]] = defaultdict(list)
+    groups: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for problem in problems:
         indices = _LAYER_INDEX.findall(problem.split(":", 1)[0])
         key = _LAYER_INDEX.sub(".*.", problem, count=1) if indices else problem
-        groups[key].append(indices[0] if indices else "")
+        groups[key].append((indices[0] if indices else "", problem))
     lines = []
-    for key, indices in groups.items():
-        if len(indices) > 1 and all(indices):
-            key = key.replace(":", f" (layers {_ranges(sorted(map(int, indices)))}):", 1)
-        lines.append(key)
+    for key, members in groups.items():
+        if len(members) == 1 or not all(index for index, _ in members):
+            lines.append(members[0][1])
+        else:
+            layers = _ranges(sorted(int(index) for index, _ in members))
+            lines.append(key.replace(":", f" (layers {layers}):", 1))
     if len(lines) > shown:
         lines = lines[:shown] + [f"... and {len(lines) - shown} more problem(s)"]
     return lines
@@ -129,3 +131,15 @@ def parse_block_diagonal_spec(config: dict, adapter: str) -> BlockDiagonalSpec |
 
 def read_block_diagonal_spec(adapter_dir: str, adapter: str) -> BlockDiagonalSpec | None:
     return parse_block_diagonal_spec(read_adapter_config(adapter_dir), adapter)
+
+
+@dataclass(frozen=True)
+class AdapterLoadFailure:
+    """What a worker returns, instead of raising, when an adapter fails to load in `add_lora`.
+
+    vLLM's multiprocess executor stops reading worker replies at the first failed one, so a failure
+    raised by every TP rank leaves the other ranks' replies queued, and the next RPC (the next adapter
+    load, say) reads a stale error. Returning the failure keeps every reply read; the executor raises it.
+    """
+
+    message: str

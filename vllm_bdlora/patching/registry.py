@@ -7,6 +7,8 @@ from vllm_bdlora.patching.cli import patch_enable_bdlora_flag, patch_vllm_cpu_ve
 from vllm_bdlora.patching.frontend import patch_load_lora_adapter_status
 from vllm_bdlora.patching.worker import (
     patch_adapter_loading,
+    patch_add_lora_failures,
+    patch_cpu_lora_ops_ignore_unadapted_tokens,
     patch_lora_layer_classes,
     patch_lora_manager,
     patch_peft_helper_accepts_bdlora,
@@ -83,6 +85,36 @@ PATCHES: tuple[Patch, ...] = (
         "module and replace its tensors by this rank's share (vllm_bdlora.loading); raise AdapterRejected.",
         removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM.",
         apply=patch_adapter_loading,
+    ),
+    Patch(
+        name="add_lora_failures_as_replies",
+        targets=(
+            "vllm.v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin.add_lora",
+            "vllm.v1.executor.abstract.Executor.add_lora",
+        ),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="At TP>1 every rank fails to load a rejected adapter, and MultiprocExecutor.collective_rpc "
+        "stops reading replies at the first failure: the other ranks' replies stay queued and the next "
+        "RPC (e.g. the next adapter load) fails with a stale error.",
+        how="Workers return an AdapterLoadFailure reply instead of raising; Executor.add_lora raises it "
+        "after every reply is read.",
+        removal="MultiprocExecutor draining all replies before raising a worker failure.",
+        apply=patch_add_lora_failures,
+    ),
+    Patch(
+        name="cpu_lora_ops_ignore_unadapted_tokens",
+        targets=tuple(f"{m}.{op}" for m in ("vllm.lora.ops.torch_ops.lora_ops", "vllm.lora.ops.torch_ops",
+                                             "vllm.lora.punica_wrapper.punica_cpu")
+                      for op in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")),
+        stage="plugin",
+        versions="0.26-0.32, CPU platform only",
+        why="The CPU LoRA ops index the stacked weights with each token's slot and -1 means no adapter: "
+        "Python's negative indexing gives base-model tokens in a mixed batch the adapter in the last slot "
+        "(silently wrong output once max_loras adapters are resident). The GPU kernels skip -1.",
+        how="Zero the inputs of tokens with slot -1 (so they add nothing) and clamp their index to 0.",
+        removal="The CPU torch ops masking lora index -1 upstream.",
+        apply=patch_cpu_lora_ops_ignore_unadapted_tokens,
     ),
     Patch(
         name="load_lora_adapter_status",

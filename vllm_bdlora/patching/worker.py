@@ -132,3 +132,88 @@ def patch_adapter_loading() -> bool:
         return _load_adapter
 
     return wrap_method(WorkerLoRAManager, "_load_adapter", make)
+
+
+def patch_add_lora_failures() -> bool:
+    """Report adapter load failures from every TP rank as replies and raise them in the executor, so no
+    stale reply is left in vLLM's worker queues (see `AdapterLoadFailure`)."""
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    from vllm_bdlora.adapters import AdapterLoadFailure
+
+    require_parameters(LoRAModelRunnerMixin.add_lora, ("lora_request",), "LoRAModelRunnerMixin.add_lora")
+    require_parameters(Executor.add_lora, ("lora_request",), "Executor.add_lora")
+
+    def make_runner_add_lora(original):
+        def add_lora(self, lora_request):
+            try:
+                return original(self, lora_request)
+            except Exception as e:
+                return AdapterLoadFailure(str(e))
+
+        return add_lora
+
+    def make_executor_add_lora(original):
+        def add_lora(self, lora_request):
+            assert lora_request.lora_int_id > 0, "lora_id must be greater than 0."
+            replies = self.collective_rpc("add_lora", args=(lora_request,))
+            failures = [r for r in replies if isinstance(r, AdapterLoadFailure)]
+            if failures:
+                raise RuntimeError(failures[0].message)
+            return all(replies)
+
+        return add_lora
+
+    runner = wrap_method(LoRAModelRunnerMixin, "add_lora", make_runner_add_lora)
+    executor = wrap_method(Executor, "add_lora", make_executor_add_lora)
+    return runner or executor
+
+
+CPU_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+CPU_LORA_OP_NAMESPACES = (
+    "vllm.lora.ops.torch_ops.lora_ops",
+    "vllm.lora.ops.torch_ops",
+    "vllm.lora.punica_wrapper.punica_cpu",
+)
+
+
+def ignore_unadapted_tokens(op):
+    """Make a CPU bgmv op treat LoRA index -1 ("no adapter") as no contribution, instead of indexing
+    the last LoRA slot as Python's negative indexing does."""
+
+    def masked(inputs, weights, output, lora_indices, *args, **kwargs):
+        unadapted = lora_indices < 0
+        if bool(unadapted.any()):
+            rows = unadapted if unadapted.shape[0] == inputs.shape[0] else unadapted[:1]
+            inputs = inputs.masked_fill(rows[:, None], 0)
+            lora_indices = lora_indices.clamp(min=0)
+        return op(inputs, weights, output, lora_indices, *args, **kwargs)
+
+    masked.__bdlora_original__ = op
+    masked.__name__ = op.__name__
+    return masked
+
+
+def patch_cpu_lora_ops_ignore_unadapted_tokens() -> bool:
+    """vLLM's CPU LoRA ops index the stacked weights with each token's slot, -1 meaning "no adapter":
+    a base-model request in a mixed batch picks up the adapter in the last slot once it is filled."""
+    import importlib
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    changed = False
+    for module_name in CPU_LORA_OP_NAMESPACES:
+        module = importlib.import_module(module_name)
+        for name in CPU_LORA_OPS:
+            op = getattr(module, name, None)
+            if op is None:
+                raise UpstreamContractError(f"vllm-bdlora: {module_name}.{name} is missing.")
+            if getattr(op, "__bdlora_original__", None) is not None:
+                continue
+            require_parameters(op, ("inputs", "lora_indices_tensor"), f"{module_name}.{name}")
+            setattr(module, name, ignore_unadapted_tokens(op))
+            changed = True
+    return changed

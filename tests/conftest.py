@@ -1,0 +1,130 @@
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_bdlora import tiny
+
+HERE = Path(__file__).parent
+MAX_TOKENS = 32
+MAX_LORA_RANK = 64
+
+# name -> make_adapter kwargs. Ranks are chosen for --max-lora-rank 64: at TP=2 each GPU is 32 wide.
+ADAPTERS = {
+    "bd64": dict(rank=64, nblocks=2, seed=11),
+    "bd48": dict(rank=48, nblocks=2, seed=12),  # smaller than max_lora_rank: zero-padded slots
+    "bd64_nb4": dict(rank=64, nblocks=4, seed=13),  # nblocks = 2·TP at TP=2
+    "bd32_attn": dict(rank=32, nblocks=2, seed=14, target_modules=tiny.ATTENTION),
+    "bd32_mlp": dict(rank=32, nblocks=2, seed=15, target_modules=tiny.MLP),
+    "std16": dict(rank=16, nblocks=None, seed=16),  # standard LoRA next to BD adapters
+}
+
+
+def cpu_engine_env(tp: int) -> dict:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker; the default takes ~20 GiB each
+    if tp == 2:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict:
+    """Tiny model and PEFT adapters with random non-zero weights, shared by all tests."""
+    root = tmp_path_factory.mktemp("assets")
+    model = tiny.make_tiny_llama(str(root / "model"))
+    paths = {"model": model}
+    for name, kwargs in ADAPTERS.items():
+        paths[name] = tiny.make_adapter(model, str(root / name), **kwargs)
+    for name in ("bd64", "bd48", "bd64_nb4", "bd32_attn", "bd32_mlp"):
+        paths[f"{name}_dense"] = tiny.densify_adapter(paths[name], str(root / f"{name}_dense"))
+    paths["std64"] = tiny.make_adapter(model, str(root / "std64"), rank=64, seed=17)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def prompts() -> dict:
+    rng = random.Random(1234)
+    names = [None, *ADAPTERS]
+    return {name: [rng.randrange(4, tiny.TINY_LLAMA["vocab_size"]) for _ in range(6 + i)] for i, name in enumerate(names)}
+
+
+@pytest.fixture(scope="session")
+def peft_reference(assets, prompts) -> dict:
+    """name -> (tokens, logprobs) from PEFT, for the base model (None) and every adapter."""
+    from tests.reference import greedy, load_reference
+
+    torch.manual_seed(0)
+    return {
+        name: greedy(load_reference(assets["model"], assets[name] if name else None), prompt, MAX_TOKENS)
+        for name, prompt in prompts.items()
+    }
+
+
+def run_engine(spec: dict, workdir: Path, timeout: int = 900) -> dict:
+    """Run tests/engine_runner.py on `spec` in a fresh process; returns its result."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = workdir / "spec.json", workdir / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    tp = spec["engine"].get("tensor_parallel_size", 1)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_runner.py"), str(spec_path), str(result_path)],
+        env=cpu_engine_env(tp),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    (workdir / "engine.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not result_path.exists():
+        pytest.fail(f"engine run failed (rc={proc.returncode}); log tail:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(result_path.read_text())
+
+
+def engine_kwargs(model: str, tp: int, bdlora: bool, **overrides) -> dict:
+    kwargs = dict(
+        model=model,
+        tensor_parallel_size=tp,
+        dtype="float32",
+        enable_lora=True,
+        max_lora_rank=MAX_LORA_RANK,
+        max_loras=len(ADAPTERS),
+        max_model_len=256,
+        max_num_seqs=16,
+        enforce_eager=True,
+        seed=0,
+    )
+    if bdlora:
+        kwargs["additional_config"] = {"bdlora": {}}
+    kwargs.update(overrides)
+    return kwargs
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on a GPU host; see bench/README.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def copy_adapter(tmp_path):
+    def copy(src: str, name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

@@ -1,0 +1,100 @@
+"""Runs one vLLM engine (`vllm.LLM`) in its own process, as tests/conftest.py's `run_engine` asks:
+
+    python tests/engine_runner.py SPEC.json RESULT.json
+
+SPEC: {"engine": {LLM kwargs}, "adapters": {name: path}, "requests": [{"adapter": name|null,
+"prompt_token_ids": [...]}], "max_tokens": N, "count_collectives": [adapter name|null, ...],
+"expect_errors": [adapter name, ...]}
+
+RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...]}], "collectives": {probe: [per-worker
+{op: count}]}, "errors": {adapter name: message or null}}. Each engine gets a fresh process so that one test's engine (and its
+worker processes and memory) cannot leak into the next.
+"""
+
+import json
+import os
+import sys
+
+
+def _install_counters(worker):
+    from collections import Counter
+
+    from vllm.distributed.parallel_state import get_tp_group
+
+    comm = get_tp_group().device_communicator
+    counts = Counter()
+    worker._bdlora_collectives = counts
+    for op in ("all_reduce", "all_gather", "gather", "reduce_scatter", "all_gatherv", "reduce_scatterv", "broadcast"):
+        original = getattr(comm, op, None)
+        if original is None:
+            continue
+
+        def counting(*args, _op=op, _original=original, **kwargs):
+            counts[_op] += 1
+            return _original(*args, **kwargs)
+
+        setattr(comm, op, counting)
+    return True
+
+
+def _reset_counters(worker):
+    worker._bdlora_collectives.clear()
+    return True
+
+
+def _read_counters(worker):
+    return dict(worker._bdlora_collectives)
+
+
+def main(spec_path: str, result_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(**spec["engine"])
+    ids = {name: i + 1 for i, name in enumerate(spec.get("adapters", {}))}
+
+    def lora(name):
+        return None if name is None else LoRARequest(name, ids[name], spec["adapters"][name])
+
+    def generate(requests, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+        return llm.generate(prompts, params, lora_request=[lora(r["adapter"]) for r in requests], use_tqdm=False)
+
+    result = {}
+    if spec.get("expect_errors"):
+        # add_lora is how the API server validates an adapter before serving requests with it. The
+        # requests below run after these failures: the engine must still serve everything else.
+        result["errors"] = {}
+        for name in spec["expect_errors"]:
+            try:
+                llm.llm_engine.add_lora(lora(name))
+                result["errors"][name] = None
+            except Exception as e:  # the message is what the test checks
+                result["errors"][name] = f"{type(e).__name__}: {e}"
+    if spec.get("requests"):
+        outputs = generate(spec["requests"], spec["max_tokens"])
+        result["outputs"] = [
+            {
+                "token_ids": list(o.outputs[0].token_ids),
+                "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+            }
+            for o in outputs
+        ]
+    if spec.get("count_collectives"):
+        llm.collective_rpc(_install_counters)
+        result["collectives"] = {}
+        for probe in spec["count_collectives"]:
+            llm.collective_rpc(_reset_counters)
+            generate([{"adapter": probe, "prompt_token_ids": [5, 6, 7, 8]}], 4)
+            result["collectives"][str(probe)] = llm.collective_rpc(_read_counters)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,151 @@
+"""vLLM with the plugin against PEFT on the same weights, at TP=1 and TP=2 (CPU).
+
+One engine per configuration serves, in a single batch, a base-model request, BD adapters of ranks 64
+and 48 (48 < --max-lora-rank 64), a BD adapter with nblocks = 2·TP, attention-only and MLP-only BD
+adapters, and a standard LoRA adapter.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import ADAPTERS, MAX_TOKENS, engine_kwargs, run_engine
+
+pytestmark = pytest.mark.engine
+
+# float32 everywhere; vLLM's CPU kernels and Transformers differ only by summation order.
+LOGPROB_ATOL = 1e-3
+
+_cache: dict = {}
+
+
+def bd_engine_run(tp, assets, prompts, tmp_path_factory, error_adapters=None):
+    key = ("bd", tp)
+    if key not in _cache:
+        names = [None, *ADAPTERS]
+        spec = {
+            "engine": engine_kwargs(assets["model"], tp, bdlora=True),
+            "adapters": {name: assets[name] for name in ADAPTERS} | (error_adapters or {}),
+            "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in names],
+            "max_tokens": MAX_TOKENS,
+            "expect_errors": sorted(error_adapters or {}),
+            "count_collectives": [None, "bd64"] if tp > 1 else [],
+        }
+        result = run_engine(spec, tmp_path_factory.mktemp(f"bd_tp{tp}"))
+        result["names"] = names
+        _cache[key] = result
+    return _cache[key]
+
+
+def assert_matches_reference(result, peft_reference):
+    for name, output in zip(result["names"], result["outputs"]):
+        ref_tokens, ref_logprobs = peft_reference[name]
+        assert output["token_ids"] == ref_tokens, f"{name}: vLLM tokens differ from PEFT's"
+        diff = max(abs(a - b) for a, b in zip(output["logprobs"], ref_logprobs))
+        assert diff < LOGPROB_ATOL, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
+
+
+def test_adapters_change_the_output(peft_reference):
+    """Guards every comparison below against no-op adapters (PEFT's zero-initialised B)."""
+    base_tokens = peft_reference[None][0]
+    for name in ADAPTERS:
+        assert peft_reference[name][0] != base_tokens, f"{name} does not change greedy output"
+
+
+@pytest.fixture(scope="module")
+def error_adapters(assets, tmp_path_factory):
+    """Adapters the TP=2 BD engine must reject at load while it keeps serving the others."""
+    root = tmp_path_factory.mktemp("bad_adapters")
+    bad = {}
+
+    def variant(name, source, edit_tensors=None, edit_config=None):
+        import shutil
+
+        path = root / name
+        shutil.copytree(source, path)
+        if edit_tensors:
+            tensors = load_file(path / "adapter_model.safetensors")
+            save_file(edit_tensors(tensors), path / "adapter_model.safetensors")
+        if edit_config:
+            config = json.loads((path / "adapter_config.json").read_text())
+            edit_config(config)
+            (path / "adapter_config.json").write_text(json.dumps(config))
+        bad[name] = str(path)
+
+    variant("std64_too_wide", assets["std64"])
+
+    def wrong_shape(tensors):
+        key = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+        tensors[key] = torch.randn(tensors[key].shape[0], tensors[key].shape[1] * 2)
+        return tensors
+
+    variant("bd64_bad_shape", assets["bd64"], edit_tensors=wrong_shape)
+    variant("bd64_wrong_nblocks", assets["bd64"], edit_config=lambda c: c["use_bdlora"].update(nblocks=4))
+    return bad
+
+
+def test_bd_tp2_matches_peft_and_rejects_bad_adapters(assets, prompts, peft_reference, tmp_path_factory, error_adapters):
+    result = bd_engine_run(2, assets, prompts, tmp_path_factory, error_adapters)
+    errors = result["errors"]
+    assert "needs LoRA width 64 per GPU but each GPU has 32" in errors["std64_too_wide"]
+    assert "--max-lora-rank 128" in errors["std64_too_wide"]
+    assert "layers.1.self_attn.q_proj" in errors["bd64_bad_shape"]
+    assert "expected lora_A (64, 128) and lora_B (128, 32)" in errors["bd64_bad_shape"]
+    assert "got lora_A (64, 128), lora_B (128, 64)" in errors["bd64_bad_shape"]
+    assert "nblocks=4" in errors["bd64_wrong_nblocks"]
+    for message in errors.values():
+        assert "LoRA adapter rejected" in message
+    # The requests ran after the rejected loads: the engine and the other adapters kept serving.
+    assert_matches_reference(result, peft_reference)
+
+
+def test_bd_tp1_matches_peft(assets, prompts, peft_reference, tmp_path_factory):
+    """TP=1 serves any BD adapter (nblocks 2 and 4 here), densified per rank."""
+    assert_matches_reference(bd_engine_run(1, assets, prompts, tmp_path_factory), peft_reference)
+
+
+def stock_run(mode, assets, prompts, tmp_path_factory):
+    if mode not in _cache:
+        dense = {name: assets[f"{name}_dense"] if f"{name}_dense" in assets else assets[name] for name in ADAPTERS}
+        names = [None, *ADAPTERS]
+        spec = {
+            "engine": engine_kwargs(assets["model"], 2, bdlora=False, fully_sharded_loras=mode == "fully_sharded"),
+            "adapters": dense,
+            "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in names],
+            "max_tokens": MAX_TOKENS,
+            "count_collectives": [None, "bd64"],
+        }
+        _cache[mode] = run_engine(spec, tmp_path_factory.mktemp(f"stock_{mode}"))
+    return _cache[mode]
+
+
+@pytest.mark.parametrize("mode", ["default", "fully_sharded"])
+def test_densified_adapters_on_stock_vllm_give_the_same_tokens(mode, assets, prompts, tmp_path_factory, error_adapters):
+    bd = bd_engine_run(2, assets, prompts, tmp_path_factory, error_adapters)
+    stock = stock_run(mode, assets, prompts, tmp_path_factory)
+    for name, ours, theirs in zip(bd["names"], bd["outputs"], stock["outputs"]):
+        assert ours["token_ids"] == theirs["token_ids"], f"{name}: BD path differs from stock vLLM ({mode})"
+
+
+def test_bd_adds_no_collectives(assets, prompts, tmp_path_factory, error_adapters):
+    """Per-worker collective calls over one 4-token request: a BD adapter costs exactly what the base
+    model and stock vLLM's default LoRA path cost; fully sharded LoRA (S-LoRA) costs more."""
+    bd = bd_engine_run(2, assets, prompts, tmp_path_factory, error_adapters)["collectives"]
+    default = stock_run("default", assets, prompts, tmp_path_factory)["collectives"]
+    sharded = stock_run("fully_sharded", assets, prompts, tmp_path_factory)["collectives"]
+    assert bd["bd64"] == bd["None"] == default["bd64"] == default["None"]
+    assert bd["bd64"][0]["all_reduce"] > 0
+    extra = {op: n - bd["bd64"][0].get(op, 0) for op, n in sharded["bd64"][0].items()}
+    assert sum(extra.values()) > 0 and all(n >= 0 for n in extra.values()), (sharded, bd)
+
+
+def test_bd_adapter_on_server_without_bdlora_is_rejected(assets, tmp_path_factory):
+    spec = {
+        "engine": engine_kwargs(assets["model"], 1, bdlora=False),
+        "adapters": {"bd64": assets["bd64"]},
+        "expect_errors": ["bd64"],
+    }
+    error = run_engine(spec, tmp_path_factory.mktemp("bd_off"))["errors"]["bd64"]
+    assert "BD-LoRA adapter" in error and "--enable-bdlora" in error
