@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,19 +38,28 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 def _grouped(problems: list[str], shown: int = 12) -> list[str]:
-    """Collapse the same problem repeated over every decoder layer into one line."""
-    groups: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    """Collapse a problem repeated over decoder layers and modules into one line:
+    "model.layers.*.mlp.up_proj, model.layers.*.mlp.gate_proj (layers 0-31): <problem>"."""
+    groups: dict[str, tuple[list[str], set[int]]] = {}
     for problem in problems:
-        indices = _LAYER_INDEX.findall(problem.split(":", 1)[0])
-        key = _LAYER_INDEX.sub(".*.", problem, count=1) if indices else problem
-        groups[key].append((indices[0] if indices else "", problem))
+        module, sep, message = problem.partition(": ")
+        if not sep:
+            module, message = "", problem
+        indices = _LAYER_INDEX.findall(module)
+        if indices:
+            module = _LAYER_INDEX.sub(".*.", module, count=1)
+        modules, layers = groups.setdefault(message, ([], set()))
+        if module not in modules:
+            modules.append(module)
+        layers.update(int(i) for i in indices)
     lines = []
-    for key, members in groups.items():
-        if len(members) == 1 or not all(index for index, _ in members):
-            lines.append(members[0][1])
-        else:
-            layers = _ranges(sorted(int(index) for index, _ in members))
-            lines.append(key.replace(":", f" (layers {layers}):", 1))
+    for message, (modules, layers) in groups.items():
+        where = ", ".join(m for m in modules if m)
+        if len(layers) > 1:
+            where += f" (layers {_ranges(sorted(layers))})"
+        elif len(layers) == 1:
+            where = where.replace(".*.", f".{next(iter(layers))}.")
+        lines.append(f"{where}: {message}" if where else message)
     if len(lines) > shown:
         lines = lines[:shown] + [f"... and {len(lines) - shown} more problem(s)"]
     return lines

@@ -68,8 +68,9 @@ def _width_problem(module: str, local: LocalFactors, rank: int, target: LoRATarg
 
 def localize_adapter(
     lora_model, spec: BlockDiagonalSpec | None, manager, adapter: str, check_unknown_modules: bool = True
-) -> None:
-    """Replace the adapter's tensors, in place, by this rank's share, or raise `AdapterRejected`."""
+) -> str:
+    """Replace the adapter's tensors, in place, by this rank's share, or raise `AdapterRejected`.
+    Returns a one-line summary for the log."""
     targets = bd_targets(manager)
     known = known_lora_modules(manager) if check_unknown_modules else None
     problems: list[str] = []
@@ -109,3 +110,11 @@ def localize_adapter(
         pinned = weights.lora_a.is_pinned()
         weights.lora_a = local.lora_a.pin_memory() if pinned else local.lora_a
         weights.lora_b = local.lora_b.pin_memory() if pinned else local.lora_b
+    block_diagonal = sum(local.nblocks > 1 for _, local in staged)
+    widths = sorted({local.width for _, local in staged})
+    kind = f"BD-LoRA nblocks={spec.nblocks}" if spec else "standard LoRA"
+    return (
+        f"adapter '{adapter}' ({kind}, r={lora_model.rank}): {len(staged)} module(s) sharded, "
+        f"{block_diagonal} block-diagonal; per-GPU width {'/'.join(map(str, widths)) or '-'} "
+        f"of {next(iter(targets.values())).layer.lora_width if targets else '-'}"
+    )

@@ -17,6 +17,11 @@ ENABLE_HINT = (
 )
 
 
+def is_first_tp_rank(manager) -> bool:
+    """True on the first tensor-parallel rank only, so each log line appears once per engine."""
+    return all(getattr(layer, "tp_rank", 0) == 0 for layer in manager.modules.values())
+
+
 def patch_peft_helper_accepts_bdlora() -> bool:
     """Newer vLLM rejects `use_bdlora` in PEFTHelper; the key is ours to interpret (see
     `patch_adapter_loading`), so keep it out of PEFTHelper."""
@@ -83,7 +88,7 @@ def patch_lora_manager() -> bool:
             lines = describe_sharding(list(self.modules.values()), tp_size)
             if not lines:
                 logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
-            if all(getattr(layer, "tp_rank", 0) == 0 for layer in self.modules.values()):
+            if is_first_tp_rank(self):
                 for line in lines:
                     logger.info(line)
 
@@ -124,9 +129,15 @@ def patch_adapter_loading() -> bool:
             except ValueError as e:
                 raise AdapterRejected(name, [str(e)]) from e
             if settings.enabled:
-                localize_adapter(
-                    lora_model, spec, manager, name, check_unknown_modules=getattr(manager.lora_config, "target_modules", None) is None
+                summary = localize_adapter(
+                    lora_model,
+                    spec,
+                    manager,
+                    name,
+                    check_unknown_modules=getattr(manager.lora_config, "target_modules", None) is None,
                 )
+                if is_first_tp_rank(manager):
+                    logger.info("vllm-bdlora: %s", summary)
             return lora_model
 
         return _load_adapter

@@ -1,0 +1,76 @@
+import pytest
+
+from vllm_bdlora.adapters import AdapterRejected, BlockDiagonalSpec, parse_block_diagonal_spec
+from vllm_bdlora.config import BdLoraSettings, with_bdlora_enabled
+
+PEFT_SECTION = {
+    "target_modules_bd_a": ["o_proj", "down_proj"],
+    "target_modules_bd_b": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+    "nblocks": 4,
+    "match_strict": True,
+}
+
+
+def test_standard_adapter_has_no_spec():
+    assert parse_block_diagonal_spec({"r": 8}, "x") is None
+    assert parse_block_diagonal_spec({"r": 8, "use_bdlora": None}, "x") is None
+
+
+def test_factor_follows_peft_substring_rule_on_the_module_name():
+    spec = parse_block_diagonal_spec({"use_bdlora": PEFT_SECTION}, "x")
+    assert spec == BlockDiagonalSpec(4, ("o_proj", "down_proj"), ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    assert spec.factor_of("model.layers.3.self_attn.o_proj") == "a"
+    assert spec.factor_of("model.layers.3.mlp.up_proj") == "b"
+    assert spec.factor_of("model.layers.3.mlp.gate_up_proj") == "b"  # PEFT: "up_proj" in "gate_up_proj"
+    assert spec.factor_of("model.layers.3.self_attn.rotary") is None
+    # The layer index is not part of the match: "o_proj" patterns never see "model.layers.0".
+    assert BlockDiagonalSpec(2, ("layers",), ()).factor_of("model.layers.0.mlp.down_proj") is None
+
+
+def test_one_block_is_a_standard_adapter():
+    assert BlockDiagonalSpec(1, ("o_proj",), ()).factor_of("x.o_proj") is None
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({**PEFT_SECTION, "nblocks": 0}, "nblocks must be a positive integer"),
+        ({**PEFT_SECTION, "nblocks": "4"}, "nblocks must be a positive integer"),
+        ({**PEFT_SECTION, "target_modules_bd_a": "o_proj"}, "target_modules_bd_a must be a list"),
+        ({**PEFT_SECTION, "target_modules_bd_a": ["q_proj"]}, "listed in both"),
+        ("yes", "use_bdlora must be an object"),
+    ],
+)
+def test_malformed_sections_are_rejected_by_name(section, message):
+    with pytest.raises(AdapterRejected, match=message) as info:
+        parse_block_diagonal_spec({"use_bdlora": section}, "my-adapter")
+    assert "'my-adapter'" in str(info.value)
+
+
+def test_rejection_groups_repeated_problems():
+    problems = [f"model.layers.{i}.mlp.{m}: too wide" for i in range(4) for m in ("up_proj", "down_proj")]
+    message = str(AdapterRejected("a", problems + ["model.layers.1.self_attn.q_proj: bad shape"], "fix it"))
+    assert "model.layers.*.mlp.up_proj, model.layers.*.mlp.down_proj (layers 0-3): too wide" in message
+    assert "model.layers.1.self_attn.q_proj: bad shape" in message
+    assert message.endswith("Fix: fix it")
+
+
+@pytest.mark.parametrize(
+    "additional_config,enabled",
+    [(None, False), ({}, False), ({"bdlora": {}}, True), ({"bdlora": {"enabled": False}}, False)],
+)
+def test_settings(additional_config, enabled):
+    assert BdLoraSettings.from_additional_config(additional_config).enabled is enabled
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [(True, "must be a JSON object"), ({"enable": True}, "Unknown key"), ({"enabled": "yes"}, "true or false")],
+)
+def test_bad_settings(section, message):
+    with pytest.raises(ValueError, match=message):
+        BdLoraSettings.from_additional_config({"bdlora": section})
+
+
+def test_enabling_keeps_other_sections():
+    assert with_bdlora_enabled({"other": 1, "bdlora": {}}) == {"other": 1, "bdlora": {"enabled": True}}

