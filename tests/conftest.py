@@ -54,7 +54,8 @@ def assets(tmp_path_factory) -> dict:
 def prompts() -> dict:
     rng = random.Random(1234)
     names = [None, *ADAPTERS]
-    return {name: [rng.randrange(4, tiny.TINY_LLAMA["vocab_size"]) for _ in range(6 + i)] for i, name in enumerate(names)}
+    vocab = tiny.TINY_LLAMA["vocab_size"]
+    return {name: [rng.randrange(4, vocab) for _ in range(6 + i)] for i, name in enumerate(names)}
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ SPEC: {"engine": {LLM kwargs}, "adapters": {name: path}, "requests": [{"adapter"
 "expect_errors": [adapter name, ...]}
 
 RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...]}], "collectives": {probe: [per-worker
-{op: count}]}, "errors": {adapter name: message or null}}. Each engine gets a fresh process so that one test's engine (and its
-worker processes and memory) cannot leak into the next.
+{op: count}]}, "errors": {adapter name: message or null}}. Each engine gets a fresh process so that
+one test's engine (and its worker processes and memory) cannot leak into the next.
 """
 
 import json
@@ -80,7 +80,9 @@ def main(spec_path: str, result_path: str) -> None:
         result["outputs"] = [
             {
                 "token_ids": list(o.outputs[0].token_ids),
-                "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                "logprobs": [
+                    step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+                ],
             }
             for o in outputs
         ]

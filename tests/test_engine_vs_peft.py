@@ -40,10 +40,10 @@ def bd_engine_run(tp, assets, prompts, tmp_path_factory, error_adapters=None):
 
 
 def assert_matches_reference(result, peft_reference):
-    for name, output in zip(result["names"], result["outputs"]):
+    for name, output in zip(result["names"], result["outputs"], strict=True):
         ref_tokens, ref_logprobs = peft_reference[name]
         assert output["token_ids"] == ref_tokens, f"{name}: vLLM tokens differ from PEFT's"
-        diff = max(abs(a - b) for a, b in zip(output["logprobs"], ref_logprobs))
+        diff = max(abs(a - b) for a, b in zip(output["logprobs"], ref_logprobs, strict=True))
         assert diff < LOGPROB_ATOL, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
 
 
@@ -86,7 +86,9 @@ def error_adapters(assets, tmp_path_factory):
     return bad
 
 
-def test_bd_tp2_matches_peft_and_rejects_bad_adapters(assets, prompts, peft_reference, tmp_path_factory, error_adapters):
+def test_bd_tp2_matches_peft_and_rejects_bad_adapters(
+    assets, prompts, peft_reference, tmp_path_factory, error_adapters
+):
     result = bd_engine_run(2, assets, prompts, tmp_path_factory, error_adapters)
     errors = result["errors"]
     assert "needs LoRA width 64 per GPU but each GPU has 32" in errors["std64_too_wide"]
@@ -125,7 +127,7 @@ def stock_run(mode, assets, prompts, tmp_path_factory):
 def test_densified_adapters_on_stock_vllm_give_the_same_tokens(mode, assets, prompts, tmp_path_factory, error_adapters):
     bd = bd_engine_run(2, assets, prompts, tmp_path_factory, error_adapters)
     stock = stock_run(mode, assets, prompts, tmp_path_factory)
-    for name, ours, theirs in zip(bd["names"], bd["outputs"], stock["outputs"]):
+    for name, ours, theirs in zip(bd["names"], bd["outputs"], stock["outputs"], strict=True):
         assert ours["token_ids"] == theirs["token_ids"], f"{name}: BD path differs from stock vLLM ({mode})"
 
 

@@ -35,7 +35,7 @@ def test_bd_on_gpu_matches_peft(tp, cuda_graphs, assets, prompts, tmp_path_facto
     }
     result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}"))
     worst = {}
-    for name, output in zip(names, result["outputs"]):
+    for name, output in zip(names, result["outputs"], strict=True):
         reference = teacher_forced(load_reference(assets["model"], assets[name] if name else None),
                                    prompts[name], output["token_ids"])  # fmt: skip
         chosen = reference[torch.arange(len(output["token_ids"])), torch.tensor(output["token_ids"])]

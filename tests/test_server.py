@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from tests.conftest import cpu_engine_env
-from vllm_bdlora import tiny
 from tests.reference import greedy, load_reference
+from vllm_bdlora import tiny
 
 pytestmark = pytest.mark.engine
 

@@ -90,3 +90,22 @@ def test_per_rank_width():
     assert per_rank_width(64, 2) == 32
     with pytest.raises(ValueError, match="not divisible by --tensor-parallel-size 3"):
         per_rank_width(64, 3)
+
+
+def test_replicated_kv_heads_are_served_exactly_but_wider():
+    """TP=4 with 2 KV heads: vLLM gives ranks 0,1 KV head 0 and ranks 2,3 head 1. With nblocks=4 the
+    k_proj blocks are half a head tall, so each rank needs two blocks (width r/2 instead of r/4)."""
+    from types import SimpleNamespace
+
+    from vllm_bdlora.layers import _qkv_geometry
+
+    head, r, hidden = 8, 16, 32
+    a, b, dense = random_factors("b", 4, hidden, 2 * head, r)
+    for rank in range(4):
+        base = SimpleNamespace(num_kv_head_replicas=2, num_heads=1, num_kv_heads=1, head_size=head, v_head_size=head,
+                               total_num_heads=4, total_num_kv_heads=2)  # fmt: skip
+        k_size, k_owned = _qkv_geometry(SimpleNamespace(base_layer=base, tp_rank=rank))[1]
+        assert k_size == 2 * head and k_owned == ((rank // 2) * head, (rank // 2 + 1) * head)
+        local = localize(a, b, ShardGeometry("column", hidden, k_size, (k_owned,)), "b", 4)
+        torch.testing.assert_close(local.lora_b @ local.lora_a, dense[k_owned[0] : k_owned[1]])
+        assert local.width == r // 2

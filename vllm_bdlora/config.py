@@ -28,8 +28,7 @@ class BdLoraSettings:
             return cls(enabled=False)
         if not isinstance(section, Mapping):
             raise ValueError(
-                f'additional_config["{CONFIG_KEY}"] must be a JSON object such as {{"enabled": true}}, '
-                f"got {section!r}."
+                f'additional_config["{CONFIG_KEY}"] must be a JSON object such as {{"enabled": true}}, got {section!r}.'
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(section) - known)

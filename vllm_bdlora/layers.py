@@ -95,7 +95,7 @@ class BlockDiagonalLoRALayer:
             raise RuntimeError(
                 f"{type(self).__name__} got {len(lora_b)} LoRA slice(s) for a layer of {self.n_slices} slices."
             )
-        for i, (a, b) in enumerate(zip(lora_a, lora_b)):
+        for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
             if a is None or b is None:
                 continue
             a, b = self._fit_local(i, a, b)

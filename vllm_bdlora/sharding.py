@@ -96,8 +96,11 @@ def _check_shapes(
         raise ShardingError("; ".join(problems))
     expected_a = (r, d_in // n if factor == "a" else d_in)
     expected_b = (d_out, r // n if factor == "b" else r)
-    kind = {None: "a standard LoRA module", "a": f"a block-diagonal LoRA-A (nblocks={n})",
-            "b": f"a block-diagonal LoRA-B (nblocks={n})"}[factor]
+    kind = {
+        None: "a standard LoRA module",
+        "a": f"a block-diagonal LoRA-A (nblocks={n})",
+        "b": f"a block-diagonal LoRA-B (nblocks={n})",
+    }[factor]
     if tuple(lora_a.shape) != expected_a or tuple(lora_b.shape) != expected_b:
         raise ShardingError(
             f"expected lora_A {expected_a} and lora_B {expected_b} for {kind} with r={r} on a layer with "

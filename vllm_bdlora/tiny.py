@@ -141,7 +141,7 @@ def densify_adapter(bd_dir: str, out_dir: str) -> str:
     """Write a BD-LoRA adapter as the equivalent standard LoRA adapter (zeros written out)."""
     from safetensors.torch import load_file, save_file
 
-    from vllm_bdlora.adapters import read_adapter_config, parse_block_diagonal_spec
+    from vllm_bdlora.adapters import parse_block_diagonal_spec, read_adapter_config
     from vllm_bdlora.sharding import densify
 
     config = read_adapter_config(bd_dir)

@@ -104,9 +104,15 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="cpu_lora_ops_ignore_unadapted_tokens",
-        targets=tuple(f"{m}.{op}" for m in ("vllm.lora.ops.torch_ops.lora_ops", "vllm.lora.ops.torch_ops",
-                                             "vllm.lora.punica_wrapper.punica_cpu")
-                      for op in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")),
+        targets=tuple(
+            f"{m}.{op}"
+            for m in (
+                "vllm.lora.ops.torch_ops.lora_ops",
+                "vllm.lora.ops.torch_ops",
+                "vllm.lora.punica_wrapper.punica_cpu",
+            )
+            for op in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+        ),
         stage="plugin",
         versions="0.26-0.32, CPU platform only",
         why="The CPU LoRA ops index the stacked weights with each token's slot and -1 means no adapter: "

@@ -12,8 +12,7 @@ from vllm_bdlora.sharding import per_rank_width
 logger = logging.getLogger("vllm.bdlora")
 
 ENABLE_HINT = (
-    "start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, "
-    'additional_config={"bdlora": {}}))'
+    'start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, additional_config={"bdlora": {}}))'
 )
 
 
@@ -80,7 +79,8 @@ def patch_lora_manager() -> bool:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             if lora_config.fully_sharded_loras:
                 raise ValueError(
-                    "BD-LoRA (--enable-bdlora) and --fully-sharded-loras cannot be combined: drop --fully-sharded-loras."
+                    "BD-LoRA (--enable-bdlora) and --fully-sharded-loras cannot be combined: "
+                    "drop --fully-sharded-loras."
                 )
             per_rank_width(lora_config.max_lora_rank, tp_size)
             with selecting_bd_layers():
@@ -119,9 +119,8 @@ def patch_adapter_loading() -> bool:
                     raise
                 spec = None  # vLLM's own loader reports missing or unreadable adapters
             if spec is not None and not settings.enabled:
-                raise AdapterRejected(
-                    name, [f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"], ENABLE_HINT
-                )
+                problem = f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"
+                raise AdapterRejected(name, [problem], ENABLE_HINT)
             try:
                 lora_model = original(self, lora_request)
             except AdapterRejected:

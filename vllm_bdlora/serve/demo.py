@@ -148,7 +148,8 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    print(f"\n[demo] done; {'all answers match PEFT' if not mismatches else f'{mismatches} answer(s) differ from PEFT'}.")
+    verdict = "all answers match PEFT" if not mismatches else f"{mismatches} answer(s) differ from PEFT"
+    print(f"\n[demo] done; {verdict}.")
     return 1 if mismatches else 0
 
 
