@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_bdlora import tiny
+from vllm_bdlora.serve.demo import cpu_defaults
 
 HERE = Path(__file__).parent
 MAX_TOKENS = 32
@@ -27,11 +28,8 @@ ADAPTERS = {
 
 
 def cpu_engine_env(tp: int) -> dict:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker; the default takes ~20 GiB each
-    if tp == 2:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    env = {**cpu_defaults(tp), **os.environ}
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -2,9 +2,7 @@
 
 import json
 import shutil
-import socket
 import subprocess
-import time
 
 import pytest
 import requests
@@ -12,6 +10,7 @@ import requests
 from tests.conftest import cpu_engine_env
 from tests.reference import greedy, load_reference
 from vllm_bdlora import tiny
+from vllm_bdlora.serve.demo import free_port, stop_server, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -19,12 +18,6 @@ PROMPT = [10, 20, 30, 40, 50, 60]
 PROMPT_TEXT = " ".join(f"w{i}" for i in PROMPT)
 MAX_TOKENS = 16
 START_TIMEOUT = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(assets, port, lora_modules):
@@ -52,26 +45,12 @@ def server(assets, tmp_path_factory):
         env=server_env(), stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"server not healthy after {START_TIMEOUT} s:\n{log_path.read_text()[-6000:]}")
-    yield url, log_path
-    proc.terminate()
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        wait_healthy(proc, url, str(log_path), START_TIMEOUT)
+        yield url, log_path
+    finally:
+        stop_server(proc)
+        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float
     raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def tail(path: str, lines: int = 30) -> str:
     with open(path, errors="replace") as f:
         return "".join(f.readlines()[-lines:])
@@ -143,11 +151,7 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
             print(f"\n[{adapter or 'base model'}] {prompt} ->{answer}")
             print(f"    same greedy tokens as PEFT on the same weights: {'yes' if same else 'NO'}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     verdict = "all answers match PEFT" if not mismatches else f"{mismatches} answer(s) differ from PEFT"
     print(f"\n[demo] done; {verdict}.")
     return 1 if mismatches else 0
