@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_bdlora import tiny
-from vllm_bdlora.serve.demo import cpu_defaults
+from vllm_bdlora.serve.process import cpu_defaults
 
 HERE = Path(__file__).parent
 MAX_TOKENS = 32

@@ -10,7 +10,7 @@ import requests
 from tests.conftest import cpu_engine_env
 from tests.reference import greedy, load_reference
 from vllm_bdlora import tiny
-from vllm_bdlora.serve.demo import free_port, stop_server, wait_healthy
+from vllm_bdlora.serve.process import free_port, launch, stop_server, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -39,18 +39,14 @@ def server_env():
 def server(assets, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        serve_command(assets, port, {"bd64": assets["bd64"], "std16": assets["std16"]}),
-        env=server_env(), stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    command = serve_command(assets, port, {"bd64": assets["bd64"], "std16": assets["std16"]})
+    proc = launch(command, str(log_path), tp=2, env=server_env())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, str(log_path), START_TIMEOUT)
         yield url, log_path
     finally:
         stop_server(proc)
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def word(i: int) -> str:
     return f"w{i}"
 
 
-def make_tokenizer(path: str, vocab_size: int) -> None:
+def make_tokenizer(path: str, vocab_size: int, model_max_length: int = TINY_LLAMA["max_position_embeddings"]) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "<unk>": 3}
@@ -61,7 +61,7 @@ def make_tokenizer(path: str, vocab_size: int) -> None:
                 "eos_token": "</s>",
                 "pad_token": "<pad>",
                 "unk_token": "<unk>",
-                "model_max_length": TINY_LLAMA["max_position_embeddings"],
+                "model_max_length": model_max_length,
                 "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
             },
             f,

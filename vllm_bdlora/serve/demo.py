@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
 from vllm_bdlora import tiny
+from vllm_bdlora.serve.process import free_port, launch, stop_server, wait_healthy
 
 PROMPT_IDS = [10, 20, 30, 40, 50, 60, 70, 80]
 
@@ -33,20 +32,6 @@ ADAPTERS = (
 )
 
 
-def cpu_defaults(tp: int) -> dict[str, str]:
-    """vLLM-CPU settings that let TP workers share a small machine (ignored on GPUs)."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    if tp > 1 and (os.cpu_count() or 1) >= tp:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_assets(workdir: str) -> dict[str, str]:
     model = os.path.join(workdir, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
@@ -63,7 +48,7 @@ def make_assets(workdir: str) -> dict[str, str]:
     return paths
 
 
-def start_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> subprocess.Popen:
+def start_demo_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> subprocess.Popen:
     command = [
         "vllm", "serve", paths["model"], "--enable-bdlora", "--tensor-parallel-size", str(tp),
         "--max-lora-rank", "64", "--max-loras", str(len(ADAPTERS)), "--dtype", "float32",
@@ -71,37 +56,7 @@ def start_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> su
         "--lora-modules", *[f"{a.name}={paths[a.name]}" for a in ADAPTERS],
     ]  # fmt: skip
     print(f"[demo] $ {' '.join(command)}", flush=True)
-    env = {**cpu_defaults(tp), **os.environ}
-    return subprocess.Popen(command, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
-    import requests
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}; last log lines:\n{tail(log_path)}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def tail(path: str, lines: int = 30) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+    return launch(command, log_path, tp)
 
 
 def reference_words(paths: dict[str, str], adapter: str | None, max_tokens: int) -> list[str]:
@@ -131,7 +86,7 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(workdir, "server.log")
-    proc = start_server(paths, tp, port, log_path)
+    proc = start_demo_server(paths, tp, port, log_path)
     mismatches = 0
     try:
         print(f"[demo] waiting for the server (log: {log_path}) ...", flush=True)

@@ -1,0 +1,1 @@
+"""Serving and kernel benchmarks (run from the repository root: python -m bench.sweep ...)."""

@@ -1,0 +1,191 @@
+"""Summary and plots of a sweep's `points.csv`:  python -m bench.report RESULTS_DIR
+
+summary.md: host, versions and the exact command; per setting a table of every mode and rank; BD-LoRA's
+speed-ups over NFS-LoRA and S-LoRA at parameter-matched ranks and its cost over the base model; the
+issue's TP=4 targets, each marked met / missed / not measured.
+plots/: TPOT, TTFT and throughput against trainable parameters, one line per mode, one panel per
+concurrency (the layout of the BD-LoRA paper's Figure 5).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from collections import defaultdict
+
+from bench.adapters import PARAMETER_MATCHED, bd_rank_for
+
+METRICS = (("median_tpot_ms", "TPOT (ms)"), ("median_ttft_ms", "TTFT (ms)"), ("output_throughput", "tokens/s"))
+MODE_STYLE = {
+    "base": ("black", "--"),
+    "nfs": ("tab:blue", "-"),
+    "slora": ("tab:orange", "-"),
+    "bdlora": ("tab:green", "-"),
+}
+
+
+def read_points(results_dir: str) -> list[dict]:
+    with open(os.path.join(results_dir, "points.csv")) as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key, value in row.items():
+            if key in ("mode", "model_shape", "load_generator", "raw_file"):
+                continue
+            row[key] = float(value) if value not in ("", None) else None
+    return rows
+
+
+def setting(row) -> tuple:
+    return int(row["tp"]), int(row["input_len"]), int(row["output_len"]), int(row["num_adapters"] or 1)
+
+
+def index(rows) -> dict:
+    """(tp, in, out, adapters, concurrency) -> {(mode, rank): row}; base rows serve every adapter count."""
+    table = defaultdict(dict)
+    adapter_counts = {int(r["num_adapters"]) for r in rows if r["mode"] != "base"} or {1}
+    for row in rows:
+        counts = adapter_counts if row["mode"] == "base" else {int(row["num_adapters"])}
+        for n in counts:
+            tp, i, o, _ = setting(row)
+            table[(tp, i, o, n, int(row["concurrency"]))][(row["mode"], int(row["rank"]))] = row
+    return table
+
+
+def speedups(points: dict) -> list[str]:
+    lines = []
+    base = points.get(("base", 0))
+    standard_ranks = sorted({rank for mode, rank in points if mode in ("nfs", "slora")})
+    for r in standard_ranks:
+        r_bd = bd_rank_for(r)
+        bd = points.get(("bdlora", r_bd))
+        if not bd:
+            continue
+        parts = [f"BD r'={r_bd} ({bd['trainable_params'] / 1e6:.3g}M params)"]
+        for mode in ("nfs", "slora"):
+            other = points.get((mode, r))
+            if other:
+                parts.append(
+                    f"vs {mode} r={r} ({other['trainable_params'] / 1e6:.3g}M): TPOT ×"
+                    f"{other['median_tpot_ms'] / bd['median_tpot_ms']:.2f} faster, throughput ×"
+                    f"{bd['output_throughput'] / other['output_throughput']:.2f}"
+                )
+        if base:
+            parts.append(f"TPOT {bd['median_tpot_ms'] / base['median_tpot_ms']:.3f}× base")
+        lines.append("; ".join(parts))
+    return lines
+
+
+def targets(table: dict) -> list[str]:
+    """The issue's TP=4 targets, on the 1024/128 single-adapter setting (throughput: every setting)."""
+
+    def verdict(ok):
+        return "not measured" if ok is None else ("met" if ok else "MISSED")
+
+    p1 = table.get((4, 1024, 128, 1, 1), {})
+    base, bd128, slora64 = p1.get(("base", 0)), p1.get(("bdlora", 128)), p1.get(("slora", 64))
+    t1 = bd128["median_tpot_ms"] <= 1.05 * base["median_tpot_ms"] if base and bd128 else None
+    t2 = slora64["median_tpot_ms"] >= 1.3 * bd128["median_tpot_ms"] if slora64 and bd128 else None
+    nfs_checks = [
+        p1[("bdlora", r_bd)]["median_tpot_ms"] <= p1[("nfs", r)]["median_tpot_ms"]
+        for r, r_bd in PARAMETER_MATCHED.items()
+        if r >= 64 and ("bdlora", r_bd) in p1 and ("nfs", r) in p1
+    ]
+    t3 = all(nfs_checks) if nfs_checks else None
+    bs64 = [points for key, points in table.items() if key[0] == 4 and key[4] == 64]
+    tput_checks = [
+        points[("bdlora", r_bd)]["output_throughput"] >= points[(mode, r)]["output_throughput"]
+        for points in bs64
+        for r, r_bd in PARAMETER_MATCHED.items()
+        for mode in ("nfs", "slora")
+        if ("bdlora", r_bd) in points and (mode, r) in points
+    ]
+    t4 = all(tput_checks) if tput_checks else None
+    return [
+        f"- TP=4, BS=1, 1024/128: BD r'=128 TPOT ≤ 1.05× base — {verdict(t1)}",
+        f"- TP=4, BS=1, 1024/128: BD r'=128 TPOT ≥ 1.3× faster than S-LoRA r=64 — {verdict(t2)}",
+        f"- TP=4, BS=1, 1024/128: BD no slower than NFS-LoRA at every rank ≥ 64 — {verdict(t3)}",
+        f"- TP=4, BS=64: BD throughput ≥ both baselines at every parameter-matched rank — {verdict(t4)}",
+    ]
+
+
+def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
+    env_path = os.path.join(results_dir, "environment.json")
+    env = json.load(open(env_path)) if os.path.exists(env_path) else {}
+    failures_path = os.path.join(results_dir, "failures.txt")
+    failures = open(failures_path).read().strip() if os.path.exists(failures_path) else ""
+    out = [f"# Serving sweep: {os.path.basename(os.path.abspath(results_dir))}", ""]
+    out += [f"- {k}: `{v}`" for k, v in env.items()]
+    out += ["", f"{len(rows)} points; load generator `vllm bench serve` (random tokens, ignore-eos).", ""]
+    out += ["## Targets (issue 3)", "", *targets(table), ""]
+    if failures:
+        out += ["## Failed points", "", "```", failures, "```", ""]
+    for key in sorted(table):
+        tp, i, o, n, bs = key
+        points = table[key]
+        out += [f"## TP={tp}, {i}/{o} tokens, {n} adapter(s), concurrency {bs}", ""]
+        out += ["| mode | rank | params (M) | TPOT ms | TTFT ms | E2E ms | tokens/s |", "|---|---|---|---|---|---|---|"]
+        for (mode, rank), row in sorted(points.items(), key=lambda kv: (list(MODE_STYLE).index(kv[0][0]), kv[0][1])):
+            out.append(
+                f"| {mode} | {rank} | {row['trainable_params'] / 1e6:.3g} | {row['median_tpot_ms']:.2f} | "
+                f"{row['median_ttft_ms']:.1f} | {row['median_e2el_ms']:.0f} | {row['output_throughput']:.1f} |"
+            )
+        out += ["", *[f"- {line}" for line in speedups(points)], ""]
+    text = "\n".join(out) + "\n"
+    with open(os.path.join(results_dir, "summary.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def write_plots(results_dir: str, table: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.join(results_dir, "plots"), exist_ok=True)
+    groups = defaultdict(dict)
+    for (tp, i, o, n, bs), points in table.items():
+        groups[(tp, i, o, n)][bs] = points
+    written = []
+    for (tp, i, o, n), by_bs in sorted(groups.items()):
+        concurrencies = sorted(by_bs)
+        fig, axes = plt.subplots(len(METRICS), len(concurrencies), figsize=(4 * len(concurrencies), 9), squeeze=False)
+        for col, bs in enumerate(concurrencies):
+            for row_i, (metric, label) in enumerate(METRICS):
+                ax = axes[row_i][col]
+                for mode, (color, style) in MODE_STYLE.items():
+                    pts = sorted(
+                        (r["trainable_params"] / 1e6, r[metric]) for (m, _), r in by_bs[bs].items() if m == mode
+                    )
+                    if not pts:
+                        continue
+                    if mode == "base":
+                        ax.axhline(pts[0][1], color=color, linestyle=style, label="base (no LoRA)")
+                    else:
+                        ax.plot(*zip(*pts, strict=True), color=color, linestyle=style, marker="o", label=mode)
+                ax.set_xscale("log")
+                ax.set_xlabel("trainable parameters (M)")
+                ax.set_ylabel(label)
+                if row_i == 0:
+                    ax.set_title(f"concurrency {bs}")
+        axes[0][0].legend()
+        fig.suptitle(f"TP={tp}, {i}/{o} tokens, {n} adapter(s)")
+        fig.tight_layout()
+        path = os.path.join(results_dir, "plots", f"tp{tp}_io{i}-{o}_adapters{n}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(results_dir: str) -> None:
+    rows = read_points(results_dir)
+    table = index(rows)
+    write_summary(results_dir, rows, table)
+    write_plots(results_dir, table)
+
+
+if __name__ == "__main__":
+    write_report(sys.argv[1])

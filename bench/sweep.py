@@ -1,0 +1,283 @@
+"""One command, one serving sweep: base vs NFS-LoRA vs S-LoRA vs BD-LoRA, side by side in one run.
+
+    python -m bench.sweep --model-shape llama-3.1-8b --tp 4 --out bench/results/tp4-h200
+
+For every server configuration (mode, TP, rank, number of adapters) it starts `vllm serve` once, waits
+for /health (with a timeout, failing early if the engine dies), runs `vllm bench serve` for every
+(input/output length, concurrency) point, stops the server and waits for GPU memory to be released.
+Results: `points.csv` (one row per point, appended as it goes), `raw/*.json` (vllm bench serve's own
+output), `logs/`, then `summary.md` and `plots/` (bench/report.py, also runnable alone).
+
+Modes: base (no LoRA) · nfs (vLLM's default LoRA) · slora (--fully-sharded-loras) · bdlora (--enable-bdlora).
+Ranks are parameter-matched pairs: standard r for nfs/slora, BD r' for bdlora (bench/adapters.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from bench.adapters import PARAMETER_MATCHED, bd_rank_for, trainable_params, write_adapter
+from bench.shapes import SHAPES, make_dummy_model
+from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait_gpu_memory_released, wait_healthy
+
+MODES = ("base", "nfs", "slora", "bdlora")
+COLUMNS = (
+    "mode", "tp", "rank", "trainable_params", "input_len", "output_len", "concurrency", "num_adapters",
+    "median_tpot_ms", "median_ttft_ms", "median_e2el_ms", "output_throughput",
+    "p99_tpot_ms", "p99_ttft_ms", "completed", "num_prompts", "model_shape", "load_generator", "raw_file",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    mode: str
+    tp: int
+    rank: int  # 0 for base
+    num_adapters: int  # 0 for base
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}-tp{self.tp}-r{self.rank}-a{self.num_adapters}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model-shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--workdir", default="/tmp/bdlora-bench", help="dummy model and adapters go here")
+    p.add_argument("--out", required=True, help="results folder (e.g. bench/results/<name>)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes")
+    p.add_argument(
+        "--ranks",
+        default=",".join(map(str, PARAMETER_MATCHED)),
+        help="standard ranks r; bdlora uses the parameter-matched r' (16->32, 64->128, 256->512)",
+    )
+    p.add_argument("--io", default="1024/128,128/1024", help="input/output token pairs")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--adapters", default="1,many", help="'1' = one adapter; 'many' = --many-adapters adapters")
+    p.add_argument("--many-adapters", type=int, default=16, help="adapters in the 'many' setting (> --max-loras)")
+    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--prompts-per-concurrency", type=int, default=4, help="num_prompts = max(12, this x BS)")
+    p.add_argument("--nblocks", type=int, default=0, help="BD blocks; 0 = the TP size of each point")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--extra-server-args", default="", help="appended to every vllm serve command")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument(
+        "--stop-after-minutes",
+        type=float,
+        default=0,
+        help="start no new server after this long (0 = no limit); rerun the same command to resume",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
+    return p.parse_args(argv)
+
+
+def csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def plan(args) -> list[ServerConfig]:
+    configs = []
+    adapter_counts = [args.many_adapters if a == "many" else int(a) for a in args.adapters.split(",")]
+    for tp in csv_ints(args.tp):
+        for mode in args.modes.split(","):
+            if mode not in MODES:
+                raise SystemExit(f"unknown mode {mode!r}; choose from {MODES}")
+            if mode == "base":
+                configs.append(ServerConfig(mode, tp, 0, 0))
+                continue
+            for rank in csv_ints(args.ranks):
+                served_rank = bd_rank_for(rank) if mode == "bdlora" else rank
+                configs.extend(ServerConfig(mode, tp, served_rank, n) for n in adapter_counts)
+    return configs
+
+
+def adapter_paths(args, config: ServerConfig) -> dict[str, str]:
+    shape = SHAPES[args.model_shape]
+    nblocks = (args.nblocks or config.tp) if config.mode == "bdlora" else None
+    kind = f"bd{nblocks}" if nblocks else "std"
+    return {
+        f"a{i}": write_adapter(shape, os.path.join(args.workdir, f"{kind}-r{config.rank}-{i}"), config.rank, nblocks, i)
+        for i in range(config.num_adapters)
+    }
+
+
+def point_name(config: ServerConfig, io: tuple[int, int], concurrency: int) -> str:
+    return f"{config.label}_io{io[0]}-{io[1]}_bs{concurrency}.json"
+
+
+def max_lora_rank(config: ServerConfig) -> int:
+    """Smallest rank vLLM accepts that fits the adapters."""
+    from vllm_bdlora.compat import allowed_max_lora_ranks
+
+    return next(r for r in allowed_max_lora_ranks() if r >= config.rank)
+
+
+def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, str], port: int) -> list[str]:
+    command = ["vllm", "serve", model, "--load-format", "dummy", "--tensor-parallel-size", str(config.tp),
+               "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--port", str(port),
+               "--max-num-seqs", str(max(csv_ints(args.concurrency)))]  # fmt: skip
+    if config.mode != "base":
+        command += ["--enable-bdlora" if config.mode == "bdlora" else "--enable-lora",
+                    "--max-lora-rank", str(max_lora_rank(config)),
+                    "--max-loras", str(min(args.max_loras, len(adapters))),
+                    "--max-cpu-loras", str(max(len(adapters), args.max_loras)),
+                    "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]  # fmt: skip
+        if config.mode == "slora":
+            command.append("--fully-sharded-loras")
+    return command + shlex.split(args.extra_server_args)
+
+
+def bench_command(args, config, model, adapters, url, io, concurrency, raw_dir, raw_name) -> list[str]:
+    input_len, output_len = io
+    num_prompts = max(12, args.prompts_per_concurrency * concurrency)
+    command = ["vllm", "bench", "serve", "--backend", "vllm", "--base-url", url,
+               "--model", next(iter(adapters), model), "--tokenizer", model,
+               "--dataset-name", "random", "--random-input-len", str(input_len),
+               "--random-output-len", str(output_len), "--random-range-ratio", "0",
+               "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--ignore-eos",
+               "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", raw_dir, "--result-filename", raw_name]  # fmt: skip
+    if len(adapters) > 1:
+        command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
+    return command
+
+
+def row_from_result(config, args, io, concurrency, raw_path) -> dict:
+    with open(raw_path) as f:
+        result = json.load(f)
+    shape = SHAPES[args.model_shape]
+    nblocks = (args.nblocks or config.tp) if config.mode == "bdlora" else None
+    return {
+        "mode": config.mode, "tp": config.tp, "rank": config.rank,
+        "trainable_params": trainable_params(shape, config.rank, nblocks) if config.rank else 0,
+        "input_len": io[0], "output_len": io[1], "concurrency": concurrency, "num_adapters": config.num_adapters,
+        "median_tpot_ms": result["median_tpot_ms"], "median_ttft_ms": result["median_ttft_ms"],
+        "median_e2el_ms": result["median_e2el_ms"], "output_throughput": result["output_throughput"],
+        "p99_tpot_ms": result.get("p99_tpot_ms"), "p99_ttft_ms": result.get("p99_ttft_ms"),
+        "completed": result.get("completed"), "num_prompts": result.get("num_prompts"),
+        "model_shape": args.model_shape, "load_generator": "vllm bench serve",
+        "raw_file": os.path.relpath(raw_path, args.out),
+    }  # fmt: skip
+
+
+def environment() -> dict:
+    import torch
+    import vllm
+
+    import vllm_bdlora
+
+    gpu = (
+        subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        .stdout.strip().splitlines()
+        if shutil.which("nvidia-smi") else []
+    )  # fmt: skip
+    return {
+        "host": platform.node(),
+        "gpus": gpu or [f"CPU only ({os.cpu_count()} cores)"],
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "vllm_bdlora": vllm_bdlora.__version__,
+        "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    configs = plan(args)
+    ios = [tuple(int(x) for x in pair.split("/")) for pair in args.io.split(",")]
+    concurrencies = csv_ints(args.concurrency)
+    total = len(configs) * len(ios) * len(concurrencies)
+    print(f"[sweep] {len(configs)} server configurations, {total} points -> {args.out}", flush=True)
+    if args.dry_run:
+        for config in configs:
+            placeholders = {f"a{i}": "ADAPTER" for i in range(config.num_adapters)}
+            print(" ", config.label, "$", " ".join(serve_command(args, config, "MODEL", placeholders, 0)))
+        return 0
+    for sub in ("raw", "logs"):
+        os.makedirs(os.path.join(args.out, sub), exist_ok=True)
+    with open(os.path.join(args.out, "environment.json"), "w") as f:
+        json.dump(environment(), f, indent=1)
+    model = make_dummy_model(args.model_shape, os.path.join(args.workdir, args.model_shape))
+    csv_path = os.path.join(args.out, "points.csv")
+    finished = set()  # points already in points.csv: a rerun resumes after them
+    if os.path.exists(csv_path):
+        with open(csv_path) as f:
+            finished = {os.path.basename(row["raw_file"]) for row in csv.DictReader(f)}
+    failures, done, started = [], 0, time.monotonic()
+    with open(csv_path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if not finished:
+            writer.writeheader()
+        for config in configs:
+            names = [point_name(config, io, bs) for io in ios for bs in concurrencies]
+            if all(name in finished for name in names):
+                done += len(names)
+                continue
+            if args.stop_after_minutes and time.monotonic() - started > 60 * args.stop_after_minutes:
+                print(f"[sweep] time budget spent; rerun the same command to resume at {config.label}")
+                break
+            adapters = adapter_paths(args, config)
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log_path = os.path.join(args.out, "logs", f"server_{config.label}.log")
+            command = serve_command(args, config, model, adapters, port)
+            print(f"[sweep] starting {config.label}: {' '.join(command)}", flush=True)
+            proc = launch(command, log_path, config.tp)
+            try:
+                wait_healthy(proc, url, log_path, args.start_timeout)
+                for io in ios:
+                    for concurrency in concurrencies:
+                        done += 1
+                        name = point_name(config, io, concurrency)
+                        if name in finished:
+                            continue
+                        bench = bench_command(args, config, model, adapters, url, io, concurrency,
+                                              os.path.join(args.out, "raw"), name)  # fmt: skip
+                        bench_log = os.path.join(args.out, "logs", name.replace(".json", ".log"))
+                        with open(bench_log, "w") as out:
+                            rc = subprocess.run(bench, stdout=out, stderr=subprocess.STDOUT).returncode
+                        raw = os.path.join(args.out, "raw", name)
+                        if rc != 0 or not os.path.exists(raw):
+                            failures.append(f"{name}: vllm bench serve rc={rc}, see {bench_log}")
+                            print(f"[sweep] FAILED {name}\n{tail(bench_log, 8)}", flush=True)
+                            continue
+                        row = row_from_result(config, args, io, concurrency, raw)
+                        writer.writerow(row)
+                        f.flush()
+                        eta = (time.monotonic() - started) / done * (total - done)
+                        print(f"[sweep] {done}/{total} {config.label} io={io[0]}/{io[1]} bs={concurrency}: "
+                              f"tpot {row['median_tpot_ms']:.2f} ms, ttft {row['median_ttft_ms']:.1f} ms, "
+                              f"{row['output_throughput']:.1f} tok/s (eta {eta / 60:.0f} min)", flush=True)  # fmt: skip
+            except (RuntimeError, TimeoutError) as e:
+                failures.append(f"{config.label}: server did not start: {str(e).splitlines()[0]}")
+                print(f"[sweep] server {config.label} failed:\n{e}", flush=True)
+                done += len(ios) * len(concurrencies)
+            finally:
+                stop_server(proc)
+                wait_gpu_memory_released()
+    with open(os.path.join(args.out, "failures.txt"), "w") as f:
+        f.write("\n".join(failures) + ("\n" if failures else ""))
+    from bench.report import write_report
+
+    write_report(args.out)
+    print(f"[sweep] done: {done - len(failures)} points ok, {len(failures)} failed; see {args.out}/summary.md")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Start, watch and stop a `vllm serve` process (used by the demo, the tests and the benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+
+def cpu_defaults(tp: int) -> dict[str, str]:
+    """vLLM-CPU settings that let TP workers share a small machine (ignored on GPUs)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp > 1 and (os.cpu_count() or 1) >= tp:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(command: list[str], log_path: str, tp: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `command` with its output in `log_path`; CPU defaults apply unless the caller's environment
+    sets them."""
+    environment = {**cpu_defaults(tp), **(env if env is not None else os.environ)}
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}; last log lines:\n{tail(log_path)}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def tail(path: str, lines: int = 30) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def wait_gpu_memory_released(threshold_mib: int = 4000, timeout: float = 120) -> None:
+    """After a server stops, its workers may hold GPU memory for a while; the next server must not
+    start before it is free. A no-op without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+        ).stdout.split()
+        if not out or max(int(x) for x in out) < threshold_mib:
+            return
+        time.sleep(1)
