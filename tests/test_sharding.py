@@ -109,3 +109,32 @@ def test_replicated_kv_heads_are_served_exactly_but_wider():
         local = localize(a, b, ShardGeometry("column", hidden, k_size, (k_owned,)), "b", 4)
         torch.testing.assert_close(local.lora_b @ local.lora_a, dense[k_owned[0] : k_owned[1]])
         assert local.width == r // 2
+
+
+def bare_layer(cls, **attributes):
+    """A BD layer object with just the attributes shard_geometry reads (no vLLM layer construction)."""
+    layer = cls.__new__(cls)
+    for name, value in attributes.items():
+        object.__setattr__(layer, name, value)
+    return layer
+
+
+def test_layer_geometries():
+    from types import SimpleNamespace
+
+    from vllm_bdlora import layers
+
+    merged = SimpleNamespace(input_size=16, output_size=32, output_sizes=[16, 16])
+    # gate_up loaded from one adapter module: each rank owns a slice of gate and of up
+    single = bare_layer(layers.BlockDiagonalColumnParallelLinearWithLoRA, base_layer=merged, tp_rank=1, tp_size=2)
+    assert single.shard_geometry(0) == ShardGeometry("column", 16, 32, ((8, 16), (24, 32)))
+    # gate_proj and up_proj as two adapter modules
+    packed = bare_layer(layers.BlockDiagonalMergedColumnParallelLinearWithLoRA, base_layer=merged, tp_rank=1, tp_size=2)
+    assert packed.shard_geometry(1) == ShardGeometry("column", 16, 16, ((8, 16),))
+    qkv = SimpleNamespace(input_size=16, num_heads=2, num_kv_heads=1, head_size=4, v_head_size=4, total_num_heads=4,
+                          total_num_kv_heads=2, num_kv_head_replicas=1)  # fmt: skip
+    fused = bare_layer(layers.BlockDiagonalQKVParallelLinearWithLoRA, base_layer=qkv, tp_rank=1, tp_size=2)
+    assert fused.shard_geometry(0) == ShardGeometry("column", 16, 32, ((8, 16), (20, 24), (28, 32)))
+    row_base = SimpleNamespace(input_size=32, output_size=16, input_size_per_partition=16)
+    row = bare_layer(layers.BlockDiagonalRowParallelLinearWithLoRA, base_layer=row_base, tp_rank=1, tp_size=2)
+    assert row.shard_geometry(0) == ShardGeometry("row", 32, 16, ((16, 32),))
