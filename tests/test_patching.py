@@ -89,14 +89,11 @@ def test_targets_are_patched(patch):
             pytest.skip("this vLLM's PEFTHelper has no use_bdlora field to work around")
     if patch.name == "cpu_lora_ops_ignore_unadapted_tokens" and not on_cpu_platform():
         pytest.skip("only applies on vLLM's CPU platform")
+    if patch.name == "bd_lora_layer_classes":
+        pytest.skip("a tuple, not a function: see test_bd_classes_lead_the_class_tuple")
     for target in patch.targets:
         value = resolve(target)
-        if patch.name == "bd_lora_layer_classes":
-            from vllm_bdlora.layers import BD_LAYER_CLASSES
-
-            assert value[: len(BD_LAYER_CLASSES)] == BD_LAYER_CLASSES
-        else:
-            assert getattr(value, "__bdlora_original__", None) or original_of(value), f"{target} is not patched"
+        assert getattr(value, "__bdlora_original__", None) or original_of(value), f"{target} is not patched"
 
 
 def test_bd_classes_lead_the_class_tuple():

