@@ -114,9 +114,9 @@ def patch_adapter_loading() -> bool:
             name = lora_request.lora_name
             try:
                 spec = read_block_diagonal_spec(get_adapter_absolute_path(lora_request.lora_path), name)
-            except (OSError, ValueError) as e:
-                if isinstance(e, AdapterRejected):
-                    raise
+            except AdapterRejected:
+                raise
+            except (OSError, ValueError):
                 spec = None  # vLLM's own loader reports missing or unreadable adapters
             if spec is not None and not settings.enabled:
                 problem = f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"
@@ -195,8 +195,8 @@ def ignore_unadapted_tokens(op):
     def masked(inputs, weights, output, lora_indices, *args, **kwargs):
         unadapted = lora_indices < 0
         if bool(unadapted.any()):
-            rows = unadapted if unadapted.shape[0] == inputs.shape[0] else unadapted[:1]
-            inputs = inputs.masked_fill(rows[:, None], 0)
+            # One index per input row (the ops' einsum requires it).
+            inputs = inputs.masked_fill(unadapted[:, None], 0)
             lora_indices = lora_indices.clamp(min=0)
         return op(inputs, weights, output, lora_indices, *args, **kwargs)
 
