@@ -59,7 +59,7 @@ def prompts() -> dict:
 @pytest.fixture(scope="session")
 def peft_reference(assets, prompts) -> dict:
     """name -> (tokens, logprobs) from PEFT, for the base model (None) and every adapter."""
-    from tests.reference import greedy, load_reference
+    from vllm_bdlora.peft_reference import greedy, load_reference
 
     torch.manual_seed(0)
     return {

@@ -18,7 +18,7 @@ from vllm_bdlora import tiny
 def test_written_adapters_match_peft_format_and_load_in_peft(assets, tmp_path, nblocks):
     from peft import PeftModel
 
-    from tests.reference import load_reference
+    from vllm_bdlora.peft_reference import load_reference
 
     ours = write_adapter(SHAPES["tiny"], str(tmp_path / "ours"), rank=16, nblocks=nblocks)
     peft_own = tiny.make_adapter(assets["model"], str(tmp_path / "peft"), rank=16, nblocks=nblocks)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import ADAPTERS, MAX_TOKENS, engine_kwargs, run_engine
-from tests.reference import load_reference
+from vllm_bdlora.peft_reference import load_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 

@@ -8,8 +8,8 @@ import pytest
 import requests
 
 from tests.conftest import cpu_engine_env
-from tests.reference import greedy, load_reference
 from vllm_bdlora import tiny
+from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve.process import free_port, launch, stop_server, wait_healthy
 
 pytestmark = pytest.mark.engine

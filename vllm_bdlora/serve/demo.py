@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 
 from vllm_bdlora import tiny
+from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve.process import free_port, launch, stop_server, wait_healthy
 
 PROMPT_IDS = [10, 20, 30, 40, 50, 60, 70, 80]
@@ -35,8 +36,12 @@ ADAPTERS = (
 def make_assets(workdir: str) -> dict[str, str]:
     model = os.path.join(workdir, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
-        print(f"[demo] making a random Llama ({tiny.TINY_LLAMA['num_hidden_layers']} layers, hidden "
-              f"{tiny.TINY_LLAMA['hidden_size']}, GQA 4/2 heads) in {model}", flush=True)  # fmt: skip
+        c = tiny.TINY_LLAMA
+        shape = (
+            f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+            f"{c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads"
+        )
+        print(f"[demo] making a random Llama ({shape}) in {model}", flush=True)
         tiny.make_tiny_llama(model)
     paths = {"model": model}
     for adapter in ADAPTERS:
@@ -60,21 +65,8 @@ def start_demo_server(paths: dict[str, str], tp: int, port: int, log_path: str) 
 
 
 def reference_words(paths: dict[str, str], adapter: str | None, max_tokens: int) -> list[str]:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
-    if adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, paths[adapter])
-    ids = torch.tensor([PROMPT_IDS])
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return [tiny.word(int(t)) for t in ids[0, len(PROMPT_IDS) :]]
+    tokens, _ = greedy(load_reference(paths["model"], paths[adapter] if adapter else None), PROMPT_IDS, max_tokens)
+    return [tiny.word(t) for t in tokens]
 
 
 def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> int:

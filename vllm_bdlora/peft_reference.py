@@ -1,4 +1,5 @@
-"""The independent reference: PEFT/Transformers greedy decoding on the same weights, in float32."""
+"""The independent reference: PEFT/Transformers greedy decoding on the same weights, in float32.
+Used by the tests and by the demo's "same as PEFT" check."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import torch
 
 def load_reference(base_dir: str, adapter_dir: str | None):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
