@@ -104,9 +104,13 @@ def plan(args) -> list[ServerConfig]:
     return configs
 
 
+def adapter_nblocks(args, config: ServerConfig) -> int | None:
+    return (args.nblocks or config.tp) if config.mode == "bdlora" else None
+
+
 def adapter_paths(args, config: ServerConfig) -> dict[str, str]:
     shape = SHAPES[args.model_shape]
-    nblocks = (args.nblocks or config.tp) if config.mode == "bdlora" else None
+    nblocks = adapter_nblocks(args, config)
     kind = f"bd{nblocks}" if nblocks else "std"
     return {
         f"a{i}": write_adapter(shape, os.path.join(args.workdir, f"{kind}-r{config.rank}-{i}"), config.rank, nblocks, i)
@@ -159,7 +163,7 @@ def row_from_result(config, args, io, concurrency, raw_path) -> dict:
     with open(raw_path) as f:
         result = json.load(f)
     shape = SHAPES[args.model_shape]
-    nblocks = (args.nblocks or config.tp) if config.mode == "bdlora" else None
+    nblocks = adapter_nblocks(args, config)
     return {
         "mode": config.mode, "tp": config.tp, "rank": config.rank,
         "trainable_params": trainable_params(shape, config.rank, nblocks) if config.rank else 0,
@@ -218,7 +222,7 @@ def main(argv=None) -> int:
     if os.path.exists(csv_path):
         with open(csv_path) as f:
             finished = {os.path.basename(row["raw_file"]) for row in csv.DictReader(f)}
-    failures, done, started = [], 0, time.monotonic()
+    failures, done, measured, started = [], 0, 0, time.monotonic()
     with open(csv_path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         if not finished:
@@ -232,6 +236,7 @@ def main(argv=None) -> int:
                 print(f"[sweep] time budget spent; rerun the same command to resume at {config.label}")
                 break
             adapters = adapter_paths(args, config)
+            done_after_config = done + len(names)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             log_path = os.path.join(args.out, "logs", f"server_{config.label}.log")
@@ -259,6 +264,7 @@ def main(argv=None) -> int:
                         row = row_from_result(config, args, io, concurrency, raw)
                         writer.writerow(row)
                         f.flush()
+                        measured += 1
                         eta = (time.monotonic() - started) / done * (total - done)
                         print(f"[sweep] {done}/{total} {config.label} io={io[0]}/{io[1]} bs={concurrency}: "
                               f"tpot {row['median_tpot_ms']:.2f} ms, ttft {row['median_ttft_ms']:.1f} ms, "
@@ -266,7 +272,7 @@ def main(argv=None) -> int:
             except (RuntimeError, TimeoutError) as e:
                 failures.append(f"{config.label}: server did not start: {str(e).splitlines()[0]}")
                 print(f"[sweep] server {config.label} failed:\n{e}", flush=True)
-                done += len(ios) * len(concurrencies)
+                done = done_after_config  # progress counts this configuration's points as attempted
             finally:
                 stop_server(proc)
                 wait_gpu_memory_released()
@@ -275,7 +281,7 @@ def main(argv=None) -> int:
     from bench.report import write_report
 
     write_report(args.out)
-    print(f"[sweep] done: {done - len(failures)} points ok, {len(failures)} failed; see {args.out}/summary.md")
+    print(f"[sweep] done: {measured} points measured this run, {len(failures)} failure(s); see {args.out}/summary.md")
     return 1 if failures else 0
 
 
