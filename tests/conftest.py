@@ -27,6 +27,10 @@ ADAPTERS = {
 }
 
 
+# The batch every engine test serves: a base-model request and one request per adapter.
+BATCH = [None, *ADAPTERS]
+
+
 def cpu_engine_env(tp: int) -> dict:
     env = {**cpu_defaults(tp), **os.environ}
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
@@ -51,9 +55,8 @@ def assets(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def prompts() -> dict:
     rng = random.Random(1234)
-    names = [None, *ADAPTERS]
     vocab = tiny.TINY_LLAMA["vocab_size"]
-    return {name: [rng.randrange(4, vocab) for _ in range(6 + i)] for i, name in enumerate(names)}
+    return {name: [rng.randrange(4, vocab) for _ in range(6 + i)] for i, name in enumerate(BATCH)}
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +88,17 @@ def run_engine(spec: dict, workdir: Path, timeout: int = 900) -> dict:
     if proc.returncode != 0 or not result_path.exists():
         pytest.fail(f"engine run failed (rc={proc.returncode}); log tail:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return json.loads(result_path.read_text())
+
+
+def batch_spec(engine: dict, adapters: dict, prompts: dict, **extra) -> dict:
+    """An engine_runner spec serving BATCH in one generate call."""
+    return {
+        "engine": engine,
+        "adapters": adapters,
+        "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in BATCH],
+        "max_tokens": MAX_TOKENS,
+        **extra,
+    }
 
 
 def engine_kwargs(model: str, tp: int, bdlora: bool, **overrides) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import ADAPTERS, MAX_TOKENS, engine_kwargs, run_engine
+from tests.conftest import ADAPTERS, BATCH, batch_spec, engine_kwargs, run_engine
 
 pytestmark = pytest.mark.engine
 
@@ -24,23 +24,20 @@ _cache: dict = {}
 def bd_engine_run(tp, assets, prompts, tmp_path_factory, error_adapters=None):
     key = ("bd", tp)
     if key not in _cache:
-        names = [None, *ADAPTERS]
-        spec = {
-            "engine": engine_kwargs(assets["model"], tp, bdlora=True),
-            "adapters": {name: assets[name] for name in ADAPTERS} | (error_adapters or {}),
-            "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in names],
-            "max_tokens": MAX_TOKENS,
-            "expect_errors": sorted(error_adapters or {}),
-            "count_collectives": [None, "bd64"] if tp > 1 else [],
-        }
+        spec = batch_spec(
+            engine_kwargs(assets["model"], tp, bdlora=True),
+            {name: assets[name] for name in ADAPTERS} | (error_adapters or {}),
+            prompts,
+            expect_errors=sorted(error_adapters or {}),
+            count_collectives=[None, "bd64"] if tp > 1 else [],
+        )
         result = run_engine(spec, tmp_path_factory.mktemp(f"bd_tp{tp}"))
-        result["names"] = names
         _cache[key] = result
     return _cache[key]
 
 
 def assert_matches_reference(result, peft_reference):
-    for name, output in zip(result["names"], result["outputs"], strict=True):
+    for name, output in zip(BATCH, result["outputs"], strict=True):
         ref_tokens, ref_logprobs = peft_reference[name]
         assert output["token_ids"] == ref_tokens, f"{name}: vLLM tokens differ from PEFT's"
         diff = max(abs(a - b) for a, b in zip(output["logprobs"], ref_logprobs, strict=True))
@@ -111,14 +108,8 @@ def test_bd_tp1_matches_peft(assets, prompts, peft_reference, tmp_path_factory):
 def stock_run(mode, assets, prompts, tmp_path_factory):
     if mode not in _cache:
         dense = {name: assets[f"{name}_dense"] if f"{name}_dense" in assets else assets[name] for name in ADAPTERS}
-        names = [None, *ADAPTERS]
-        spec = {
-            "engine": engine_kwargs(assets["model"], 2, bdlora=False, fully_sharded_loras=mode == "fully_sharded"),
-            "adapters": dense,
-            "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in names],
-            "max_tokens": MAX_TOKENS,
-            "count_collectives": [None, "bd64"],
-        }
+        engine = engine_kwargs(assets["model"], 2, bdlora=False, fully_sharded_loras=mode == "fully_sharded")
+        spec = batch_spec(engine, dense, prompts, count_collectives=[None, "bd64"])
         _cache[mode] = run_engine(spec, tmp_path_factory.mktemp(f"stock_{mode}"))
     return _cache[mode]
 
@@ -127,7 +118,7 @@ def stock_run(mode, assets, prompts, tmp_path_factory):
 def test_densified_adapters_on_stock_vllm_give_the_same_tokens(mode, assets, prompts, tmp_path_factory, error_adapters):
     bd = bd_engine_run(2, assets, prompts, tmp_path_factory, error_adapters)
     stock = stock_run(mode, assets, prompts, tmp_path_factory)
-    for name, ours, theirs in zip(bd["names"], bd["outputs"], stock["outputs"], strict=True):
+    for name, ours, theirs in zip(BATCH, bd["outputs"], stock["outputs"], strict=True):
         assert ours["token_ids"] == theirs["token_ids"], f"{name}: BD path differs from stock vLLM ({mode})"
 
 

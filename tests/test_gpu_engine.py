@@ -6,7 +6,7 @@ argmax up to LOGPROB_ATOL, with the same log-probability up to LOGPROB_ATOL."""
 import pytest
 import torch
 
-from tests.conftest import ADAPTERS, MAX_TOKENS, engine_kwargs, run_engine
+from tests.conftest import ADAPTERS, BATCH, batch_spec, engine_kwargs, run_engine
 from vllm_bdlora.peft_reference import load_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
@@ -26,16 +26,11 @@ def teacher_forced(model, prompt, tokens):
 def test_bd_on_gpu_matches_peft(tp, cuda_graphs, assets, prompts, tmp_path_factory):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    names = [None, *ADAPTERS]
-    spec = {
-        "engine": engine_kwargs(assets["model"], tp, bdlora=True, dtype=DTYPE, enforce_eager=not cuda_graphs),
-        "adapters": {name: assets[name] for name in ADAPTERS},
-        "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in names],
-        "max_tokens": MAX_TOKENS,
-    }
+    engine = engine_kwargs(assets["model"], tp, bdlora=True, dtype=DTYPE, enforce_eager=not cuda_graphs)
+    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
     result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}"))
     worst = {}
-    for name, output in zip(names, result["outputs"], strict=True):
+    for name, output in zip(BATCH, result["outputs"], strict=True):
         reference = teacher_forced(load_reference(assets["model"], assets[name] if name else None),
                                    prompts[name], output["token_ids"])  # fmt: skip
         chosen = reference[torch.arange(len(output["token_ids"])), torch.tensor(output["token_ids"])]
