@@ -49,6 +49,10 @@ def assets(tmp_path_factory) -> dict:
     for name in ("bd64", "bd48", "bd64_nb4", "bd32_attn", "bd32_mlp"):
         paths[f"{name}_dense"] = tiny.densify_adapter(paths[name], str(root / f"{name}_dense"))
     paths["std64"] = tiny.make_adapter(model, str(root / "std64"), rank=64, seed=17)
+    # DoRA: standard (PEFT's own format) and BD-DoRA (BD-LoRA tensors + magnitudes), and its dense reference.
+    paths["dora16"] = tiny.add_dora_magnitudes(paths["std16"], model, str(root / "dora16"), seed=21)
+    paths["bddora64"] = tiny.add_dora_magnitudes(paths["bd64"], model, str(root / "bddora64"), seed=22)
+    paths["bddora64_dense"] = tiny.densify_adapter(paths["bddora64"], str(root / "bddora64_dense"))
     return paths
 
 

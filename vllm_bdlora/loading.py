@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_bdlora.adapters import AdapterRejected, BlockDiagonalSpec
+import torch
+
+from vllm_bdlora.adapters import AdapterFormat, AdapterRejected
 from vllm_bdlora.compat import allowed_max_lora_ranks
+from vllm_bdlora.dora import magnitude_scale, squared_row_norms
 from vllm_bdlora.layers import BlockDiagonalLoRALayer
-from vllm_bdlora.sharding import LocalFactors, ShardingError, localize
+from vllm_bdlora.sharding import LocalFactors, ShardingError, localize, localize_magnitude
+
+# Attributes vllm-bdlora adds to vLLM's LoRAModel: the DoRA magnitude vectors as read from the file
+# (patching/dora.py) and, after load, this rank's magnitude scales g per adapter module.
+DORA_MAGNITUDES = "bdlora_dora_magnitudes"
+DORA_SCALES = "bdlora_dora_scales"
 
 
 @dataclass(frozen=True)
@@ -66,15 +74,23 @@ def _width_problem(module: str, local: LocalFactors, rank: int, target: LoRATarg
     )
 
 
-def localize_adapter(
-    lora_model, spec: BlockDiagonalSpec | None, manager, adapter: str, check_unknown_modules: bool = True
-) -> str:
-    """Replace the adapter's tensors, in place, by this rank's share, or raise `AdapterRejected`.
-    Returns a one-line summary for the log."""
+@dataclass
+class StagedModule:
+    name: str
+    weights: object  # vLLM's LoRALayerWeights
+    local: LocalFactors
+    target: LoRATarget
+    magnitude: torch.Tensor | None = None  # this rank's DoRA magnitude entries
+
+
+def localize_adapter(lora_model, fmt: AdapterFormat, manager, adapter: str, check_unknown_modules: bool = True) -> str:
+    """Replace the adapter's tensors, in place, by this rank's share (and compute its DoRA magnitude
+    scales), or raise `AdapterRejected`. Returns a one-line summary for the log."""
+    spec = fmt.block_diagonal
     targets = bd_targets(manager)
     known = known_lora_modules(manager) if check_unknown_modules else None
     problems: list[str] = []
-    staged: list[tuple[object, LocalFactors]] = []
+    staged: list[StagedModule] = []
     for module, weights in lora_model.loras.items():
         factor = spec.factor_of(module) if spec else None
         target = targets.get(module)
@@ -103,18 +119,95 @@ def localize_adapter(
         if local.width > target.layer.lora_width:
             problems.append(_width_problem(module, local, weights.lora_a.shape[0], target))
             continue
-        staged.append((weights, local))
+        staged.append(StagedModule(module, weights, local, target))
+    magnitudes = getattr(lora_model, DORA_MAGNITUDES, {})
+    problems += _stage_magnitudes(staged, magnitudes, fmt.dora)
+    if fmt.dora and staged:
+        _agree_across_ranks(problems, staged[0].target.layer, adapter)
     if problems:
         raise AdapterRejected(adapter, problems)
-    for weights, local in staged:
+    if fmt.dora:
+        scales, problems = _dora_scales(staged)
+        if problems:
+            raise AdapterRejected(adapter, problems)
+        setattr(lora_model, DORA_SCALES, scales)
+    for item in staged:
+        weights, local = item.weights, item.local
         pinned = weights.lora_a.is_pinned()
         weights.lora_a = local.lora_a.pin_memory() if pinned else local.lora_a
         weights.lora_b = local.lora_b.pin_memory() if pinned else local.lora_b
-    block_diagonal = sum(local.nblocks > 1 for _, local in staged)
-    widths = sorted({local.width for _, local in staged})
-    kind = f"BD-LoRA nblocks={spec.nblocks}" if spec else "standard LoRA"
+    block_diagonal = sum(item.local.nblocks > 1 for item in staged)
+    widths = sorted({item.local.width for item in staged})
     return (
-        f"adapter '{adapter}' ({kind}, r={lora_model.rank}): {len(staged)} module(s) sharded, "
+        f"adapter '{adapter}' ({fmt.describe()}, r={lora_model.rank}): {len(staged)} module(s) sharded, "
         f"{block_diagonal} block-diagonal; per-GPU width {'/'.join(map(str, widths)) or '-'} "
         f"of {next(iter(targets.values())).layer.lora_width if targets else '-'}"
     )
+
+
+def _stage_magnitudes(staged: list[StagedModule], magnitudes: dict, dora: bool) -> list[str]:
+    """Check every DoRA magnitude vector against its module and keep this rank's entries."""
+    if not dora:
+        if magnitudes:
+            return [
+                f"{name}: has a lora_magnitude_vector but adapter_config.json does not set use_dora: true"
+                for name in sorted(magnitudes)
+            ]
+        return []
+    problems = []
+    served = {item.name for item in staged}
+    for name in sorted(set(magnitudes) - served):
+        problems.append(f"{name}: lora_magnitude_vector for a module without LoRA tensors served here")
+    for item in staged:
+        magnitude = magnitudes.get(item.name)
+        geometry = item.target.layer.shard_geometry(item.target.slice_index)
+        if magnitude is None:
+            problems.append(f"{item.name}: use_dora is set but the module has no lora_magnitude_vector")
+        elif tuple(magnitude.shape) != (geometry.output_size,):
+            problems.append(
+                f"{item.name}: lora_magnitude_vector has shape {tuple(magnitude.shape)}, expected "
+                f"({geometry.output_size},): one value per output feature"
+            )
+        elif not torch.isfinite(magnitude).all():
+            problems.append(f"{item.name}: lora_magnitude_vector holds NaN or Inf")
+        else:
+            item.magnitude = localize_magnitude(magnitude.float(), geometry)
+    return problems
+
+
+def _agree_across_ranks(problems: list[str], layer: BlockDiagonalLoRALayer, adapter: str) -> None:
+    """DoRA scales of row-parallel layers need one all-reduce; every rank must reach it or none may.
+    A rank whose own checks passed raises when another rank's did not."""
+    if layer.tp_size == 1:
+        return
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    count = torch.tensor([float(len(problems))], device=layer.device)
+    total = tensor_model_parallel_all_reduce(count).item()
+    if total and not problems:
+        raise AdapterRejected(adapter, [f"{AdapterRejected.OTHER_RANK} (see its message)"])
+
+
+def _dora_scales(staged: list[StagedModule]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """g = m / ||W + s·B·A|| per module, on this rank's rows, from the factored norm. Row-parallel
+    modules hold a column block of W: their partial squared norms are summed over ranks in one
+    all-reduce (for all such modules at once)."""
+    squared: dict[str, torch.Tensor] = {}
+    for item in staged:
+        weight = item.target.layer.base_weight_rows(item.target.slice_index)
+        squared[item.name] = squared_row_norms(weight, item.local.lora_a, item.local.lora_b, item.weights.scaling)
+    row_names = [item.name for item in staged if item.target.layer.parallelism == "row"]
+    tp_size = staged[0].target.layer.tp_size
+    if row_names and tp_size > 1:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        summed = tensor_model_parallel_all_reduce(torch.cat([squared[n] for n in row_names]))
+        for name, part in zip(row_names, summed.split([squared[n].numel() for n in row_names]), strict=True):
+            squared[name] = part
+    scales, problems = {}, []
+    for item in staged:
+        try:
+            scales[item.name] = magnitude_scale(item.magnitude, squared[item.name].cpu(), item.name)
+        except ValueError as e:
+            problems.append(str(e))
+    return scales, problems

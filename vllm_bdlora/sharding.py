@@ -63,6 +63,14 @@ class LocalFactors:
         return self.lora_a.shape[0]
 
 
+def localize_magnitude(magnitude: torch.Tensor, geometry: ShardGeometry) -> torch.Tensor:
+    """This rank's entries of a per-output-channel vector (a DoRA magnitude): the owned rows of a
+    column-parallel projection, all of a row-parallel one (its output is not sharded)."""
+    if geometry.parallelism == "row":
+        return magnitude
+    return magnitude.index_select(0, geometry.owned_indices())
+
+
 def densify(weight: torch.Tensor, nblocks: int) -> torch.Tensor:
     """The dense matrix of a block-diagonal factor stored without zeros."""
     return torch.block_diag(*weight.chunk(nblocks, dim=0))

