@@ -42,9 +42,16 @@ def trainable_params(shape: LlamaShape, rank: int, nblocks: int | None = None) -
 
 
 def write_adapter(
-    shape: LlamaShape, out_dir: str, rank: int, nblocks: int | None = None, seed: int = 0, std: float = 0.01
+    shape: LlamaShape,
+    out_dir: str,
+    rank: int,
+    nblocks: int | None = None,
+    seed: int = 0,
+    std: float = 0.01,
+    dora: bool = False,
 ) -> str:
-    """Write adapter_config.json + adapter_model.safetensors (bf16) as PEFT saves them."""
+    """Write adapter_config.json + adapter_model.safetensors (bf16) as PEFT saves them; with `dora`, also
+    a lora_magnitude_vector per module (random, positive) and use_dora: true."""
     if os.path.exists(os.path.join(out_dir, "adapter_model.safetensors")):
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
@@ -57,6 +64,9 @@ def write_adapter(
             a, b = factor_shapes(shape, module, rank, nblocks)
             for name, dims in (("lora_A", a), ("lora_B", b)):
                 tensors[f"{prefix}.{name}.weight"] = (torch.randn(dims, generator=generator) * std).to(torch.bfloat16)
+            if dora:
+                magnitude = 0.5 + torch.rand(b[0], generator=generator)
+                tensors[f"{prefix}.lora_magnitude_vector"] = magnitude.to(torch.bfloat16)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",
@@ -66,7 +76,7 @@ def write_adapter(
         "target_modules": list(ALL_PROJECTIONS),
         "bias": "none",
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": dora,
     }
     if nblocks:
         config["use_bdlora"] = {

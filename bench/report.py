@@ -23,6 +23,7 @@ MODE_STYLE = {
     "nfs": ("tab:blue", "-"),
     "slora": ("tab:orange", "-"),
     "bdlora": ("tab:green", "-"),
+    "bddora": ("tab:purple", ":"),
 }
 
 
@@ -73,6 +74,9 @@ def speedups(points: dict) -> list[str]:
                 )
         if base:
             parts.append(f"TPOT {bd['median_tpot_ms'] / base['median_tpot_ms']:.3f}× base")
+        dora = points.get(("bddora", r_bd))
+        if dora:
+            parts.append(f"BD-DoRA TPOT {dora['median_tpot_ms'] / bd['median_tpot_ms']:.3f}× BD-LoRA")
         lines.append("; ".join(parts))
     return lines
 
@@ -102,11 +106,19 @@ def targets(table: dict) -> list[str]:
         if ("bdlora", r_bd) in points and (mode, r) in points
     ]
     t4 = all(tput_checks) if tput_checks else None
+    dora_checks = [
+        p1[("bddora", r_bd)]["median_tpot_ms"] <= 1.10 * p1[("bdlora", r_bd)]["median_tpot_ms"]
+        for r_bd in PARAMETER_MATCHED.values()
+        if ("bddora", r_bd) in p1 and ("bdlora", r_bd) in p1
+    ]
+    t5 = all(dora_checks) if dora_checks else None
     return [
         f"- TP=4, BS=1, 1024/128: BD r'=128 TPOT ≤ 1.05× base — {verdict(t1)}",
         f"- TP=4, BS=1, 1024/128: BD r'=128 TPOT ≥ 1.3× faster than S-LoRA r=64 — {verdict(t2)}",
         f"- TP=4, BS=1, 1024/128: BD no slower than NFS-LoRA at every rank ≥ 64 — {verdict(t3)}",
         f"- TP=4, BS=64: BD throughput ≥ both baselines at every parameter-matched rank — {verdict(t4)}",
+        f"- TP=4, BS=1, 1024/128 (issue 4): BD-DoRA TPOT within 10% of the same BD adapter without DoRA — "
+        f"{verdict(t5)}",
     ]
 
 
@@ -118,7 +130,7 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
     out = [f"# Serving sweep: {os.path.basename(os.path.abspath(results_dir))}", ""]
     out += [f"- {k}: `{v}`" for k, v in env.items()]
     out += ["", f"{len(rows)} points; load generator `vllm bench serve` (random tokens, ignore-eos).", ""]
-    out += ["## Targets (issue 3)", "", *targets(table), ""]
+    out += ["## Targets (issues 3 and 4)", "", *targets(table), ""]
     if failures:
         out += ["## Failed points", "", "```", failures, "```", ""]
     for key in sorted(table):

@@ -8,8 +8,9 @@ for /health (with a timeout, failing early if the engine dies), runs `vllm bench
 Results: `points.csv` (one row per point, appended as it goes), `raw/*.json` (vllm bench serve's own
 output), `logs/`, then `summary.md` and `plots/` (bench/report.py, also runnable alone).
 
-Modes: base (no LoRA) · nfs (vLLM's default LoRA) · slora (--fully-sharded-loras) · bdlora (--enable-bdlora).
-Ranks are parameter-matched pairs: standard r for nfs/slora, BD r' for bdlora (bench/adapters.py).
+Modes: base (no LoRA) · nfs (vLLM's default LoRA) · slora (--fully-sharded-loras) · bdlora (--enable-bdlora)
+· bddora (the bdlora adapters plus DoRA magnitude vectors, served with --enable-dora).
+Ranks are parameter-matched pairs: standard r for nfs/slora, BD r' for bdlora/bddora (bench/adapters.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from bench.adapters import PARAMETER_MATCHED, bd_rank_for, trainable_params, wri
 from bench.shapes import SHAPES, make_dummy_model
 from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait_gpu_memory_released, wait_healthy
 
-MODES = ("base", "nfs", "slora", "bdlora")
+MODES = ("base", "nfs", "slora", "bdlora", "bddora")
+BD_MODES = ("bdlora", "bddora")
 COLUMNS = (
     "mode", "tp", "rank", "trainable_params", "input_len", "output_len", "concurrency", "num_adapters",
     "median_tpot_ms", "median_ttft_ms", "median_e2el_ms", "output_throughput",
@@ -99,21 +101,24 @@ def plan(args) -> list[ServerConfig]:
                 configs.append(ServerConfig(mode, tp, 0, 0))
                 continue
             for rank in csv_ints(args.ranks):
-                served_rank = bd_rank_for(rank) if mode == "bdlora" else rank
+                served_rank = bd_rank_for(rank) if mode in BD_MODES else rank
                 configs.extend(ServerConfig(mode, tp, served_rank, n) for n in adapter_counts)
     return configs
 
 
 def adapter_nblocks(args, config: ServerConfig) -> int | None:
-    return (args.nblocks or config.tp) if config.mode == "bdlora" else None
+    return (args.nblocks or config.tp) if config.mode in BD_MODES else None
 
 
 def adapter_paths(args, config: ServerConfig) -> dict[str, str]:
     shape = SHAPES[args.model_shape]
     nblocks = adapter_nblocks(args, config)
-    kind = f"bd{nblocks}" if nblocks else "std"
+    dora = config.mode == "bddora"
+    kind = (f"bd{nblocks}" if nblocks else "std") + ("-dora" if dora else "")
     return {
-        f"a{i}": write_adapter(shape, os.path.join(args.workdir, f"{kind}-r{config.rank}-{i}"), config.rank, nblocks, i)
+        f"a{i}": write_adapter(
+            shape, os.path.join(args.workdir, f"{kind}-r{config.rank}-{i}"), config.rank, nblocks, i, dora=dora
+        )
         for i in range(config.num_adapters)
     }
 
@@ -134,7 +139,8 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
                "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--port", str(port),
                "--max-num-seqs", str(max(csv_ints(args.concurrency)))]  # fmt: skip
     if config.mode != "base":
-        command += ["--enable-bdlora" if config.mode == "bdlora" else "--enable-lora",
+        switch = {"bdlora": "--enable-bdlora", "bddora": "--enable-dora"}.get(config.mode, "--enable-lora")
+        command += [switch,
                     "--max-lora-rank", str(max_lora_rank(config)),
                     "--max-loras", str(min(args.max_loras, len(adapters))),
                     "--max-cpu-loras", str(max(len(adapters), args.max_loras)),

@@ -1,0 +1,65 @@
+"""Shared timing harness for kernel benchmarks: median of CUDA-event-timed trials after warm-up, the
+host's measured copy bandwidth, and results stamped with GPU, versions and the exact command."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def time_cuda(fn, trials: int = 200, warmup: int = 10) -> dict:
+    """Median/p10/p90 milliseconds of `fn()` over `trials` CUDA-event-timed calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    n = len(times)
+    return {"median_ms": statistics.median(times), "p10_ms": times[n // 10], "p90_ms": times[9 * n // 10]}
+
+
+def copy_bandwidth_gbs(mib: int = 1024) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), the ceiling for streaming kernels."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), trials=50)["median_ms"]
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([os.path.basename(sys.executable), "-m", *sys.argv]) if sys.argv else "",
+    }
+
+
+def write_results(out_dir: str, name: str, rows: list[dict], extra: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"environment": environment(), **extra, "rows": rows}, f, indent=1)
+    if rows:
+        import csv
+
+        with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
