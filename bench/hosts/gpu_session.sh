@@ -24,6 +24,6 @@ sweep)
   python3 -m bench.sweep --model-shape llama-3.1-8b --tp 4 --workdir /root/bench --out /root/results/tp4-8b \
     --modes "$MODES" --ranks "$RANKS" --io 1024/128 --concurrency 1,16,64 --adapters 1 --max-model-len 2048 \
     --start-timeout 420 --stop-after-minutes "$MINUTES" --extra-server-args "$GRAPH_ARGS" 2>&1 | grep -v "^\s*$" | tail -40
-  mkdir -p "$OUT" && cp -r /root/results/tp4-8b "$OUT/" ;;
+  mkdir -p "$OUT" && tar czf "$OUT/tp4-8b.tgz" -C /root/results tp4-8b ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
