@@ -124,6 +124,35 @@ def engine_kwargs(model: str, tp: int, bdlora: bool, **overrides) -> dict:
     return kwargs
 
 
+# float32 everywhere; vLLM's CPU kernels and Transformers differ only by summation order.
+LOGPROB_ATOL = 1e-3
+
+
+def assert_matches_reference(result: dict, reference: dict, batch: list = BATCH) -> None:
+    """Every request of `batch`: vLLM's greedy tokens equal PEFT's, chosen-token logprobs within LOGPROB_ATOL."""
+    for name, output in zip(batch, result["outputs"], strict=True):
+        ref_tokens, ref_logprobs = reference[name]
+        assert output["token_ids"] == ref_tokens, f"{name}: vLLM tokens differ from PEFT's"
+        diff = max(abs(a - b) for a, b in zip(output["logprobs"], ref_logprobs, strict=True))
+        assert diff < LOGPROB_ATOL, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
+
+
+def edited_adapter(source: str, path: Path, edit_tensors=None, edit_config=None) -> str:
+    """A copy of adapter `source` at `path`, its tensors dict and/or config dict edited in place."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, path)
+    if edit_tensors:
+        tensors = load_file(path / "adapter_model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, path / "adapter_model.safetensors")
+    if edit_config:
+        config = json.loads((path / "adapter_config.json").read_text())
+        edit_config(config)
+        (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
 def has_cuda() -> bool:
     return torch.cuda.is_available()
 

@@ -3,20 +3,16 @@ same weights, at TP=1 and TP=2 (CPU, float32): one batch mixes a base request, a
 standard DoRA adapter and a BD-DoRA adapter (whose reference is the same adapter densified as standard
 DoRA). The TP=2 engine also rejects malformed DoRA adapters at load and keeps serving."""
 
-import json
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.conftest import MAX_TOKENS, engine_kwargs, run_engine
+from tests.conftest import MAX_TOKENS, assert_matches_reference, edited_adapter, engine_kwargs, run_engine
 from vllm_bdlora import tiny
 
 pytestmark = pytest.mark.engine
 
-LOGPROB_ATOL = 1e-3  # float32; vLLM's CPU kernels, the factored norm and PEFT differ by summation order
 DORA_BATCH = [None, "bd64", "dora16", "bddora64"]
 REFERENCE_ADAPTER = {"bd64": "bd64", "dora16": "dora16", "bddora64": "bddora64_dense"}
 _runs: dict = {}
@@ -46,17 +42,7 @@ def bad_dora_adapters(assets, tmp_path_factory):
     key = "base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector"
 
     def variant(name, edit_tensors=None, edit_config=None):
-        path = root / name
-        shutil.copytree(assets["dora16"], path)
-        if edit_tensors:
-            tensors = load_file(path / "adapter_model.safetensors")
-            edit_tensors(tensors)
-            save_file(tensors, path / "adapter_model.safetensors")
-        if edit_config:
-            config = json.loads((path / "adapter_config.json").read_text())
-            edit_config(config)
-            (path / "adapter_config.json").write_text(json.dumps(config))
-        return str(path)
+        return edited_adapter(assets["dora16"], root / name, edit_tensors, edit_config)
 
     return {
         "dora_short_magnitude": variant("short", lambda t: t.__setitem__(key, t[key][:-3].clone())),
@@ -82,14 +68,6 @@ def dora_run(tp, assets, prompts, tmp_path_factory, bad=None):
     return _runs[tp]
 
 
-def assert_matches(result, reference):
-    for name, output in zip(DORA_BATCH, result["outputs"], strict=True):
-        tokens, logprobs = reference[name]
-        assert output["token_ids"] == tokens, f"{name}: vLLM tokens differ from PEFT's"
-        diff = max(abs(a - b) for a, b in zip(output["logprobs"], logprobs, strict=True))
-        assert diff < LOGPROB_ATOL, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
-
-
 def test_dora_changes_the_output(assets, dora_prompts):
     """DoRA must matter: the DoRA adapters' outputs differ from the same LoRA weights without magnitudes."""
     from vllm_bdlora.peft_reference import greedy, load_reference
@@ -102,7 +80,7 @@ def test_dora_changes_the_output(assets, dora_prompts):
 
 
 def test_dora_tp1_matches_peft(assets, dora_prompts, dora_reference, tmp_path_factory):
-    assert_matches(dora_run(1, assets, dora_prompts, tmp_path_factory), dora_reference)
+    assert_matches_reference(dora_run(1, assets, dora_prompts, tmp_path_factory), dora_reference, DORA_BATCH)
 
 
 def test_dora_tp2_matches_peft_and_rejects_bad_adapters(
@@ -119,7 +97,7 @@ def test_dora_tp2_matches_peft_and_rejects_bad_adapters(
     assert "does not set use_dora: true" in errors["magnitude_without_use_dora"]
     for message in errors.values():
         assert message and "LoRA adapter rejected" in message
-    assert_matches(result, dora_reference)
+    assert_matches_reference(result, dora_reference, DORA_BATCH)
 
 
 def test_dora_magnitude_scales_are_one_for_plain_lora_in_the_same_engine(assets, dora_prompts, dora_reference):

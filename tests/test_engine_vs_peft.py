@@ -5,18 +5,20 @@ and 48 (48 < --max-lora-rank 64), a BD adapter with nblocks = 2·TP, attention-o
 adapters, and a standard LoRA adapter.
 """
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.conftest import ADAPTERS, BATCH, batch_spec, engine_kwargs, run_engine
+from tests.conftest import (
+    ADAPTERS,
+    BATCH,
+    assert_matches_reference,
+    batch_spec,
+    edited_adapter,
+    engine_kwargs,
+    run_engine,
+)
 
 pytestmark = pytest.mark.engine
-
-# float32 everywhere; vLLM's CPU kernels and Transformers differ only by summation order.
-LOGPROB_ATOL = 1e-3
 
 _cache: dict = {}
 
@@ -36,14 +38,6 @@ def bd_engine_run(tp, assets, prompts, tmp_path_factory, error_adapters=None):
     return _cache[key]
 
 
-def assert_matches_reference(result, peft_reference):
-    for name, output in zip(BATCH, result["outputs"], strict=True):
-        ref_tokens, ref_logprobs = peft_reference[name]
-        assert output["token_ids"] == ref_tokens, f"{name}: vLLM tokens differ from PEFT's"
-        diff = max(abs(a - b) for a, b in zip(output["logprobs"], ref_logprobs, strict=True))
-        assert diff < LOGPROB_ATOL, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
-
-
 def test_adapters_change_the_output(peft_reference):
     """Guards every comparison below against no-op adapters (PEFT's zero-initialised B)."""
     base_tokens = peft_reference[None][0]
@@ -58,25 +52,13 @@ def error_adapters(assets, tmp_path_factory):
     bad = {}
 
     def variant(name, source, edit_tensors=None, edit_config=None):
-        import shutil
-
-        path = root / name
-        shutil.copytree(source, path)
-        if edit_tensors:
-            tensors = load_file(path / "adapter_model.safetensors")
-            save_file(edit_tensors(tensors), path / "adapter_model.safetensors")
-        if edit_config:
-            config = json.loads((path / "adapter_config.json").read_text())
-            edit_config(config)
-            (path / "adapter_config.json").write_text(json.dumps(config))
-        bad[name] = str(path)
+        bad[name] = edited_adapter(source, root / name, edit_tensors, edit_config)
 
     variant("std64_too_wide", assets["std64"])
 
     def wrong_shape(tensors):
         key = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
         tensors[key] = torch.randn(tensors[key].shape[0], tensors[key].shape[1] * 2)
-        return tensors
 
     variant("bd64_bad_shape", assets["bd64"], edit_tensors=wrong_shape)
     variant("bd64_wrong_nblocks", assets["bd64"], edit_config=lambda c: c["use_bdlora"].update(nblocks=4))
