@@ -59,8 +59,13 @@ def test_targets_are_judged_from_the_numbers():
     verdicts = report.targets(report.index(rows))
     assert verdicts[0].endswith("met")
     assert verdicts[1].endswith("MISSED")
-    assert verdicts[2].endswith("met")
+    assert verdicts[2].endswith("met (measured at r=64; not at r=256)")
     assert verdicts[3].endswith("not measured")  # no BS=64 point
+    assert verdicts[4].endswith("not measured")  # no BD-DoRA point
+    dora = report.targets(report.index([*rows, synthetic_row("bddora", 128, 11.4, 90)]))[4]
+    assert dora.endswith("met")  # 11.4 <= 1.10 x 10.4 = 11.44
+    slow = report.targets(report.index([*rows, synthetic_row("bddora", 128, 11.5, 90)]))[4]
+    assert slow.endswith("MISSED")
 
 
 @pytest.mark.engine

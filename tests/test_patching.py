@@ -27,6 +27,7 @@ PATCH_TESTS = {
     "bd_lora_layer_classes": ["test_patching.py::test_bd_classes_lead_the_class_tuple", "test_engine_vs_peft.py"],
     "lora_manager_bd_layers": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
     "adapter_loading": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
+    "adapter_load_order": ["test_dora_engine.py::test_dora_tp2_matches_peft_and_rejects_bad_adapters"],
     "add_lora_failures_as_replies": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
     "cpu_lora_ops_ignore_unadapted_tokens": ["test_patching.py::test_cpu_ops_ignore_unadapted_tokens"],
     "load_lora_adapter_status": ["test_server.py::test_bad_adapters_get_400_and_the_server_keeps_serving"],

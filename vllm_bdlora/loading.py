@@ -123,7 +123,7 @@ def localize_adapter(lora_model, fmt: AdapterFormat, manager, adapter: str, chec
     magnitudes = getattr(lora_model, DORA_MAGNITUDES, {})
     problems += _stage_magnitudes(staged, magnitudes, fmt.dora)
     if fmt.dora and staged:
-        _agree_across_ranks(problems, staged[0].target.layer, adapter)
+        _agree_across_ranks(problems, staged[0].target.layer, adapter, lora_model.id)
     if problems:
         raise AdapterRejected(adapter, problems)
     if fmt.dora:
@@ -175,15 +175,24 @@ def _stage_magnitudes(staged: list[StagedModule], magnitudes: dict, dora: bool) 
     return problems
 
 
-def _agree_across_ranks(problems: list[str], layer: BlockDiagonalLoRALayer, adapter: str) -> None:
-    """DoRA scales of row-parallel layers need one all-reduce; every rank must reach it or none may.
-    A rank whose own checks passed raises when another rank's did not."""
-    if layer.tp_size == 1:
+def _agree_across_ranks(problems: list[str], layer: BlockDiagonalLoRALayer, adapter: str, adapter_id: int) -> None:
+    """DoRA scales of row-parallel layers need one all-reduce; every rank must reach it or none may, and
+    for the same adapter. A rank whose own checks passed raises when another rank's did not; ranks loading
+    different adapters at this point (a load order that differs between ranks, see
+    `patch_adapter_load_order`) would sum unrelated norms, so that is an error too."""
+    tp = layer.tp_size
+    if tp == 1:
         return
     from vllm.distributed import tensor_model_parallel_all_reduce
 
-    count = torch.tensor([float(len(problems))], device=layer.device)
-    total = tensor_model_parallel_all_reduce(count).item()
+    tag = float(adapter_id % 1024)  # sum and sum of squares agree with tp copies of tag iff all ranks agree
+    local = torch.tensor([float(len(problems)), tag, tag * tag], device=layer.device)
+    total, tags, squares = tensor_model_parallel_all_reduce(local).tolist()
+    if tags != tp * tag or squares != tp * tag * tag:
+        raise RuntimeError(
+            f"vllm-bdlora: tensor-parallel ranks are loading different adapters at once ('{adapter}' here); "
+            "adapter load order must be the same on every rank."
+        )
     if total and not problems:
         raise AdapterRejected(adapter, [f"{AdapterRejected.OTHER_RANK} (see its message)"])
 

@@ -7,6 +7,7 @@ from vllm_bdlora.patching.cli import patch_enable_bdlora_flag, patch_vllm_cpu_ve
 from vllm_bdlora.patching.dora import patch_dora_magnitude_tensors, patch_dora_scales_into_slots
 from vllm_bdlora.patching.frontend import patch_load_lora_adapter_status
 from vllm_bdlora.patching.worker import (
+    patch_adapter_load_order,
     patch_adapter_loading,
     patch_add_lora_failures,
     patch_cpu_lora_ops_ignore_unadapted_tokens,
@@ -116,6 +117,22 @@ PATCHES: tuple[Patch, ...] = (
         "DoRA magnitude scales (vllm_bdlora.loading); raise AdapterRejected.",
         removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM.",
         apply=patch_adapter_loading,
+    ),
+    Patch(
+        name="adapter_load_order",
+        targets=(
+            "vllm.lora.worker_manager.WorkerLoRAManager._apply_adapters",
+            "vllm.lora.worker_manager.LRUCacheWorkerLoRAManager._apply_adapters",
+        ),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="The LRU worker manager loads a batch's new adapters by walking a set of LoRARequests, which hash "
+        "by name; with per-process hash randomisation every TP rank loads them in its own order. DoRA's "
+        "load-time all-reduce (row-layer norms) would then sum norms of different adapters: silently wrong.",
+        how="Hand _apply_adapters the requests sorted by lora_int_id; loading also checks that all ranks load "
+        "the same adapter before that all-reduce.",
+        removal="vLLM iterating adapter requests in a rank-independent order.",
+        apply=patch_adapter_load_order,
     ),
     Patch(
         name="add_lora_failures_as_replies",

@@ -236,3 +236,23 @@ def patch_cpu_lora_ops_ignore_unadapted_tokens() -> bool:
             setattr(module, name, ignore_unadapted_tokens(op))
             changed = True
     return changed
+
+
+def patch_adapter_load_order() -> bool:
+    """Load the adapters of a batch in lora_int_id order on every rank. vLLM's LRU worker manager walks a
+    set of LoRARequests, which hash by name: with per-process hash randomisation each TP rank loads them in
+    its own order, and load-time collectives (DoRA's row-layer norms) would pair different adapters."""
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
+
+    def make(original):
+        def _apply_adapters(self, requests):
+            ordered = sorted((r for r in requests if r), key=lambda r: r.adapter_id)
+            return original(self, ordered)
+
+        return _apply_adapters
+
+    changed = False
+    for cls in (WorkerLoRAManager, LRUCacheWorkerLoRAManager):
+        require_parameters(cls._apply_adapters, ("self",), f"{cls.__name__}._apply_adapters")
+        changed = wrap_method(cls, "_apply_adapters", make) or changed
+    return changed
