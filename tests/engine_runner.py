@@ -3,12 +3,12 @@
     python tests/engine_runner.py SPEC.json RESULT.json
 
 SPEC: {"engine": {LLM kwargs}, "adapters": {name: path}, "requests": [{"adapter": name|null,
-"prompt_token_ids": [...]}], "max_tokens": N, "count_collectives": [adapter name|null, ...],
-"expect_errors": [adapter name, ...]}
+"prompt_token_ids": [...]}], "max_tokens": N, "top_logprobs": K (default 1),
+"count_collectives": [adapter name|null, ...], "expect_errors": [adapter name, ...]}
 
-RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...]}], "collectives": {probe: [per-worker
-{op: count}]}, "errors": {adapter name: message or null}}. Each engine gets a fresh process so that
-one test's engine (and its worker processes and memory) cannot leak into the next.
+RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...], "top_logprobs": [{token: logprob}]}],
+"collectives": {probe: [per-worker {op: count}]}, "errors": {adapter name: message or null}}. Each engine
+gets a fresh process so that one test's engine (and its worker processes and memory) cannot leak into the next.
 """
 
 import json
@@ -60,7 +60,8 @@ def main(spec_path: str, result_path: str) -> None:
         return None if name is None else LoRARequest(name, ids[name], spec["adapters"][name])
 
     def generate(requests, max_tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+        top = spec.get("top_logprobs", 1)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=top)
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
         return llm.generate(prompts, params, lora_request=[lora(r["adapter"]) for r in requests], use_tqdm=False)
 
@@ -83,6 +84,7 @@ def main(spec_path: str, result_path: str) -> None:
                 "logprobs": [
                     step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
                 ],
+                "top_logprobs": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
             }
             for o in outputs
         ]
