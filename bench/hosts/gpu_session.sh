@@ -17,8 +17,10 @@ install)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 kernels)
   mkdir -p "$OUT/kernels"
-  python3 -m pytest tests/test_kernels_dora_compose.py -q -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernels/pytest.txt"
-  python3 -m bench.kernels.dora_compose --out "$OUT/kernels" 2>&1 | tail -40 ;;
+  python3 -m pytest tests/test_kernels_dora_compose.py tests/test_kernels_fused_lora.py -q -p no:cacheprovider 2>&1 \
+    | tail -15 | tee "$OUT/kernels/pytest.txt"
+  python3 -m bench.kernels.dora_compose --out "$OUT/kernels" 2>&1 | tail -40
+  python3 -m bench.kernels.fused_lora --out "$OUT/kernels" 2>&1 | tail -40 ;;  # needs the vLLM bundle for its baseline
 sweep)
   RANKS=${2:-64}; MODES=${3:-base,bdlora,slora,nfs,bddora}; MINUTES=${4:-6}
   python3 -m bench.sweep --model-shape llama-3.1-8b --tp 4 --workdir /root/bench --out /root/results/tp4-8b \

@@ -35,3 +35,58 @@ def dora_compose_reference(
     base32 = base.float()
     unbiased = base32 - bias.float() if bias is not None else base32
     return (base32 + ((g - 1.0) * unbiased + g * lora.float())).to(base.dtype)
+
+
+def lora_delta_reference(
+    shrunk: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+) -> torch.Tensor:
+    """(tokens, out) float32: scale[slot]·S[t, :rank]·B[slot, :, :rank]ᵀ per token, 0 for slot -1.
+    `shrunk` (tokens, max_rank) = X·Aᵀ of each token's adapter; `lora_b` (slots, out, max_rank); columns
+    beyond a slot's rank are ignored (heterogeneous ranks in one batch)."""
+    delta = torch.zeros(shrunk.shape[0], lora_b.shape[1], dtype=torch.float32, device=shrunk.device)
+    for slot in range(lora_b.shape[0]):
+        rows = token_slots == slot
+        rank = int(slot_ranks[slot])
+        if rows.any() and rank:
+            delta[rows] = float(slot_scales[slot]) * (shrunk[rows, :rank].float() @ lora_b[slot, :, :rank].float().T)
+    return delta
+
+
+def lora_shrink_reference(x: torch.Tensor, lora_a: torch.Tensor, token_slots, slot_ranks) -> torch.Tensor:
+    """(tokens, max_rank) float32: X·A[slot, :rank]ᵀ per token, zeros beyond the rank and for slot -1."""
+    shrunk = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in range(lora_a.shape[0]):
+        rows = token_slots == slot
+        rank = int(slot_ranks[slot])
+        if rows.any() and rank:
+            shrunk[rows, :rank] = x[rows].float() @ lora_a[slot, :rank].float().T
+    return shrunk
+
+
+def _finish(base32, delta, scale_table, token_slots, bias, dtype):
+    if scale_table is None:
+        return (base32 + delta).to(dtype)
+    g = per_token_scale(scale_table, token_slots)
+    unbiased = base32 - bias.float() if bias is not None else base32
+    return (base32 + ((g - 1.0) * unbiased + g * delta)).to(dtype)
+
+
+def fused_expand_reference(y, shrunk, lora_b, token_slots, slot_ranks, slot_scales, scale_table=None, bias=None):
+    """The fused expand: y + LoRA delta (or, with `scale_table`, the DoRA compose of y and the delta)."""
+    delta = lora_delta_reference(shrunk, lora_b, token_slots, slot_ranks, slot_scales)
+    return _finish(y.float(), delta, scale_table, token_slots, bias, y.dtype)
+
+
+def fused_lora_linear_reference(
+    x, weight, shrunk, lora_b, token_slots, slot_ranks, slot_scales, bias=None, scale_table=None
+):
+    """Split-graph FusedLoRA: X·Wᵀ (+ bias) and the LoRA delta in one float32 accumulation, rounded once."""
+    base32 = x.float() @ weight.float().T
+    if bias is not None:
+        base32 = base32 + bias.float()
+    delta = lora_delta_reference(shrunk, lora_b, token_slots, slot_ranks, slot_scales)
+    return _finish(base32, delta, scale_table, token_slots, bias, x.dtype)
