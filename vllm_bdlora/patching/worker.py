@@ -91,6 +91,14 @@ def patch_lora_manager() -> bool:
             lines = describe_sharding(list(self.modules.values()), tp_size)
             if not lines:
                 logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
+            if settings.dora:
+                from vllm.platforms import current_platform
+
+                path = "fused Triton kernel" if current_platform.is_cuda_alike() else "torch reference"
+                lines.append(
+                    "DoRA on: each BD layer keeps a float32 magnitude scale per LoRA slot and output channel; "
+                    f"compose base + (g-1)(base - bias) + g*lora per token: {path}."
+                )
             if is_first_tp_rank(self):
                 for line in lines:
                     logger.info(line)

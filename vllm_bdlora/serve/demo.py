@@ -1,6 +1,6 @@
 """The main job on an embedded default: make a small Llama and PEFT adapters locally, start
-`vllm serve --enable-bdlora` at TP=2, send one OpenAI request per adapter, print the answers and check
-each against PEFT on the same weights."""
+`vllm serve --enable-dora` (BD-LoRA plus DoRA) at TP=2, send one OpenAI request per adapter, print the
+answers and check each against PEFT on the same weights."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ class DemoAdapter:
     rank: int
     nblocks: int | None
     description: str
+    dora: bool = False
 
 
 ADAPTERS = (
     DemoAdapter("bd-r64", 64, 2, "BD-LoRA r=64, 2 blocks (one per GPU)"),
     DemoAdapter("bd-r32-4blocks", 32, 4, "BD-LoRA r=32, 4 blocks (two per GPU)"),
     DemoAdapter("lora-r16", 16, None, "standard LoRA r=16, next to the BD adapters"),
+    DemoAdapter("bd-dora-r32", 32, 2, "BD-DoRA r=32, 2 blocks (BD-LoRA tensors + DoRA magnitudes)", dora=True),
 )
 
 
@@ -46,16 +48,22 @@ def make_assets(workdir: str) -> dict[str, str]:
     paths = {"model": model}
     for adapter in ADAPTERS:
         path = os.path.join(workdir, adapter.name)
+        lora_path = path + "-lora" if adapter.dora else path
+        reference = path + "-dense-reference"  # PEFT cannot load BD-DoRA: its reference is the dense equivalent
         if not os.path.exists(os.path.join(path, "adapter_config.json")):
             print(f"[demo] making PEFT adapter {adapter.name}: {adapter.description}", flush=True)
-            tiny.make_adapter(model, path, rank=adapter.rank, nblocks=adapter.nblocks, seed=adapter.rank)
+            tiny.make_adapter(model, lora_path, rank=adapter.rank, nblocks=adapter.nblocks, seed=adapter.rank)
+            if adapter.dora:
+                tiny.add_dora_magnitudes(lora_path, model, path, seed=adapter.rank)
+                tiny.densify_adapter(path, reference)
         paths[adapter.name] = path
+        paths[f"{adapter.name}:reference"] = reference if adapter.dora else path
     return paths
 
 
 def start_demo_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> subprocess.Popen:
     command = [
-        "vllm", "serve", paths["model"], "--enable-bdlora", "--tensor-parallel-size", str(tp),
+        "vllm", "serve", paths["model"], "--enable-dora", "--tensor-parallel-size", str(tp),
         "--max-lora-rank", "64", "--max-loras", str(len(ADAPTERS)), "--dtype", "float32",
         "--max-model-len", "256", "--enforce-eager", "--port", str(port),
         "--lora-modules", *[f"{a.name}={paths[a.name]}" for a in ADAPTERS],
@@ -65,7 +73,8 @@ def start_demo_server(paths: dict[str, str], tp: int, port: int, log_path: str) 
 
 
 def reference_words(paths: dict[str, str], adapter: str | None, max_tokens: int) -> list[str]:
-    tokens, _ = greedy(load_reference(paths["model"], paths[adapter] if adapter else None), PROMPT_IDS, max_tokens)
+    adapter_dir = paths[f"{adapter}:reference"] if adapter else None
+    tokens, _ = greedy(load_reference(paths["model"], adapter_dir), PROMPT_IDS, max_tokens)
     return [tiny.word(t) for t in tokens]
 
 
@@ -84,7 +93,7 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
         print(f"[demo] waiting for the server (log: {log_path}) ...", flush=True)
         wait_healthy(proc, url, log_path, timeout)
         for line in open(log_path, errors="replace"):
-            if "BD-LoRA " in line or "vllm-bdlora: adapter" in line:
+            if "BD-LoRA " in line or "DoRA on:" in line or "vllm-bdlora: adapter" in line:
                 print("[server]", line.split("] ", 1)[-1].rstrip())
         models = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
         print(f"[demo] /v1/models: {models}")
