@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from bench.adapters import PARAMETER_MATCHED, bd_rank_for, trainable_params, write_adapter
+from bench.load_generators import GENERATORS, LABELS, normalise, run_point
 from bench.shapes import SHAPES, make_dummy_model
 from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait_gpu_memory_released, wait_healthy
 
@@ -82,8 +83,25 @@ def parse_args(argv=None):
         default=0,
         help="start no new server after this long (0 = no limit); rerun the same command to resume",
     )
+    p.add_argument(
+        "--load-generator",
+        choices=GENERATORS,
+        default="vllm",
+        help="vllm = `vllm bench serve`; llmperf = LLMPerf from --llmperf-dir (see bench/load_generators.py)",
+    )
+    p.add_argument("--llmperf-dir", help="an LLMPerf checkout (with token_benchmark_ray.py)")
+    p.add_argument("--llmperf-python", default="python", help="the interpreter of LLMPerf's own virtual environment")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.load_generator == "llmperf":
+        if not args.llmperf_dir or not os.path.exists(os.path.join(args.llmperf_dir, "token_benchmark_ray.py")):
+            p.error(
+                "--load-generator llmperf needs --llmperf-dir pointing at an LLMPerf checkout "
+                "(git clone https://github.com/ray-project/llmperf; its own venv for --llmperf-python)"
+            )
+        if args.adapters != "1":
+            p.error("LLMPerf sends every request to one model: use --adapters 1 with --load-generator llmperf")
+    return args
 
 
 def csv_ints(text: str) -> list[int]:
@@ -150,35 +168,15 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
     return command + shlex.split(args.extra_server_args)
 
 
-def bench_command(args, config, model, adapters, url, io, concurrency, raw_dir, raw_name) -> list[str]:
-    input_len, output_len = io
-    num_prompts = max(12, args.prompts_per_concurrency * concurrency)
-    command = ["vllm", "bench", "serve", "--backend", "vllm", "--base-url", url,
-               "--model", next(iter(adapters), model), "--tokenizer", model,
-               "--dataset-name", "random", "--random-input-len", str(input_len),
-               "--random-output-len", str(output_len), "--random-range-ratio", "0",
-               "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--ignore-eos",
-               "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-               "--save-result", "--result-dir", raw_dir, "--result-filename", raw_name]  # fmt: skip
-    if len(adapters) > 1:
-        command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
-    return command
-
-
-def row_from_result(config, args, io, concurrency, raw_path) -> dict:
-    with open(raw_path) as f:
-        result = json.load(f)
+def row_from_result(config, args, io, concurrency, raw_path, result: dict) -> dict:
     shape = SHAPES[args.model_shape]
     nblocks = adapter_nblocks(args, config)
     return {
         "mode": config.mode, "tp": config.tp, "rank": config.rank,
         "trainable_params": trainable_params(shape, config.rank, nblocks) if config.rank else 0,
         "input_len": io[0], "output_len": io[1], "concurrency": concurrency, "num_adapters": config.num_adapters,
-        "median_tpot_ms": result["median_tpot_ms"], "median_ttft_ms": result["median_ttft_ms"],
-        "median_e2el_ms": result["median_e2el_ms"], "output_throughput": result["output_throughput"],
-        "p99_tpot_ms": result.get("p99_tpot_ms"), "p99_ttft_ms": result.get("p99_ttft_ms"),
-        "completed": result.get("completed"), "num_prompts": result.get("num_prompts"),
-        "model_shape": args.model_shape, "load_generator": "vllm bench serve",
+        **normalise(args.load_generator, result),
+        "model_shape": args.model_shape, "load_generator": LABELS[args.load_generator],
         "raw_file": os.path.relpath(raw_path, args.out),
     }  # fmt: skip
 
@@ -257,17 +255,14 @@ def main(argv=None) -> int:
                         name = point_name(config, io, concurrency)
                         if name in finished:
                             continue
-                        bench = bench_command(args, config, model, adapters, url, io, concurrency,
-                                              os.path.join(args.out, "raw"), name)  # fmt: skip
                         bench_log = os.path.join(args.out, "logs", name.replace(".json", ".log"))
-                        with open(bench_log, "w") as out:
-                            rc = subprocess.run(bench, stdout=out, stderr=subprocess.STDOUT).returncode
                         raw = os.path.join(args.out, "raw", name)
-                        if rc != 0 or not os.path.exists(raw):
-                            failures.append(f"{name}: vllm bench serve rc={rc}, see {bench_log}")
+                        rc, result = run_point(args, model, adapters, url, io, concurrency, raw, bench_log)
+                        if result is None:
+                            failures.append(f"{name}: {LABELS[args.load_generator]} rc={rc}, see {bench_log}")
                             print(f"[sweep] FAILED {name}\n{tail(bench_log, 8)}", flush=True)
                             continue
-                        row = row_from_result(config, args, io, concurrency, raw)
+                        row = row_from_result(config, args, io, concurrency, raw, result)
                         writer.writerow(row)
                         f.flush()
                         measured += 1

@@ -87,3 +87,61 @@ def test_small_sweep_end_to_end_on_cpu(tmp_path):
     assert "| bdlora | 16 |" in summary and "command:" in summary
     assert (out / "plots" / "tp1_io16-8_adapters1.png").stat().st_size > 0
     assert torch.cuda.is_available() or "CPU only" in summary
+
+
+LLMPERF_SUMMARY = {  # the keys LLMPerf's token_benchmark_ray.py writes to <model>_<in>_<out>_summary.json
+    "results_inter_token_latency_s_quantiles_p50": 0.0042,
+    "results_inter_token_latency_s_quantiles_p99": 0.0061,
+    "results_ttft_s_quantiles_p50": 0.031,
+    "results_ttft_s_quantiles_p99": 0.090,
+    "results_end_to_end_latency_s_quantiles_p50": 0.57,
+    "results_mean_output_throughput_token_per_s": 210.5,
+    "results_num_completed_requests": 12,
+}
+
+FAKE_LLMPERF = """
+import argparse, json, os
+p = argparse.ArgumentParser()
+for flag in ("--model", "--mean-input-tokens", "--stddev-input-tokens", "--mean-output-tokens",
+             "--stddev-output-tokens", "--max-num-completed-requests", "--num-concurrent-requests", "--timeout",
+             "--results-dir", "--llm-api", "--additional-sampling-params"):
+    p.add_argument(flag)
+a = p.parse_args()
+assert os.environ["OPENAI_API_BASE"].endswith("/v1") and a.llm_api == "openai"
+summary = json.loads(os.environ["FAKE_SUMMARY"])
+summary["model"] = a.model
+name = f"{a.model}_{a.mean_input_tokens}_{a.mean_output_tokens}_summary.json"
+with open(os.path.join(a.results_dir, name), "w") as f:
+    json.dump(summary, f)
+"""
+
+
+def test_llmperf_results_are_normalised_to_the_sweep_schema(tmp_path, monkeypatch):
+    """LLMPerf driven through the sweep's point runner. LLMPerf itself cannot be installed next to vLLM, so a
+    stand-in script with LLMPerf's command line and summary file checks the plumbing (command, environment,
+    summary pick-up, unit conversion)."""
+    import argparse
+    import sys
+
+    from bench.load_generators import normalise, run_point
+
+    (tmp_path / "token_benchmark_ray.py").write_text(FAKE_LLMPERF)
+    monkeypatch.setenv("FAKE_SUMMARY", json.dumps(LLMPERF_SUMMARY))
+    args = argparse.Namespace(load_generator="llmperf", llmperf_dir=str(tmp_path), llmperf_python=sys.executable,
+                              prompts_per_concurrency=4)  # fmt: skip
+    raw = tmp_path / "point.json"
+    rc, result = run_point(args, "/m", {"a0": "/adapter"}, "http://127.0.0.1:1", (1024, 128), 1, str(raw),
+                           str(tmp_path / "point.log"))  # fmt: skip
+    assert rc == 0 and result["model"] == "a0", (tmp_path / "point.log").read_text()
+    row = normalise("llmperf", result)
+    assert row["median_tpot_ms"] == pytest.approx(4.2) and row["median_ttft_ms"] == pytest.approx(31.0)
+    assert row["median_e2el_ms"] == pytest.approx(570.0) and row["output_throughput"] == 210.5
+
+
+def test_llmperf_is_refused_for_many_adapter_points(tmp_path):
+    from bench.sweep import parse_args
+
+    (tmp_path / "token_benchmark_ray.py").write_text("")
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--load-generator", "llmperf", "--llmperf-dir", str(tmp_path), "--adapters", "many"])
+    assert parse_args(["--out", "x", "--load-generator", "llmperf", "--llmperf-dir", str(tmp_path), "--adapters", "1"])

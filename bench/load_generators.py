@@ -1,0 +1,101 @@
+"""Load generators the sweep can drive, normalised to one schema (the `points.csv` metric columns).
+
+* `vllm` (default): `vllm bench serve`, shipped with vLLM. Random token prompts of exactly the requested
+  length (the dummy model's tokenizer round-trips), warm-up requests, round-robin adapters.
+* `llmperf`: Ray's LLMPerf (`token_benchmark_ray.py`), what the BD-LoRA paper used. It cannot share an
+  environment with vLLM (Python < 3.11, pydantic < 2.5), so it runs from its own checkout and interpreter
+  (`--llmperf-dir`, `--llmperf-python`); it counts tokens with a hub Llama tokenizer (which must be cached
+  or reachable) and its inter-token latency divides by stream chunks, so its TPOT is comparable within
+  an LLMPerf run, not across generators. Every request goes to one model: single-adapter points only.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+
+GENERATORS = ("vllm", "llmperf")
+LABELS = {"vllm": "vllm bench serve", "llmperf": "llmperf token_benchmark_ray"}
+
+
+def num_prompts(prompts_per_concurrency: int, concurrency: int) -> int:
+    return max(12, prompts_per_concurrency * concurrency)
+
+
+def vllm_bench_command(url, model, adapters, io, concurrency, prompts, raw_dir, raw_name) -> list[str]:
+    input_len, output_len = io
+    command = ["vllm", "bench", "serve", "--backend", "vllm", "--base-url", url,
+               "--model", next(iter(adapters), model), "--tokenizer", model,
+               "--dataset-name", "random", "--random-input-len", str(input_len),
+               "--random-output-len", str(output_len), "--random-range-ratio", "0",
+               "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--ignore-eos",
+               "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", raw_dir, "--result-filename", raw_name]  # fmt: skip
+    if len(adapters) > 1:
+        command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
+    return command
+
+
+def llmperf_command(llmperf_dir, python, model_name, io, concurrency, prompts, results_dir) -> list[str]:
+    input_len, output_len = io
+    return [python, os.path.join(llmperf_dir, "token_benchmark_ray.py"), "--model", model_name,
+            "--mean-input-tokens", str(input_len), "--stddev-input-tokens", "0",
+            "--mean-output-tokens", str(output_len), "--stddev-output-tokens", "0",
+            "--max-num-completed-requests", str(prompts), "--num-concurrent-requests", str(concurrency),
+            "--timeout", "3600", "--results-dir", results_dir, "--llm-api", "openai",
+            "--additional-sampling-params", json.dumps({"ignore_eos": True, "max_tokens": output_len})]  # fmt: skip
+
+
+def normalise(generator: str, raw: dict) -> dict:
+    """The sweep's metric columns from a generator's own result JSON (milliseconds, tokens/s)."""
+    if generator == "vllm":
+        return {
+            "median_tpot_ms": raw["median_tpot_ms"], "median_ttft_ms": raw["median_ttft_ms"],
+            "median_e2el_ms": raw["median_e2el_ms"], "output_throughput": raw["output_throughput"],
+            "p99_tpot_ms": raw.get("p99_tpot_ms"), "p99_ttft_ms": raw.get("p99_ttft_ms"),
+            "completed": raw.get("completed"), "num_prompts": raw.get("num_prompts"),
+        }  # fmt: skip
+    if generator == "llmperf":
+        seconds = 1000.0
+        return {
+            "median_tpot_ms": raw["results_inter_token_latency_s_quantiles_p50"] * seconds,
+            "median_ttft_ms": raw["results_ttft_s_quantiles_p50"] * seconds,
+            "median_e2el_ms": raw["results_end_to_end_latency_s_quantiles_p50"] * seconds,
+            "output_throughput": raw["results_mean_output_throughput_token_per_s"],
+            "p99_tpot_ms": raw["results_inter_token_latency_s_quantiles_p99"] * seconds,
+            "p99_ttft_ms": raw["results_ttft_s_quantiles_p99"] * seconds,
+            "completed": raw.get("results_num_completed_requests"),
+            "num_prompts": raw.get("results_num_completed_requests"),
+        }
+    raise ValueError(f"unknown load generator {generator!r}; choose from {GENERATORS}")
+
+
+def run_point(args, model, adapters, url, io, concurrency, raw_path, log_path) -> tuple[int, dict | None]:
+    """Run one load point; returns (exit code, the generator's result JSON, also saved at raw_path)."""
+    prompts = num_prompts(args.prompts_per_concurrency, concurrency)
+    env = dict(os.environ)
+    if args.load_generator == "vllm":
+        raw_dir, raw_name = os.path.split(raw_path)
+        command = vllm_bench_command(url, model, adapters, io, concurrency, prompts, raw_dir, raw_name)
+    else:
+        work = raw_path + ".llmperf"
+        os.makedirs(work, exist_ok=True)
+        env.update(OPENAI_API_BASE=f"{url}/v1", OPENAI_API_KEY="EMPTY")
+        command = llmperf_command(args.llmperf_dir, args.llmperf_python, next(iter(adapters), model), io,
+                                  concurrency, prompts, work)  # fmt: skip
+    with open(log_path, "w") as out:
+        out.write("$ " + " ".join(command) + "\n")
+        out.flush()
+        rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                            cwd=args.llmperf_dir if args.load_generator == "llmperf" else None).returncode  # fmt: skip
+    if args.load_generator == "llmperf":
+        summaries = glob.glob(os.path.join(raw_path + ".llmperf", "*_summary.json"))
+        if summaries:
+            shutil.copy(summaries[0], raw_path)
+    if rc != 0 or not os.path.exists(raw_path):
+        return rc, None
+    with open(raw_path) as f:
+        return rc, json.load(f)
