@@ -65,11 +65,23 @@ def test_settings(additional_config, enabled):
 
 @pytest.mark.parametrize(
     "section,message",
-    [(True, "must be a JSON object"), ({"enable": True}, "Unknown key"), ({"enabled": "yes"}, "true or false")],
+    [
+        (True, "must be a JSON object"),
+        ({"enable": True}, "Unknown key"),
+        ({"enabled": "yes"}, "true or false"),
+        ({"dora": 1}, "true or false"),
+        ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused'\]"),
+    ],
 )
 def test_bad_settings(section, message):
     with pytest.raises(ValueError, match=message):
         BdLoraSettings.from_additional_config({"bdlora": section})
+
+
+def test_dora_and_kernel_settings():
+    settings = BdLoraSettings.from_additional_config({"bdlora": {"dora": True, "lora_kernels": "fused"}})
+    assert (settings.enabled, settings.dora, settings.lora_kernels) == (True, True, "fused")
+    assert BdLoraSettings.from_additional_config({"bdlora": {"enabled": False, "dora": True}}).dora is False
 
 
 def test_enabling_keeps_other_sections():

@@ -124,3 +124,11 @@ def test_bd_adapter_on_server_without_bdlora_is_rejected(assets, tmp_path_factor
     }
     error = run_engine(spec, tmp_path_factory.mktemp("bd_off"))["errors"]["bd64"]
     assert "BD-LoRA adapter" in error and "--enable-bdlora" in error
+
+
+def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_path_factory):
+    """lora_kernels: fused without DoRA: BD adapters of ranks 64/48/32 and a standard one share the batch,
+    so the per-slot widths (heterogeneous ranks) matter."""
+    engine = engine_kwargs(assets["model"], 1, bdlora=True, additional_config={"bdlora": {"lora_kernels": "fused"}})
+    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
+    assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("fused_tp1")), peft_reference)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 CONFIG_KEY = "bdlora"
+LORA_KERNELS = ("vllm", "fused")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class BdLoraSettings:
     # DoRA needs a magnitude-scale buffer and a compose step in every adapted layer, for every batch
     # (CUDA graphs fix the layer's code path at start-up), so it is opt-in.
     dora: bool = False
+    # "vllm": vLLM's own shrink/expand kernels. "fused": vllm_bdlora's routed shrink + fused expand
+    # (DoRA compose folded into the expand's output write); experimental, see kernels/fused_lora.py.
+    lora_kernels: str = "vllm"
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -44,7 +48,13 @@ class BdLoraSettings:
         for key, value in values.items():
             if not isinstance(value, bool):
                 raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be true or false, got {value!r}.')
-        return cls(enabled=values["enabled"], dora=values["enabled"] and values["dora"])
+        kernels = section.get("lora_kernels", "vllm")
+        if kernels not in LORA_KERNELS:
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"]["lora_kernels"] must be one of {list(LORA_KERNELS)}, '
+                f"got {kernels!r}."
+            )
+        return cls(enabled=values["enabled"], dora=values["enabled"] and values["dora"], lora_kernels=kernels)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> BdLoraSettings:

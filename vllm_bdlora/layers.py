@@ -39,21 +39,23 @@ from vllm.lora.layers import (
 from vllm.platforms import current_platform
 
 import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm_bdlora.dora_compose_)
+import vllm_bdlora.kernels.fused_lora  # noqa: F401  (registers torch.ops.vllm_bdlora.fused_lora_slices_)
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
 _selecting = False
 _serving_dora = False
+_lora_kernels = "vllm"
 
 
 @contextmanager
-def selecting_bd_layers(dora: bool = False) -> Iterator[None]:
-    global _selecting, _serving_dora
-    previous = _selecting, _serving_dora
-    _selecting, _serving_dora = True, dora
+def selecting_bd_layers(dora: bool = False, lora_kernels: str = "vllm") -> Iterator[None]:
+    global _selecting, _serving_dora, _lora_kernels
+    previous = _selecting, _serving_dora, _lora_kernels
+    _selecting, _serving_dora, _lora_kernels = True, dora, lora_kernels
     try:
         yield
     finally:
-        _selecting, _serving_dora = previous
+        _selecting, _serving_dora, _lora_kernels = previous
 
 
 def _shard_range(shard_id: int, shard_size: int, offset: int = 0) -> tuple[int, int]:
@@ -113,11 +115,16 @@ class BlockDiagonalLoRALayer:
         self.dora_scale: torch.Tensor | None = None
         if _serving_dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
-            # vLLM's optional side-stream LoRA path bypasses _apply_sync, where the compose happens.
+        self.fused_kernels = _lora_kernels == "fused"
+        # Per slice and slot, the width an adapter really uses: the fused kernels stop there.
+        self.slot_widths = torch.zeros(len(heights), max_loras, dtype=torch.int32, device=self.device)
+        if _serving_dora or self.fused_kernels:
+            # vLLM's optional side-stream LoRA path bypasses _apply_sync, where both happen.
             self._enable_aux_cuda_stream = False
 
     def reset_lora(self, index: int) -> None:
         super().reset_lora(index)
+        self.slot_widths[:, index] = 0
         if self.dora_scale is not None:
             self.dora_scale[index].fill_(1.0)
 
@@ -132,19 +139,33 @@ class BlockDiagonalLoRALayer:
             offset += height
 
     def _apply_sync(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.dora_scale is None:
+        if self.dora_scale is None and not self.fused_kernels:
             return super()._apply_sync(x, bias)
         output = self._get_quant_method().apply(self.base_layer, x, bias)
         if x.ndim != 2 or output.ndim != 2:
-            raise NotImplementedError("vllm-bdlora DoRA layers take 2-D (tokens, features) inputs")
+            raise NotImplementedError("vllm-bdlora DoRA / fused-kernel layers take 2-D (tokens, features) inputs")
+        token_slots = self.punica_wrapper._token_lora_indices
+        if self.fused_kernels:
+            offsets = [sum(self.output_slices[:i]) for i in range(len(self.output_slices))]
+            torch.ops.vllm_bdlora.fused_lora_slices_(
+                output,
+                x,
+                [a[:, 0] for a in self.lora_a_stacked],
+                [b[:, 0] for b in self.lora_b_stacked],
+                self.slot_widths,
+                token_slots,
+                offsets,
+                self.dora_scale,
+                bias,
+            )
+            return output
         lora = torch.zeros_like(output)
         returned = self.punica_wrapper.add_lora_linear(
             lora, x, self.lora_a_stacked, self.lora_b_stacked, 1.0, self.output_slices
         )
         if not current_platform.can_update_inplace():
             lora = returned
-        token_slots = self.punica_wrapper._token_lora_indices[: x.shape[0]]
-        torch.ops.vllm_bdlora.dora_compose_(output, lora, self.dora_scale, token_slots, bias)
+        torch.ops.vllm_bdlora.dora_compose_(output, lora, self.dora_scale, token_slots[: x.shape[0]], bias)
         return output
 
     def set_lora(self, index: int, lora_a, lora_b) -> None:
@@ -159,6 +180,7 @@ class BlockDiagonalLoRALayer:
             if a is None or b is None:
                 continue
             a, b = self._fit_local(i, a, b)
+            self.slot_widths[i, index] = a.shape[0]
             self.lora_a_stacked[i][index, 0, : a.shape[0], :].copy_(a, non_blocking=True)
             self.lora_b_stacked[i][index, 0, :, : b.shape[1]].copy_(b, non_blocking=True)
 

@@ -15,7 +15,10 @@ magnitude-scale row.
 `reference.py` holds the contract of each (`lora_shrink_reference`, `fused_expand_reference`,
 `fused_lora_linear_reference`). Routing and launches never sync with the host (CUDA-graph safe): tile
 counts are bounded statically by cdiv(tokens, BLOCK_M) + slots + 1 and unused tiles exit at once.
-Not yet wired into vLLM's layers (see the project notes): these are the kernels and their contract.
+`fused_lora_slices_` (custom op `torch.ops.vllm_bdlora.fused_lora_slices_`) is what BD layers call with
+`additional_config {"bdlora": {"lora_kernels": "fused"}}`: the LoRA (and DoRA) part of a packed layer,
+slice by slice, in place on the base output; CPU tensors take the torch references. Experimental: the
+routing is recomputed per layer call, and the GPU path has not been benchmarked end to end yet.
 """
 
 from __future__ import annotations
@@ -251,3 +254,42 @@ def fused_lora_linear(
         BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=16,
     )  # fmt: skip
     return out
+
+
+@torch.library.custom_op("vllm_bdlora::fused_lora_slices_", mutates_args=("output",))
+def fused_lora_slices_(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    slot_widths: torch.Tensor,
+    token_slots: torch.Tensor,
+    offsets: list[int],
+    scale_table: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """In place on output (tokens, sum of slice heights): for each slice i, the columns from offsets[i] get
+    the LoRA delta of each token's slot, A = lora_a[i] (slots, width, in), B = lora_b[i] (slots, height,
+    width), using the first slot_widths[i, slot] columns (vLLM has folded the scaling into B); with
+    scale_table (slots, total height) the DoRA compose instead. Token slot -1: untouched."""
+    from vllm_bdlora.kernels.reference import fused_expand_reference, lora_shrink_reference
+
+    slots = token_slots[: x.shape[0]]
+    ones = torch.ones(lora_a[0].shape[0], dtype=torch.float32, device=x.device)
+    routing = route_tokens(slots, lora_a[0].shape[0], 16 if x.shape[0] <= 64 else 64) if x.is_cuda else None
+    for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
+        columns = slice(offsets[i], offsets[i] + b.shape[1])
+        table = scale_table[:, columns] if scale_table is not None else None
+        bias_i = bias[columns] if bias is not None else None
+        if x.is_cuda:
+            shrunk = lora_shrink(x, a, routing, slot_widths[i])
+            fused_expand(output[:, columns], shrunk, b, routing, slot_widths[i], ones, table, bias_i)
+        else:
+            shrunk = lora_shrink_reference(x, a, slots, slot_widths[i])
+            output[:, columns] = fused_expand_reference(output[:, columns], shrunk, b, slots, slot_widths[i], ones,
+                                                        table, bias_i)  # fmt: skip
+
+
+@fused_lora_slices_.register_fake
+def _(output, x, lora_a, lora_b, slot_widths, token_slots, offsets, scale_table=None, bias=None) -> None:
+    return None

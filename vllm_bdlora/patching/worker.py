@@ -86,7 +86,7 @@ def patch_lora_manager() -> bool:
                     "drop --fully-sharded-loras."
                 )
             per_rank_width(lora_config.max_lora_rank, tp_size)
-            with selecting_bd_layers(dora=settings.dora):
+            with selecting_bd_layers(dora=settings.dora, lora_kernels=settings.lora_kernels):
                 original(self, *args, **kwargs)
             lines = describe_sharding(list(self.modules.values()), tp_size)
             if not lines:
@@ -98,6 +98,11 @@ def patch_lora_manager() -> bool:
                 lines.append(
                     "DoRA on: each BD layer keeps a float32 magnitude scale per LoRA slot and output channel; "
                     f"compose base + (g-1)(base - bias) + g*lora per token: {path}."
+                )
+            if settings.lora_kernels == "fused":
+                lines.append(
+                    "LoRA kernels: vllm-bdlora fused (routed shrink + fused expand, experimental) instead of "
+                    "vLLM's shrink/expand."
                 )
             if is_first_tp_rank(self):
                 for line in lines:
