@@ -139,11 +139,13 @@ class BlockDiagonalLoRALayer:
             offset += height
 
     def _apply_sync(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.dora_scale is None and not self.fused_kernels:
+        flat = x.ndim == 2
+        if self.dora_scale is None and not (self.fused_kernels and flat):
+            # vLLM's own LoRA kernels; also where the fused backend falls back (batched 3-D inputs).
             return super()._apply_sync(x, bias)
+        if not flat:
+            raise NotImplementedError("vllm-bdlora DoRA layers take 2-D (tokens, features) inputs")
         output = self._get_quant_method().apply(self.base_layer, x, bias)
-        if x.ndim != 2 or output.ndim != 2:
-            raise NotImplementedError("vllm-bdlora DoRA / fused-kernel layers take 2-D (tokens, features) inputs")
         token_slots = self.punica_wrapper._token_lora_indices
         if self.fused_kernels:
             offsets = [sum(self.output_slices[:i]) for i in range(len(self.output_slices))]
