@@ -31,10 +31,17 @@ def dora_compose_reference(
     to 1 does not cancel against base. Tokens with slot -1, and slots whose g row is all ones (plain LoRA
     adapters), get base + lora.
     """
+    return _compose(base.float(), lora.float(), scale_table, token_slots, bias, base.dtype)
+
+
+def _compose(base32, delta, scale_table, token_slots, bias, dtype) -> torch.Tensor:
+    """The output formula every path shares, in float32 and rounded once: base + delta, or with a
+    `scale_table` the DoRA compose base + ((g - 1)·(base - bias) + g·delta)."""
+    if scale_table is None:
+        return (base32 + delta).to(dtype)
     g = per_token_scale(scale_table, token_slots)
-    base32 = base.float()
     unbiased = base32 - bias.float() if bias is not None else base32
-    return (base32 + ((g - 1.0) * unbiased + g * lora.float())).to(base.dtype)
+    return (base32 + ((g - 1.0) * unbiased + g * delta)).to(dtype)
 
 
 def lora_delta_reference(
@@ -67,18 +74,10 @@ def lora_shrink_reference(x: torch.Tensor, lora_a: torch.Tensor, token_slots, sl
     return shrunk
 
 
-def _finish(base32, delta, scale_table, token_slots, bias, dtype):
-    if scale_table is None:
-        return (base32 + delta).to(dtype)
-    g = per_token_scale(scale_table, token_slots)
-    unbiased = base32 - bias.float() if bias is not None else base32
-    return (base32 + ((g - 1.0) * unbiased + g * delta)).to(dtype)
-
-
 def fused_expand_reference(y, shrunk, lora_b, token_slots, slot_ranks, slot_scales, scale_table=None, bias=None):
     """The fused expand: y + LoRA delta (or, with `scale_table`, the DoRA compose of y and the delta)."""
     delta = lora_delta_reference(shrunk, lora_b, token_slots, slot_ranks, slot_scales)
-    return _finish(y.float(), delta, scale_table, token_slots, bias, y.dtype)
+    return _compose(y.float(), delta, scale_table, token_slots, bias, y.dtype)
 
 
 def fused_lora_linear_reference(
@@ -89,4 +88,4 @@ def fused_lora_linear_reference(
     if bias is not None:
         base32 = base32 + bias.float()
     delta = lora_delta_reference(shrunk, lora_b, token_slots, slot_ranks, slot_scales)
-    return _finish(base32, delta, scale_table, token_slots, bias, x.dtype)
+    return _compose(base32, delta, scale_table, token_slots, bias, x.dtype)
