@@ -75,6 +75,18 @@ def _tile_rows(sorted_ids_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M: tl.c
 
 
 @triton.jit
+def _rows_dot(acc, x_ptr, m_ptr, rows, row_ok, cols, col_ok, hidden, stride_x, stride_m, BLOCK_K: tl.constexpr):
+    """acc += X[rows, :]·M[cols, :]ᵀ over the hidden dimension (X·Aᵀ in the shrink, X·Wᵀ in the GEMM)."""
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        m = tl.load(m_ptr + cols[None, :] * stride_m + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(x, m)
+    return acc
+
+
+@triton.jit
 def _lora_delta(
     acc, s_ptr, b_ptr, rows, row_ok, cols, col_ok, slot, rank, stride_s, stride_bl, stride_bn,
     BLOCK_K: tl.constexpr,
@@ -129,16 +141,7 @@ def _lora_shrink_kernel(
     rs = r0 + tl.arange(0, BLOCK_R)
     r_ok = rs < rank
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(
-            a_ptr + slot * stride_al + rs[None, :] * stride_ar + ks[:, None],
-            mask=k_ok[:, None] & r_ok[None, :],
-            other=0.0,
-        )
-        acc += tl.dot(x, a)
+    acc = _rows_dot(acc, x_ptr, a_ptr + slot * stride_al, rows, row_ok, rs, r_ok, hidden, stride_x, stride_ar, BLOCK_K)
     tl.store(s_ptr + rows[:, None] * stride_s + rs[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
 
 
@@ -182,12 +185,7 @@ def _fused_lora_linear_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     base = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        base += tl.dot(x, w)
+    base = _rows_dot(base, x_ptr, w_ptr, rows, row_ok, cols, col_ok, hidden, stride_x, stride_w, BLOCK_K)
     if HAS_BIAS:
         base += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
