@@ -89,7 +89,7 @@ class BlockDiagonalLoRALayer:
     def base_weight_rows(self, slice_index: int) -> torch.Tensor | ProbedWeight:
         """This rank's base weight rows of one output slice (what DoRA's norm is taken over): the weight
         itself when the layer keeps it as a plain matrix, else read through the layer's own GEMM."""
-        offset = sum(self.output_slices[:slice_index])
+        offset = self.slice_offsets[slice_index]
         rows = slice(offset, offset + self.output_slices[slice_index])
         weight = getattr(self.base_layer, "weight", None)
         if (
@@ -112,6 +112,8 @@ class BlockDiagonalLoRALayer:
         self.lora_a_stacked = tuple(zeros(self.lora_width, self.input_size) for _ in heights)
         self.lora_b_stacked = tuple(zeros(height, self.lora_width) for height in heights)
         self.output_slices = heights
+        # Where each output slice starts in the layer's (local) output columns.
+        self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
         self.dora_scale: torch.Tensor | None = None
         if _serving_dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
@@ -132,11 +134,9 @@ class BlockDiagonalLoRALayer:
         """Magnitude scale g of the adapter in slot `index`, one tensor (this rank's rows) per output
         slice; None leaves a slice at 1 (no DoRA)."""
         assert self.dora_scale is not None, "DoRA is not enabled on this layer"
-        offset = 0
-        for height, scale in zip(self.output_slices, scales, strict=True):
+        for offset, height, scale in zip(self.slice_offsets, self.output_slices, scales, strict=True):
             if scale is not None:
                 self.dora_scale[index, offset : offset + height].copy_(scale, non_blocking=True)
-            offset += height
 
     def _apply_sync(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.ndim == 2
@@ -148,7 +148,6 @@ class BlockDiagonalLoRALayer:
         output = self._get_quant_method().apply(self.base_layer, x, bias)
         token_slots = self.punica_wrapper._token_lora_indices
         if self.fused_kernels:
-            offsets = [sum(self.output_slices[:i]) for i in range(len(self.output_slices))]
             torch.ops.vllm_bdlora.fused_lora_slices_(
                 output,
                 x,
@@ -156,7 +155,7 @@ class BlockDiagonalLoRALayer:
                 [b[:, 0] for b in self.lora_b_stacked],
                 self.slot_widths,
                 token_slots,
-                offsets,
+                list(self.slice_offsets),
                 self.dora_scale,
                 bias,
             )
