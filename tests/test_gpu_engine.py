@@ -3,6 +3,8 @@ or bf16). Greedy paths may legitimately diverge from PEFT's float32 ones after a
 is checked teacher-forced: PEFT scores vLLM's own continuation, and vLLM's chosen token must be PEFT's
 argmax up to LOGPROB_ATOL, with the same log-probability up to LOGPROB_ATOL."""
 
+import math
+
 import pytest
 import torch
 
@@ -53,8 +55,8 @@ def step_cosines(graph_out: dict, eager_out: dict) -> list[float]:
     cosines = []
     for step, (g_top, e_top) in enumerate(zip(graph_out["top_logprobs"], eager_out["top_logprobs"], strict=True)):
         ids = sorted(set(g_top) | set(e_top))
-        g = torch.tensor([float(torch.tensor(g_top[i]).exp()) if i in g_top else 0.0 for i in ids])
-        e = torch.tensor([float(torch.tensor(e_top[i]).exp()) if i in e_top else 0.0 for i in ids])
+        g = torch.tensor([math.exp(g_top[i]) if i in g_top else 0.0 for i in ids])
+        e = torch.tensor([math.exp(e_top[i]) if i in e_top else 0.0 for i in ids])
         cosines.append(torch.nn.functional.cosine_similarity(g, e, dim=0).item())
         if graph_out["token_ids"][step] != eager_out["token_ids"][step]:
             break
