@@ -24,6 +24,7 @@ MODE_STYLE = {
     "slora": ("tab:orange", "-"),
     "bdlora": ("tab:green", "-"),
     "bddora": ("tab:purple", ":"),
+    "bdfused": ("tab:olive", "-."),
 }
 
 
@@ -77,6 +78,13 @@ def speedups(points: dict) -> list[str]:
         dora = points.get(("bddora", r_bd))
         if dora:
             parts.append(f"BD-DoRA TPOT {dora['median_tpot_ms'] / bd['median_tpot_ms']:.3f}× BD-LoRA")
+        fused = points.get(("bdfused", r_bd))
+        if fused:
+            parts.append(
+                f"fused kernels: TPOT ×{bd['median_tpot_ms'] / fused['median_tpot_ms']:.2f} faster, TTFT ×"
+                f"{bd['median_ttft_ms'] / fused['median_ttft_ms']:.2f} faster, throughput ×"
+                f"{fused['output_throughput'] / bd['output_throughput']:.2f} vs BD-LoRA on vLLM's kernels"
+            )
         lines.append("; ".join(parts))
     return lines
 

@@ -9,7 +9,8 @@ Results: `points.csv` (one row per point, appended as it goes), `raw/*.json` (vl
 output), `logs/`, then `summary.md` and `plots/` (bench/report.py, also runnable alone).
 
 Modes: base (no LoRA) · nfs (vLLM's default LoRA) · slora (--fully-sharded-loras) · bdlora (--enable-bdlora)
-· bddora (the bdlora adapters plus DoRA magnitude vectors, served with --enable-dora).
+· bddora (the bdlora adapters plus DoRA magnitude vectors, served with --enable-dora) · bdfused (bdlora on
+vllm-bdlora's fused LoRA kernels, additional_config {"bdlora": {"lora_kernels": "fused"}}).
 Ranks are parameter-matched pairs: standard r for nfs/slora, BD r' for bdlora/bddora (bench/adapters.py).
 """
 
@@ -32,8 +33,9 @@ from bench.load_generators import GENERATORS, LABELS, normalise, run_point
 from bench.shapes import SHAPES, make_dummy_model
 from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait_gpu_memory_released, wait_healthy
 
-MODES = ("base", "nfs", "slora", "bdlora", "bddora")
-BD_MODES = ("bdlora", "bddora")
+MODES = ("base", "nfs", "slora", "bdlora", "bddora", "bdfused")
+BD_MODES = ("bdlora", "bddora", "bdfused")
+FUSED_KERNELS = json.dumps({"bdlora": {"lora_kernels": "fused"}})
 COLUMNS = (
     "mode", "tp", "rank", "trainable_params", "input_len", "output_len", "concurrency", "num_adapters",
     "median_tpot_ms", "median_ttft_ms", "median_e2el_ms", "output_throughput",
@@ -157,7 +159,9 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
                "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--port", str(port),
                "--max-num-seqs", str(max(csv_ints(args.concurrency)))]  # fmt: skip
     if config.mode != "base":
-        switch = {"bdlora": "--enable-bdlora", "bddora": "--enable-dora"}.get(config.mode, "--enable-lora")
+        switch = {"bdlora": "--enable-bdlora", "bddora": "--enable-dora", "bdfused": "--enable-bdlora"}.get(
+            config.mode, "--enable-lora"
+        )
         command += [switch,
                     "--max-lora-rank", str(max_lora_rank(config)),
                     "--max-loras", str(min(args.max_loras, len(adapters))),
@@ -165,6 +169,8 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
                     "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]  # fmt: skip
         if config.mode == "slora":
             command.append("--fully-sharded-loras")
+        if config.mode == "bdfused":
+            command += ["--additional-config", FUSED_KERNELS]
     return command + shlex.split(args.extra_server_args)
 
 

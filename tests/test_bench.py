@@ -68,6 +68,20 @@ def test_targets_are_judged_from_the_numbers():
     assert slow.endswith("MISSED")
 
 
+def test_fused_mode_serves_bd_adapters_on_the_fused_kernels_and_is_compared():
+    from bench.sweep import ServerConfig, parse_args, serve_command
+
+    args = parse_args(["--out", "unused", "--modes", "bdfused"])
+    command = serve_command(args, ServerConfig("bdfused", 4, 128, 1), "m", {"a0": "/adapter"}, 8000)
+    assert "--enable-bdlora" in command and "--enable-lora" not in command
+    config = json.loads(command[command.index("--additional-config") + 1])
+    assert config == {"bdlora": {"lora_kernels": "fused"}}
+    rows = [synthetic_row("bdlora", 128, 10.0, 100), synthetic_row("bdfused", 128, 8.0, 125),
+            synthetic_row("nfs", 64, 10.6, 94)]  # fmt: skip
+    (line,) = report.speedups(report.index(rows)[(4, 1024, 128, 1, 1)])
+    assert "fused kernels: TPOT ×1.25 faster" in line and "throughput ×1.25" in line
+
+
 @pytest.mark.engine
 def test_small_sweep_end_to_end_on_cpu(tmp_path):
     from bench.sweep import COLUMNS, main

@@ -63,10 +63,11 @@ def step_cosines(graph_out: dict, eager_out: dict) -> list[float]:
     return cosines
 
 
-def test_dora_cuda_graphs_match_eager_and_peft(assets, tmp_path_factory):
+@pytest.mark.parametrize("lora_kernels", ["vllm", "fused"])
+def test_dora_cuda_graphs_match_eager_and_peft(lora_kernels, assets, tmp_path_factory):
     """DoRA (standard and BD) mixed with BD-LoRA and base requests, fp16, TP=1: the CUDA-graph +
-    torch.compile path (fused compose kernel as a custom op) against the eager path, and both against
-    PEFT's DoRA forward teacher-forced."""
+    torch.compile path (custom ops: the compose kernel, or with lora_kernels "fused" the fused shrink and
+    expand) against the eager path, and both against PEFT's DoRA forward teacher-forced."""
     import random
 
     rng = random.Random(7)
@@ -75,7 +76,8 @@ def test_dora_cuda_graphs_match_eager_and_peft(assets, tmp_path_factory):
     results = {}
     for mode, extra in (("graphs", {"enforce_eager": False, **GRAPHS}), ("eager", {"enforce_eager": True})):
         engine = engine_kwargs(assets["model"], 1, bdlora=True, dtype=DTYPE, max_loras=4,
-                               additional_config={"bdlora": {"dora": True}}, **extra)  # fmt: skip
+                               additional_config={"bdlora": {"dora": True, "lora_kernels": lora_kernels}},
+                               **extra)  # fmt: skip
         spec = {
             "engine": engine,
             "adapters": {n: assets[n] for n in DORA_BATCH if n},
@@ -83,7 +85,7 @@ def test_dora_cuda_graphs_match_eager_and_peft(assets, tmp_path_factory):
             "max_tokens": 8,
             "top_logprobs": 20,
         }
-        results[mode] = run_engine(spec, tmp_path_factory.mktemp(f"gpu_dora_{mode}"))
+        results[mode] = run_engine(spec, tmp_path_factory.mktemp(f"gpu_dora_{lora_kernels}_{mode}"))
     summary = {}
     for name, g_out, e_out in zip(DORA_BATCH, results["graphs"]["outputs"], results["eager"]["outputs"], strict=True):
         cosines = step_cosines(g_out, e_out)

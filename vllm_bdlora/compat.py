@@ -10,6 +10,8 @@ Checked differences that matter to the plugin:
   `WorkerLoRAManager._load_adapter`, `LoRAModelManager(vllm_config=...)`, `EngineArgs.add_cli_args` /
   `from_cli_args`, `OpenAIServingModels.load_lora_adapter`) has the same shape in both; the patch
   records in `vllm_bdlora.patching` pin those contracts and their tests check them.
+* The GPU punica wrapper's per-step token grouping (`token_mapping_meta`, a `LoRAKernelMeta`) has the same
+  fields in both; the CPU wrapper has none.
 """
 
 from __future__ import annotations
@@ -43,3 +45,18 @@ def allowed_max_lora_ranks() -> tuple[int, ...]:
     from vllm.config.lora import MaxLoRARanks
 
     return tuple(sorted(typing.get_args(MaxLoRARanks)))
+
+
+def token_groups(punica_wrapper) -> tuple:
+    """(sorted token ids, slot per group, tokens per group, group starts, CPU no-LoRA flag) that vLLM's GPU
+    punica wrapper computes once per step for its own LoRA kernels; Nones where the wrapper has none (CPU)."""
+    meta = getattr(punica_wrapper, "token_mapping_meta", None)
+    if meta is None:
+        return None, None, None, None, None
+    return (
+        meta.token_indices_sorted_by_lora_ids,
+        meta.active_lora_ids,
+        meta.num_tokens_per_lora,
+        meta.lora_token_start_loc,
+        meta.no_lora_flag_cpu,
+    )

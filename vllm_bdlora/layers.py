@@ -19,6 +19,11 @@ channel (1 for plain LoRA adapters and empty slots). The LoRA product then goes 
 `torch.ops.vllm_bdlora.dora_compose_` forms `base + (g-1)·(base - bias) + g·lora` per token with that
 token's slot (vllm_bdlora.kernels.dora_compose). The compose is linear in (base, lora), so row-parallel
 layers apply it to their partial sums before the all-reduce: still no added collective per token.
+
+Fused kernels (`additional_config {"bdlora": {"lora_kernels": "fused"}}`): all slices' A and B live in one
+buffer each (vLLM sees per-slice views), and after the base GEMM one shrink and one fused expand
+(vllm_bdlora.kernels.fused_lora) add the LoRA delta, or form the DoRA compose, for the whole packed layer,
+routed by the token grouping vLLM's punica wrapper builds once per step.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from vllm.platforms import current_platform
 
 import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm_bdlora.dora_compose_)
 import vllm_bdlora.kernels.fused_lora  # noqa: F401  (registers torch.ops.vllm_bdlora.fused_lora_slices_)
+from vllm_bdlora.compat import token_groups
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
 _selecting = False
@@ -107,17 +113,32 @@ class BlockDiagonalLoRALayer:
         heights = self.lora_output_heights()
 
         def zeros(*shape):
-            return torch.zeros(max_loras, 1, *shape, dtype=lora_config.lora_dtype, device=self.device)
+            return torch.zeros(max_loras, *shape, dtype=lora_config.lora_dtype, device=self.device)
 
-        self.lora_a_stacked = tuple(zeros(self.lora_width, self.input_size) for _ in heights)
-        self.lora_b_stacked = tuple(zeros(height, self.lora_width) for height in heights)
         self.output_slices = heights
         # Where each output slice starts in the layer's (local) output columns.
         self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
+        self.fused_kernels = _lora_kernels == "fused"
+        width = self.lora_width
+        if self.fused_kernels:
+            # One A and one B buffer for all slices, so one launch serves the packed layer; vLLM (and
+            # set_lora) see per-slice views of them.
+            self.lora_a_all = zeros(len(heights) * width, self.input_size)
+            self.lora_b_all = zeros(sum(heights), width)
+            self.lora_a_stacked = tuple(
+                self.lora_a_all[:, None, i * width : (i + 1) * width] for i in range(len(heights))
+            )
+            self.lora_b_stacked = tuple(
+                self.lora_b_all[:, None, offset : offset + height]
+                for offset, height in zip(self.slice_offsets, heights, strict=True)
+            )
+            self.slice_bounds = torch.tensor([*self.slice_offsets, sum(heights)], dtype=torch.int32, device=self.device)
+        else:
+            self.lora_a_stacked = tuple(zeros(1, width, self.input_size) for _ in heights)
+            self.lora_b_stacked = tuple(zeros(1, height, width) for height in heights)
         self.dora_scale: torch.Tensor | None = None
         if _serving_dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
-        self.fused_kernels = _lora_kernels == "fused"
         # Per slice and slot, the width an adapter really uses: the fused kernels stop there.
         self.slot_widths = torch.zeros(len(heights), max_loras, dtype=torch.int32, device=self.device)
         if _serving_dora or self.fused_kernels:
@@ -139,34 +160,39 @@ class BlockDiagonalLoRALayer:
                 self.dora_scale[index, offset : offset + height].copy_(scale, non_blocking=True)
 
     def _apply_sync(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        flat = x.ndim == 2
-        if self.dora_scale is None and not (self.fused_kernels and flat):
-            # vLLM's own LoRA kernels; also where the fused backend falls back (batched 3-D inputs).
+        if self.fused_kernels:
+            return self._apply_fused(x, bias)
+        if self.dora_scale is None:
             return super()._apply_sync(x, bias)
-        if not flat:
+        if x.ndim != 2:
             raise NotImplementedError("vllm-bdlora DoRA layers take 2-D (tokens, features) inputs")
         output = self._get_quant_method().apply(self.base_layer, x, bias)
-        token_slots = self.punica_wrapper._token_lora_indices
-        if self.fused_kernels:
-            torch.ops.vllm_bdlora.fused_lora_slices_(
-                output,
-                x,
-                [a[:, 0] for a in self.lora_a_stacked],
-                [b[:, 0] for b in self.lora_b_stacked],
-                self.slot_widths,
-                token_slots,
-                list(self.slice_offsets),
-                self.dora_scale,
-                bias,
-            )
-            return output
         lora = torch.zeros_like(output)
         returned = self.punica_wrapper.add_lora_linear(
             lora, x, self.lora_a_stacked, self.lora_b_stacked, 1.0, self.output_slices
         )
         if not current_platform.can_update_inplace():
             lora = returned
-        torch.ops.vllm_bdlora.dora_compose_(output, lora, self.dora_scale, token_slots[: x.shape[0]], bias)
+        token_slots = self.punica_wrapper._token_lora_indices[: x.shape[0]]
+        torch.ops.vllm_bdlora.dora_compose_(output, lora, self.dora_scale, token_slots, bias)
+        return output
+
+    def _apply_fused(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Base GEMM, then one shrink and one fused expand (LoRA add or DoRA compose) for all slices."""
+        output = self._get_quant_method().apply(self.base_layer, x, bias)
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1])
+        torch.ops.vllm_bdlora.fused_lora_slices_(
+            flat_out,
+            flat_x,
+            self.lora_a_all,
+            self.lora_b_all,
+            self.slot_widths,
+            self.slice_bounds,
+            self.punica_wrapper._token_lora_indices,
+            *token_groups(self.punica_wrapper),
+            self.dora_scale,
+            bias,
+        )
         return output
 
     def set_lora(self, index: int, lora_a, lora_b) -> None:

@@ -1,89 +1,188 @@
 """The whole LoRA-adapted layer (base GEMM + LoRA) at Llama-3.1-8B TP=4 per-GPU shapes: vLLM's path
-(cuBLAS GEMM, then its Triton shrink and expand kernels) against the fused kernels of
-vllm_bdlora.kernels.fused_lora (shrink + fused expand; shrink + split-graph fused GEMM).
+(cuBLAS GEMM, then its Triton shrink and expand kernels, as its GPU punica wrapper calls them) against the
+fused kernels of vllm_bdlora.kernels.fused_lora: cuBLAS GEMM + shrink + fused expand (what the layers run
+with lora_kernels: fused), and shrink + split-graph fused GEMM.
 
-    python -m bench.kernels.fused_lora --out bench/results/kernels-h200
+    python -m bench.kernels.fused_lora --out bench/results/kernels-h200 [--tune]
 
-Correctness of every backend is checked against the torch reference before timing; median of 200
-CUDA-event trials after 10 warm-ups; achieved TFLOP/s of the base GEMM's 2·T·K·N. bf16. Backends that
-cannot run (vLLM not installed) are reported as such, not skipped silently.
+Packed layers keep their slices (qkv: q, k, v; gate_up: gate, up), so each path serves the whole layer.
+Batches hold one adapter, or several (tokens dealt round robin, --adapters). Every path is checked against
+the torch reference first; median of 200 CUDA-event trials after 10 warm-ups. bf16. --tune also times a few
+launch configurations of the fused kernels per point and records the best (the defaults are what the
+layers use). A path that cannot run (vLLM not installed) is reported as such, not skipped silently.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 import torch
 
 from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
 
-# (name, K = input features per GPU, N = output features per GPU): Llama-3.1-8B at TP=4.
-LAYERS = (("qkv_proj", 4096, 1536), ("o_proj", 1024, 4096), ("gate_up_proj", 4096, 7168), ("down_proj", 3584, 4096))
+# (name, K = input features per GPU, output slice heights per GPU): Llama-3.1-8B at TP=4.
+LAYERS = (
+    ("qkv_proj", 4096, (1024, 256, 256)),
+    ("o_proj", 1024, (4096,)),
+    ("gate_up_proj", 4096, (3584, 3584)),
+    ("down_proj", 3584, (4096,)),
+)
 TOKENS = (1, 16, 64, 1024, 2048, 4096, 8192)
-RANK = 32  # a BD r'=128 adapter at TP=4 (per-GPU width)
+WIDTH = 32  # a BD r'=128 adapter at TP=4 (per-GPU width)
 
 
-def vllm_backend(x, weight, lora_a, lora_b, slots, scale):
-    """vLLM's own LoRA ops on one slice, as its punica GPU wrapper calls them (None if unavailable)."""
+def make_layer(k, heights, tokens, adapters, width, seed=0):
+    from vllm_bdlora.kernels.fused_lora import group_tokens
+
+    torch.manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    n = sum(heights)
+    layer = {
+        "x": torch.randn(tokens, k, device=dev, dtype=dt),
+        "weight": torch.randn(n, k, device=dev, dtype=dt) * k**-0.5,
+        "lora_a": torch.randn(adapters, len(heights) * width, k, device=dev, dtype=dt) * k**-0.5,
+        "lora_b": torch.randn(adapters, n, width, device=dev, dtype=dt) * width**-0.5,
+        "slots": torch.arange(tokens, device=dev) % adapters,
+        "widths": torch.full((len(heights), adapters), width, dtype=torch.int32, device=dev),
+        "bounds": torch.tensor([sum(heights[:j]) for j in range(len(heights) + 1)], dtype=torch.int32, device=dev),
+    }
+    layer["groups"] = group_tokens(layer["slots"], adapters)
+    return layer
+
+
+def reference(layer):
+    from vllm_bdlora.kernels.fused_lora import slice_views
+    from vllm_bdlora.kernels.reference import fused_lora_linear_reference, lora_shrink_reference
+
+    x, slots, bounds = layer["x"], layer["slots"], layer["bounds"].tolist()
+    ones = torch.ones(layer["lora_a"].shape[0], device=x.device)
+    pieces = []
+    for j, (a, b) in enumerate(slice_views(layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"])):
+        shrunk = lora_shrink_reference(x, a, slots, layer["widths"][j])
+        w = layer["weight"][bounds[j] : bounds[j + 1]]
+        pieces.append(fused_lora_linear_reference(x, w, shrunk, b, slots, layer["widths"][j], ones))
+    return torch.cat(pieces, dim=1)
+
+
+def vllm_path(layer):
+    """vLLM's punica GPU path for one packed layer (None if vLLM's LoRA ops are unavailable)."""
     try:
         import vllm.lora.ops.triton_ops  # noqa: F401  (registers torch.ops.vllm.lora_shrink/expand)
         from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
     except Exception as e:  # not installed here: report, do not fake
         print(f"vLLM LoRA ops unavailable: {e}")
         return None
-    meta = LoRAKernelMeta.make(lora_a.shape[0], x.shape[0], x.device)
-    meta.prepare_tensors(slots.int())
+    from vllm_bdlora.kernels.fused_lora import slice_views
+
+    x, adapters = layer["x"], layer["lora_a"].shape[0]
+    views = slice_views(layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"])
+    lora_a = [a.contiguous() for a, _ in views]  # vLLM keeps one contiguous buffer per slice
+    lora_b = [b.contiguous() for _, b in views]
+    width = lora_b[0].shape[-1]
+    meta = LoRAKernelMeta.make(adapters, x.shape[0], x.device)
+    meta.prepare_tensors(layer["slots"].int())
     args = meta.meta_args(x.shape[0], False)
-    shrunk = torch.zeros(1, x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
 
     def run():
-        y = x @ weight.T
-        shrunk.zero_()
-        torch.ops.vllm.lora_shrink(x, [lora_a], shrunk, *args, scale)
-        torch.ops.vllm.lora_expand(shrunk, [lora_b], y, *args, offset_start=0, add_inputs=True)
+        y = x @ layer["weight"].T
+        buffer = torch.empty(len(lora_a), x.shape[0], width, dtype=torch.float32, device=x.device)
+        torch.ops.vllm.lora_shrink(x, lora_a, buffer, *args, 1.0)
+        torch.ops.vllm.lora_expand(buffer, lora_b, y, *args, offset_start=0, add_inputs=True)
         return y
 
     return run
 
 
-def bench_layer(name, k, n, tokens, rank):
-    from vllm_bdlora.kernels.fused_lora import fused_expand, fused_lora_linear, lora_shrink, route_tokens
-    from vllm_bdlora.kernels.reference import fused_lora_linear_reference, lora_shrink_reference
+def fused_paths(layer, shrink_cfg=None, expand_cfg=None, linear_cfg=None):
+    from vllm_bdlora.kernels.fused_lora import fused_expand, fused_lora_linear, lora_shrink
 
-    dev, dt = "cuda", torch.bfloat16
-    x = torch.randn(tokens, k, device=dev, dtype=dt)
-    weight = torch.randn(n, k, device=dev, dtype=dt) * k**-0.5
-    lora_a = torch.randn(1, rank, k, device=dev, dtype=dt) * k**-0.5
-    lora_b = torch.randn(1, n, rank, device=dev, dtype=dt) * rank**-0.5
-    slots = torch.zeros(tokens, dtype=torch.long, device=dev)
-    ranks = torch.tensor([rank], dtype=torch.int32, device=dev)
-    scales = torch.ones(1, device=dev)
-    block_m = 16 if tokens <= 64 else 64
-    routing = route_tokens(slots, 1, block_m)
-    want = fused_lora_linear_reference(x, weight, lora_shrink_reference(x, lora_a, slots, ranks), lora_b, slots,
-                                       ranks, scales)  # fmt: skip
+    x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
 
-    def ours_expand():
-        y = x @ weight.T
-        return fused_expand(y, lora_shrink(x, lora_a, routing, ranks), lora_b, routing, ranks, scales)
+    def fused_expand_path():
+        y = x @ layer["weight"].T
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
+        return fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, config=expand_cfg)
 
-    def ours_linear():
-        return fused_lora_linear(x, weight, lora_shrink(x, lora_a, routing, ranks), lora_b, routing, ranks, scales)
+    def fused_linear_path():
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
+        return fused_lora_linear(x, layer["weight"], shrunk, layer["lora_b"], groups, widths, bounds,
+                                 config=linear_cfg)  # fmt: skip
 
-    backends = {"vllm": vllm_backend(x, weight, lora_a, lora_b, slots, 1.0), "fused_expand": ours_expand,
-                "fused_linear": ours_linear, "base_gemm_only": lambda: x @ weight.T}  # fmt: skip
-    row = {"layer": name, "tokens": tokens, "K": k, "N": n, "rank": rank}
-    for backend, fn in backends.items():
+    return fused_expand_path, fused_linear_path
+
+
+def candidate_configs(tokens, k, width):
+    """A few launch configurations around the defaults, for --tune."""
+    from vllm_bdlora.kernels.fused_lora import LaunchConfig, expand_config, linear_config, shrink_config
+
+    s, e, lin = shrink_config(tokens, k, width), expand_config(tokens, width), linear_config(tokens)
+    decode = tokens <= 64
+    shrinks = {s} | {LaunchConfig(16, s.block_n, 128, split_k=sk, num_stages=2) for sk in (4, 16)} if decode \
+        else {s, LaunchConfig(64, s.block_n, 128), LaunchConfig(128, s.block_n, 64, num_warps=8)}  # fmt: skip
+    expands = {e} | ({LaunchConfig(16, bn, e.block_k, num_stages=2) for bn in (32, 128, 256)} if decode
+                     else {LaunchConfig(128, 128, e.block_k, num_warps=8), LaunchConfig(64, 256, e.block_k,
+                                                                                        num_warps=8)})  # fmt: skip
+    linears = {lin} | ({LaunchConfig(16, bn, bk, num_stages=st) for bn, bk, st in
+                        ((16, 256, 4), (32, 256, 3), (64, 128, 4), (64, 64, 5))} if decode else
+                       {LaunchConfig(128, 256, 64, num_warps=8, num_stages=3),
+                        LaunchConfig(128, 128, 64, num_warps=4, num_stages=4),
+                        LaunchConfig(64, 256, 64, num_warps=8, num_stages=4)})  # fmt: skip
+    return shrinks, expands, linears
+
+
+def tune_point(layer, want, tokens, k, width) -> dict:
+    """Best shrink + fused expand and shrink + fused GEMM configurations, varying one kernel's launch
+    configuration at a time around the defaults (each checked against the reference)."""
+    shrinks, expands, linears = candidate_configs(tokens, k, width)
+    found = {}
+    for path, index, others in (("fused_expand", 0, expands), ("fused_linear", 1, linears)):
+        trials = [(s, None) for s in shrinks] + [(None, o) for o in others]  # None: the default
+        timed = []
+        for shrink_cfg, other_cfg in trials:
+            cfgs = (shrink_cfg, other_cfg, None) if index == 0 else (shrink_cfg, None, other_cfg)
+            fn = fused_paths(layer, *cfgs)[index]
+            try:
+                torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
+            except AssertionError as e:
+                print(f"{path} {shrink_cfg} {other_cfg}: wrong result, not timed: {str(e).splitlines()[0]}")
+                continue
+            timed.append((time_cuda(fn, trials=50)["median_ms"], shrink_cfg, other_cfg))
+        ms, shrink_cfg, other_cfg = min(timed, key=lambda t: t[0])
+        found[f"tuned_{path}_ms"] = round(ms, 5)
+        found[f"tuned_{path}_config"] = {"shrink": asdict(shrink_cfg) if shrink_cfg else "default",
+                                         path: asdict(other_cfg) if other_cfg else "default"}  # fmt: skip
+    return found
+
+
+def bench_point(name, k, heights, tokens, adapters, width, tune):
+    layer = make_layer(k, heights, tokens, adapters, width)
+    want = reference(layer)
+    expand_path, linear_path = fused_paths(layer)
+    paths = {"vllm": vllm_path(layer), "fused_expand": expand_path, "fused_linear": linear_path,
+             "base_gemm_only": lambda: layer["x"] @ layer["weight"].T}  # fmt: skip
+    row = {"layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": sum(heights),
+           "slices": len(heights), "width": width}  # fmt: skip
+    for path, fn in paths.items():
         if fn is None:
-            row[f"{backend}_ms"] = None
+            row[f"{path}_ms"] = None
             continue
-        if backend != "base_gemm_only":
-            torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
-        row[f"{backend}_ms"] = round(time_cuda(fn)["median_ms"], 5)
+        if path != "base_gemm_only":
+            try:
+                torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
+            except AssertionError as e:  # record it and time the other paths
+                row[f"{path}_ms"], row[f"{path}_error"] = None, str(e).splitlines()[0]
+                continue
+        row[f"{path}_ms"] = round(time_cuda(fn)["median_ms"], 5)
+    if tune:
+        row.update(tune_point(layer, want, tokens, k, width))
     if row["vllm_ms"]:
-        for backend in ("fused_expand", "fused_linear"):
-            row[f"{backend}_speedup"] = round(row["vllm_ms"] / row[f"{backend}_ms"], 3)
-    row["fused_linear_tflops"] = round(2 * tokens * k * n / (row["fused_linear_ms"] * 1e-3) / 1e12, 1)
+        for path in ("fused_expand", "fused_linear", "tuned_fused_expand", "tuned_fused_linear"):
+            if row.get(f"{path}_ms"):
+                row[f"{path}_speedup"] = round(row["vllm_ms"] / row[f"{path}_ms"], 3)
+    gemm_s = row["base_gemm_only_ms"] * 1e-3
+    row["base_gemm_tflops"] = round(2 * tokens * k * row["N"] / gemm_s / 1e12, 1)
+    row["base_gemm_gbs"] = round(2 * (tokens * k + k * row["N"] + tokens * row["N"]) / gemm_s / 1e9, 1)
     print(row, flush=True)
     return row
 
@@ -92,12 +191,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--rank", type=int, default=RANK)
+    p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
+    p.add_argument("--width", type=int, default=WIDTH, help="per-GPU LoRA width (BD r' / TP)")
+    p.add_argument("--tune", action="store_true", help="also time candidate launch configurations")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (kernel timings are CUDA-event timings)")
     copy_gbs = copy_bandwidth_gbs()
-    rows = [bench_layer(name, k, n, int(t), args.rank) for name, k, n in LAYERS for t in args.tokens.split(",")]
+    rows = [
+        bench_point(name, k, heights, int(t), int(n), args.width, args.tune)
+        for name, k, heights in LAYERS
+        for n in args.adapters.split(",")
+        for t in args.tokens.split(",")
+    ]
     write_results(args.out, "fused_lora", rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
     return 0
 

@@ -1,24 +1,29 @@
 """Fused multi-LoRA kernels (LoRAFusion-style split graph) with tile-level adapter routing.
 
-Three kernels share one routing (`route_tokens`): tokens are sorted by LoRA slot and cut into tiles of
-BLOCK_M rows that each belong to one slot (base-model tokens, slot -1, form their own tiles), so every tile
-reads one adapter's weights. A small per-slot table gives the adapter's rank (heterogeneous ranks in one
-batch: the rank loop stops at the tile's own rank instead of the buffer width), its scale, and (DoRA) its
-magnitude-scale row.
+Tokens are grouped by LoRA slot in the layout of vLLM's `LoRAKernelMeta` (`TokenGroups`): vLLM already
+builds that once per step for its own kernels, so the layers reuse it and route nothing per call. Each
+program takes one (group, block of BLOCK_M tokens) tile, so every tile reads a single adapter's weights;
+base-model tokens (slot -1) are their own group. A per-slice, per-slot width table bounds every rank loop
+by the adapter's real rank (heterogeneous ranks in one batch), and an optional per-slot table gives
+DoRA's magnitude scale.
 
-* `lora_shrink`        S = X·A[slot, :rank]ᵀ per token (stored: tokens × max_rank, float32, tiny).
-* `fused_expand`       y = y + s·S·B[slot]ᵀ in place, or the DoRA compose of y and that delta, one pass over y;
-                       tiles of base-model tokens are skipped, so their rows are never touched.
-* `fused_lora_linear`  out = X·Wᵀ (+ bias) + s·S·B[slot]ᵀ in one GEMM whose accumulator also takes the LoRA
+All slices of a packed layer (q/k/v, gate/up) go through one launch per kernel: the layer keeps its LoRA
+weights in one buffer per kind, A (slots, slices·width, in) and B (slots, total height, width), whose
+per-slice views are what vLLM sees.
+
+* `lora_shrink`        S = X·A[slot]ᵀ per token, all slices at once, float32. With split_k > 1 the hidden
+                       dimension is cut into split_k parts written side by side (no atomics, no zero fill);
+                       the consumer sums them, so decode-sized batches still spread over many programs.
+* `fused_expand`       y = y + S·B[slot]ᵀ in place, or the DoRA compose of y and that delta, one pass over y;
+                       base-model tokens are never touched.
+* `fused_lora_linear`  out = X·Wᵀ (+ bias) + S·B[slot]ᵀ in one GEMM whose accumulator also takes the LoRA
                        term: the output is written once (no expand pass re-reading and re-writing it).
 
-`reference.py` holds the contract of each (`lora_shrink_reference`, `fused_expand_reference`,
-`fused_lora_linear_reference`). Routing and launches never sync with the host (CUDA-graph safe): tile
-counts are bounded statically by cdiv(tokens, BLOCK_M) + slots + 1 and unused tiles exit at once.
-`fused_lora_slices_` (custom op `torch.ops.vllm_bdlora.fused_lora_slices_`) is what BD layers call with
-`additional_config {"bdlora": {"lora_kernels": "fused"}}`: the LoRA (and DoRA) part of a packed layer,
-slice by slice, in place on the base output; CPU tensors take the torch references. Experimental: the
-routing is recomputed per layer call, and the GPU path has not been benchmarked end to end yet.
+`reference.py` holds the per-slice contracts (`lora_shrink_reference`, `fused_expand_reference`,
+`fused_lora_linear_reference`). Launches never sync with the host and size their grids from the token
+count only, so they are CUDA-graph safe. `fused_lora_slices_` (custom op
+`torch.ops.vllm_bdlora.fused_lora_slices_`) is what BD layers call with
+`additional_config {"bdlora": {"lora_kernels": "fused"}}`; CPU tensors take the torch references.
 """
 
 from __future__ import annotations
@@ -29,57 +34,78 @@ import torch
 import triton
 import triton.language as tl
 
-UNUSED_TILE = -2
+
+@dataclass(frozen=True)
+class TokenGroups:
+    """Tokens grouped by slot, as vLLM's LoRAKernelMeta holds them (the layers pass vLLM's tensors)."""
+
+    sorted_ids: torch.Tensor  # (>= tokens,) int32: token indices, grouped by slot
+    group_slot: torch.Tensor  # (groups,) int32: slot of each group, -1 base-model tokens (or unused group)
+    group_count: torch.Tensor  # (groups,) int32: tokens in each group, 0 for unused groups
+    group_start: torch.Tensor  # (>= groups,) int32: first position of each group in sorted_ids
+
+
+def group_tokens(token_slots: torch.Tensor, num_slots: int) -> TokenGroups:
+    """TokenGroups for `token_slots` (slot per token, -1 none) with torch ops only: no host sync and
+    static shapes. Group 0 holds base-model tokens, group 1 + s slot s (empty groups have count 0)."""
+    group = (token_slots.long() + 1).clamp(min=0)
+    sorted_ids = torch.argsort(group, stable=True).to(torch.int32)
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=token_slots.device)
+    counts.scatter_add_(0, group, torch.ones_like(group))
+    starts = torch.cumsum(counts, 0) - counts
+    slots = torch.arange(-1, num_slots, dtype=torch.int32, device=token_slots.device)
+    return TokenGroups(sorted_ids, slots, counts.int(), starts.int())
 
 
 @dataclass(frozen=True)
-class TokenRouting:
-    sorted_ids: torch.Tensor  # (tokens,) int32: token indices grouped by slot, base-model tokens last
-    tile_slot: torch.Tensor  # (max_tiles,) int32: slot of each tile, -1 base-model tokens, -2 unused
-    tile_start: torch.Tensor  # (max_tiles,) int32: first position in sorted_ids
-    tile_end: torch.Tensor  # (max_tiles,) int32: end of the tile's slot group in sorted_ids
+class LaunchConfig:
     block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def route_tokens(token_slots: torch.Tensor, num_slots: int, block_m: int) -> TokenRouting:
-    """Group tokens by slot into single-slot tiles, with torch ops only (no host sync, static shapes)."""
-    n = token_slots.shape[0]
-    device = token_slots.device
-    group = torch.where(token_slots < 0, num_slots, token_slots).long()
-    sorted_ids = torch.argsort(group, stable=True).to(torch.int32)
-    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
-    starts = torch.cumsum(counts, 0) - counts
-    tiles = (counts + block_m - 1) // block_m
-    tiles_end = torch.cumsum(tiles, 0)
-    max_tiles = triton.cdiv(max(n, 1), block_m) + num_slots + 1
-    tile = torch.arange(max_tiles, device=device)
-    owner = torch.searchsorted(tiles_end, tile, right=True)
-    used = owner <= num_slots
-    owner = owner.clamp(max=num_slots)
-    first = tiles_end[owner] - tiles[owner]
-    tile_start = starts[owner] + (tile - first) * block_m
-    tile_end = starts[owner] + counts[owner]
-    slot = torch.where(owner == num_slots, -1, owner)
-    tile_slot = torch.where(used, slot, UNUSED_TILE)
-    return TokenRouting(sorted_ids, tile_slot.int(), tile_start.int(), tile_end.int(), block_m)
+def shrink_config(tokens: int, hidden: int, width: int) -> LaunchConfig:
+    """Decode-sized batches cut the hidden dimension into parts so the A reads spread over many SMs."""
+    block_n = 16 if width <= 16 else 32 if width <= 32 else 64
+    if tokens <= 64:
+        return LaunchConfig(16, block_n, 128, split_k=max(1, min(16, hidden // 512)), num_stages=2)
+    return LaunchConfig(64 if tokens >= 1024 else 32, block_n, 64)
 
 
-@triton.jit
-def _tile_rows(sorted_ids_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M: tl.constexpr):
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    offs = start + tl.arange(0, BLOCK_M)
-    row_ok = offs < end
-    rows = tl.load(sorted_ids_ptr + offs, mask=row_ok, other=0).to(tl.int64)
-    return rows, row_ok
+def expand_config(tokens: int, width: int) -> LaunchConfig:
+    block_k = 16 if width <= 16 else 32
+    if tokens <= 64:
+        return LaunchConfig(16, 64, block_k, num_stages=2)
+    return LaunchConfig(64, 128 if tokens >= 1024 else 64, block_k, num_warps=8 if tokens >= 1024 else 4)
+
+
+def linear_config(tokens: int) -> LaunchConfig:
+    if tokens <= 64:
+        return LaunchConfig(16, 32, 128, num_stages=4)
+    return LaunchConfig(64 if tokens < 1024 else 128, 128, 64, num_warps=8, num_stages=3)
 
 
 @triton.jit
-def _rows_dot(acc, x_ptr, m_ptr, rows, row_ok, cols, col_ok, hidden, stride_x, stride_m, BLOCK_K: tl.constexpr):
-    """acc += X[rows, :]·M[cols, :]ᵀ over the hidden dimension (X·Aᵀ in the shrink, X·Wᵀ in the GEMM)."""
-    for k0 in range(0, hidden, BLOCK_K):
+def _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, group, m_block,
+                BLOCK_M: tl.constexpr):  # fmt: skip
+    """Slot of the group, and the token rows of its m_block-th tile (row_ok false past the group)."""
+    slot = tl.load(group_slot_ptr + group)
+    count = tl.load(group_count_ptr + group)
+    offs = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs < count
+    rows = tl.load(sorted_ids_ptr + tl.load(group_start_ptr + group) + offs, mask=row_ok, other=0).to(tl.int64)
+    return slot, count, rows, row_ok
+
+
+@triton.jit
+def _rows_dot(acc, x_ptr, m_ptr, rows, row_ok, cols, col_ok, k_lo, k_hi, stride_x, stride_m, BLOCK_K: tl.constexpr):
+    """acc += X[rows, k_lo:k_hi]·M[cols, k_lo:k_hi]ᵀ (X·Aᵀ in the shrink, X·Wᵀ in the GEMM)."""
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
+        k_ok = ks < k_hi
         x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         m = tl.load(m_ptr + cols[None, :] * stride_m + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += tl.dot(x, m)
@@ -87,21 +113,30 @@ def _rows_dot(acc, x_ptr, m_ptr, rows, row_ok, cols, col_ok, hidden, stride_x, s
 
 
 @triton.jit
-def _lora_delta(
-    acc, s_ptr, b_ptr, rows, row_ok, cols, col_ok, slot, rank, stride_s, stride_bl, stride_bn,
-    BLOCK_K: tl.constexpr,
+def _slices_delta(
+    acc, s_ptr, b_ptr, widths_ptr, bounds_ptr, slot, rows, row_ok, cols, col_ok, n0, width,
+    stride_split, stride_s, stride_bn, stride_w,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """acc += S[rows, :rank]·B[slot, cols, :rank]ᵀ, stepping over the tile's own rank only."""
-    for k0 in range(0, rank, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < rank
-        s = tl.load(s_ptr + rows[:, None] * stride_s + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(
-            b_ptr + slot * stride_bl + cols[None, :] * stride_bn + ks[:, None],
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        acc += tl.dot(s.to(tl.float32), b.to(tl.float32))
+    """acc += S_j[rows, :w]·B[slot, cols, :w]ᵀ for each slice j the column block [n0, n0 + BLOCK_N)
+    meets, w = the slot's width in slice j (summing S's split_k parts as it loads them)."""
+    for j in tl.static_range(NUM_SLICES):
+        lo = tl.load(bounds_ptr + j)
+        hi = tl.load(bounds_ptr + j + 1)
+        w = tl.load(widths_ptr + j * stride_w + slot)
+        if (n0 < hi) & (n0 + BLOCK_N > lo) & (w > 0):
+            in_slice = col_ok & (cols >= lo) & (cols < hi)
+            for k0 in range(0, w, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < w
+                s_mask = row_ok[:, None] & k_ok[None, :]
+                s_offs = rows[:, None] * stride_s + j * width + ks[None, :]
+                s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
+                for part in tl.static_range(1, SPLIT_K):
+                    s += tl.load(s_ptr + part * stride_split + s_offs, mask=s_mask, other=0.0)
+                b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None], mask=k_ok[:, None] & in_slice[None, :],
+                            other=0.0)  # fmt: skip
+                acc += tl.dot(s.to(b.dtype), b)
     return acc
 
 
@@ -125,44 +160,54 @@ def _compose_and_store(
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, s_ptr, sorted_ids_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, rank_ptr,
-    hidden, stride_x, stride_al, stride_ar, stride_s,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, a_ptr, s_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
+    hidden, total_width, width, k_per_split, stride_x, stride_al, stride_ar, stride_split, stride_s, stride_w,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile)
-    if slot < 0:
+    m_block = tl.program_id(0)
+    group = tl.program_id(1)
+    slot, count, rows, row_ok = _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
+                                            group, m_block, BLOCK_M)  # fmt: skip
+    if (slot < 0) | (m_block * BLOCK_M >= count):
         return
-    rank = tl.load(rank_ptr + slot)
-    r0 = tl.program_id(1) * BLOCK_R
-    if r0 >= rank:
+    r_block = tl.program_id(2) // SPLIT_K
+    part = tl.program_id(2) % SPLIT_K
+    rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rs < total_width
+    slot_width = tl.load(widths_ptr + (rs // width) * stride_w + slot, mask=in_range, other=0)
+    r_ok = in_range & (rs % width < slot_width)
+    if tl.sum(r_ok.to(tl.int32), 0) == 0:
         return
-    rows, row_ok = _tile_rows(sorted_ids_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
-    rs = r0 + tl.arange(0, BLOCK_R)
-    r_ok = rs < rank
+    k_lo = part * k_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc = _rows_dot(acc, x_ptr, a_ptr + slot * stride_al, rows, row_ok, rs, r_ok, hidden, stride_x, stride_ar, BLOCK_K)
-    tl.store(s_ptr + rows[:, None] * stride_s + rs[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
+    acc = _rows_dot(acc, x_ptr, a_ptr + slot * stride_al, rows, row_ok, rs, r_ok, k_lo,
+                    tl.minimum(k_lo + k_per_split, hidden), stride_x, stride_ar, BLOCK_K)  # fmt: skip
+    out = s_ptr + part * stride_split + rows[:, None] * stride_s + rs[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
 def _fused_expand_kernel(
-    y_ptr, s_ptr, b_ptr, sorted_ids_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, rank_ptr, scale_ptr,
-    g_ptr, bias_ptr, n_cols, stride_y, stride_s, stride_bl, stride_bn, stride_g,
-    HAS_DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    y_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
+    bounds_ptr, scale_ptr, g_ptr, bias_ptr, n_cols, width,
+    stride_y, stride_split, stride_s, stride_bl, stride_bn, stride_w, stride_g,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile)
-    if slot < 0:
+    m_block = tl.program_id(0)
+    slot, count, rows, row_ok = _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
+                                            tl.program_id(1), m_block, BLOCK_M)  # fmt: skip
+    if (slot < 0) | (m_block * BLOCK_M >= count):
         return
-    rows, row_ok = _tile_rows(sorted_ids_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(2) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _lora_delta(acc, s_ptr, b_ptr, rows, row_ok, cols, col_ok, slot, tl.load(rank_ptr + slot),
-                      stride_s, stride_bl, stride_bn, BLOCK_K)  # fmt: skip
-    delta = acc * tl.load(scale_ptr + slot)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, row_ok, cols,
+                          col_ok, n0, width, stride_split, stride_s, stride_bn, stride_w,
+                          NUM_SLICES, SPLIT_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    if HAS_SCALE:
+        delta = delta * tl.load(scale_ptr + slot)
     mask = row_ok[:, None] & col_ok[None, :]
     base = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     _compose_and_store(y_ptr, base, delta, rows, row_ok, cols, col_ok, slot, stride_y, g_ptr, stride_g, bias_ptr,
@@ -171,28 +216,32 @@ def _fused_expand_kernel(
 
 @triton.jit
 def _fused_lora_linear_kernel(
-    x_ptr, w_ptr, out_ptr, s_ptr, b_ptr, sorted_ids_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
-    rank_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols,
-    stride_x, stride_w, stride_out, stride_s, stride_bl, stride_bn, stride_g,
-    HAS_DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
+    widths_ptr, bounds_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols, width,
+    stride_x, stride_w, stride_out, stride_split, stride_s, stride_bl, stride_bn, stride_wt, stride_g,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile)
-    if slot == -2:
+    m_block = tl.program_id(0)
+    slot, count, rows, row_ok = _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
+                                            tl.program_id(1), m_block, BLOCK_M)  # fmt: skip
+    if m_block * BLOCK_M >= count:
         return
-    rows, row_ok = _tile_rows(sorted_ids_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(2) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     base = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    base = _rows_dot(base, x_ptr, w_ptr, rows, row_ok, cols, col_ok, hidden, stride_x, stride_w, BLOCK_K)
+    base = _rows_dot(base, x_ptr, w_ptr, rows, row_ok, cols, col_ok, 0, hidden, stride_x, stride_w, BLOCK_K)
     if HAS_BIAS:
         base += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if slot >= 0:
-        delta = _lora_delta(delta, s_ptr, b_ptr, rows, row_ok, cols, col_ok, slot, tl.load(rank_ptr + slot),
-                            stride_s, stride_bl, stride_bn, BLOCK_R)  # fmt: skip
-        delta = delta * tl.load(scale_ptr + slot)
+        delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, row_ok,
+                              cols, col_ok, n0, width, stride_split, stride_s, stride_bn, stride_wt,
+                              NUM_SLICES, SPLIT_K, BLOCK_N, BLOCK_R)  # fmt: skip
+        if HAS_SCALE:
+            delta = delta * tl.load(scale_ptr + slot)
     _compose_and_store(out_ptr, base, delta, rows, row_ok, cols, col_ok, slot, stride_out, g_ptr, stride_g, bias_ptr,
                        HAS_DORA, HAS_BIAS)  # fmt: skip
 
@@ -203,91 +252,141 @@ def _rows_major(*tensors: torch.Tensor) -> None:
             raise ValueError(f"fused LoRA kernels need unit stride in the last dimension, got shape {tuple(t.shape)}")
 
 
-def lora_shrink(x, lora_a, routing: TokenRouting, slot_ranks, out=None, block_r: int = 16, block_k: int = 64):
-    """S (tokens, max_rank) float32 = X·A[slot, :rank]ᵀ; lora_a (slots, max_rank, hidden)."""
+def _groups_grid(groups: TokenGroups, tokens: int, block_m: int, blocks: int) -> tuple[int, int, int]:
+    return triton.cdiv(max(tokens, 1), block_m), groups.group_slot.shape[0], blocks
+
+
+def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfig | None = None) -> torch.Tensor:
+    """S (split_k, tokens, slices·width) float32: X·A[slot]ᵀ per token, lora_a (slots, slices·width, hidden),
+    slot_widths (slices, slots) int32. Only columns below each slot's width are written; the split_k parts
+    sum to S."""
     _rows_major(x, lora_a)
-    if out is None:
-        out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    grid = (routing.tile_slot.shape[0], triton.cdiv(lora_a.shape[1], block_r))
+    slices, total_width = slot_widths.shape[0], lora_a.shape[1]
+    cfg = config or shrink_config(x.shape[0], x.shape[1], total_width // slices)
+    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
+    out = torch.empty(cfg.split_k, x.shape[0], total_width, dtype=torch.float32, device=x.device)
+    grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(total_width, cfg.block_n) * cfg.split_k)
     _lora_shrink_kernel[grid](
-        x, lora_a, out, routing.sorted_ids, routing.tile_slot, routing.tile_start, routing.tile_end, slot_ranks,
-        x.shape[1], x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        BLOCK_M=routing.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        x, lora_a, out, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, slot_widths,
+        x.shape[1], total_width, total_width // slices, k_per_split, x.stride(0), lora_a.stride(0),
+        lora_a.stride(1), out.stride(0), out.stride(1), slot_widths.stride(0),
+        SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
-def fused_expand(y, shrunk, lora_b, routing, slot_ranks, slot_scales, scale_table=None, bias=None, block_n=64):
-    """In place on y (tokens, out): y += s·S·Bᵀ per token's slot, or the DoRA compose with `scale_table`."""
+def _optional(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else stand_in  # Triton needs a pointer; the kernel never reads it
+
+
+def fused_expand(
+    y, shrunk, lora_b, groups, slot_widths, slice_bounds, slot_scales=None, scale_table=None, bias=None,
+    config: LaunchConfig | None = None,
+):  # fmt: skip
+    """In place on y (tokens, total height): y += S·B[slot]ᵀ per token (times slot_scales[slot] if given),
+    or the DoRA compose with `scale_table` (slots, total height). lora_b (slots, total height, width);
+    slice j owns columns slice_bounds[j]:slice_bounds[j+1] and S's columns j·width:(j+1)·width."""
     _rows_major(y, shrunk, lora_b)
-    grid = (routing.tile_slot.shape[0], triton.cdiv(y.shape[1], block_n))
+    width = lora_b.shape[2]
+    cfg = config or expand_config(y.shape[0], width)
+    grid = _groups_grid(groups, y.shape[0], cfg.block_m, triton.cdiv(y.shape[1], cfg.block_n))
     _fused_expand_kernel[grid](
-        y, shrunk, lora_b, routing.sorted_ids, routing.tile_slot, routing.tile_start, routing.tile_end,
-        slot_ranks, slot_scales, scale_table if scale_table is not None else slot_scales,
-        bias if bias is not None else slot_scales, y.shape[1], y.stride(0), shrunk.stride(0), lora_b.stride(0),
-        lora_b.stride(1), scale_table.stride(0) if scale_table is not None else 0,
+        y, shrunk, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start,
+        slot_widths, slice_bounds, _optional(slot_scales, slice_bounds), _optional(scale_table, slice_bounds),
+        _optional(bias, slice_bounds), y.shape[1], width, y.stride(0), shrunk.stride(0), shrunk.stride(1),
+        lora_b.stride(0), lora_b.stride(1), slot_widths.stride(0),
+        scale_table.stride(0) if scale_table is not None else 0,
+        NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=16,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
 
 
 def fused_lora_linear(
-    x, weight, shrunk, lora_b, routing, slot_ranks, slot_scales, bias=None, scale_table=None,
-    out=None, block_n: int = 64, block_k: int = 64,
+    x, weight, shrunk, lora_b, groups, slot_widths, slice_bounds, slot_scales=None, bias=None, scale_table=None,
+    out=None, config: LaunchConfig | None = None,
 ):  # fmt: skip
-    """out (tokens, out_features) = X·Wᵀ (+ bias) + s·S·Bᵀ per token's slot (DoRA compose with
-    `scale_table`), in one kernel; weight (out_features, hidden)."""
+    """out (tokens, out_features) = X·Wᵀ (+ bias) + S·B[slot]ᵀ per token (DoRA compose with `scale_table`)
+    in one kernel; weight (out_features, hidden). Rows of tokens in no group (CUDA-graph padding) are not
+    written."""
     _rows_major(x, weight, shrunk, lora_b)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    grid = (routing.tile_slot.shape[0], triton.cdiv(weight.shape[0], block_n))
+    width = lora_b.shape[2]
+    cfg = config or linear_config(x.shape[0])
+    grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(weight.shape[0], cfg.block_n))
     _fused_lora_linear_kernel[grid](
-        x, weight, out, shrunk, lora_b, routing.sorted_ids, routing.tile_slot, routing.tile_start,
-        routing.tile_end, slot_ranks, slot_scales, scale_table if scale_table is not None else slot_scales,
-        bias if bias is not None else slot_scales, x.shape[1], weight.shape[0],
-        x.stride(0), weight.stride(0), out.stride(0), shrunk.stride(0), lora_b.stride(0), lora_b.stride(1),
-        scale_table.stride(0) if scale_table is not None else 0,
+        x, weight, out, shrunk, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count,
+        groups.group_start, slot_widths, slice_bounds, _optional(slot_scales, slice_bounds),
+        _optional(scale_table, slice_bounds), _optional(bias, slice_bounds), x.shape[1], weight.shape[0], width,
+        x.stride(0), weight.stride(0), out.stride(0), shrunk.stride(0), shrunk.stride(1), lora_b.stride(0),
+        lora_b.stride(1), slot_widths.stride(0), scale_table.stride(0) if scale_table is not None else 0,
+        NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=16,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16 if width <= 16 else 32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def slice_views(lora_a, lora_b, slot_widths, slice_bounds):
+    """Per slice j: (A_j (slots, width, in), B_j (slots, height_j, width)) views of the combined buffers."""
+    width = lora_b.shape[2]
+    bounds = slice_bounds.tolist()
+    return [
+        (lora_a[:, j * width : (j + 1) * width], lora_b[:, bounds[j] : bounds[j + 1]])
+        for j in range(slot_widths.shape[0])
+    ]
 
 
 @torch.library.custom_op("vllm_bdlora::fused_lora_slices_", mutates_args=("output",))
 def fused_lora_slices_(
     output: torch.Tensor,
     x: torch.Tensor,
-    lora_a: list[torch.Tensor],
-    lora_b: list[torch.Tensor],
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
     slot_widths: torch.Tensor,
+    slice_bounds: torch.Tensor,
     token_slots: torch.Tensor,
-    offsets: list[int],
+    sorted_ids: torch.Tensor | None = None,
+    group_slot: torch.Tensor | None = None,
+    group_count: torch.Tensor | None = None,
+    group_start: torch.Tensor | None = None,
+    no_lora: torch.Tensor | None = None,
     scale_table: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> None:
-    """In place on output (tokens, sum of slice heights): for each slice i, the columns from offsets[i] get
-    the LoRA delta of each token's slot, A = lora_a[i] (slots, width, in), B = lora_b[i] (slots, height,
-    width), using the first slot_widths[i, slot] columns (vLLM has folded the scaling into B); with
-    scale_table (slots, total height) the DoRA compose instead. Token slot -1: untouched."""
+    """In place on output (tokens, total height): each token's LoRA delta from its slot's adapter, all
+    slices at once (lora_a (slots, slices·width, in), lora_b (slots, total height, width), the first
+    slot_widths[j, slot] columns of slice j; vLLM has folded the scaling into B), or with scale_table the
+    DoRA compose. Token slot -1: untouched. On CUDA the token groups (vLLM's LoRAKernelMeta tensors) are
+    used; `no_lora`, a CPU flag as in vLLM's own ops, skips every launch when no token has an adapter."""
+    if no_lora is not None and bool(no_lora[0]):
+        return
+    tokens = x.shape[0]
+    if x.is_cuda:
+        groups = TokenGroups(sorted_ids[:tokens], group_slot, group_count, group_start)
+        shrunk = lora_shrink(x, lora_a, groups, slot_widths)
+        fused_expand(output, shrunk, lora_b, groups, slot_widths, slice_bounds, None, scale_table, bias)
+        return
     from vllm_bdlora.kernels.reference import fused_expand_reference, lora_shrink_reference
 
-    slots = token_slots[: x.shape[0]]
-    ones = torch.ones(lora_a[0].shape[0], dtype=torch.float32, device=x.device)
-    routing = route_tokens(slots, lora_a[0].shape[0], 16 if x.shape[0] <= 64 else 64) if x.is_cuda else None
-    for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
-        columns = slice(offsets[i], offsets[i] + b.shape[1])
+    slots = token_slots[:tokens]
+    ones = torch.ones(lora_a.shape[0], dtype=torch.float32)
+    bounds = slice_bounds.tolist()
+    for j, (a, b) in enumerate(slice_views(lora_a, lora_b, slot_widths, slice_bounds)):
+        columns = slice(bounds[j], bounds[j + 1])
         table = scale_table[:, columns] if scale_table is not None else None
-        bias_i = bias[columns] if bias is not None else None
-        if x.is_cuda:
-            shrunk = lora_shrink(x, a, routing, slot_widths[i])
-            fused_expand(output[:, columns], shrunk, b, routing, slot_widths[i], ones, table, bias_i)
-        else:
-            shrunk = lora_shrink_reference(x, a, slots, slot_widths[i])
-            output[:, columns] = fused_expand_reference(output[:, columns], shrunk, b, slots, slot_widths[i], ones,
-                                                        table, bias_i)  # fmt: skip
+        bias_j = bias[columns] if bias is not None else None
+        shrunk = lora_shrink_reference(x, a, slots, slot_widths[j])
+        output[:, columns] = fused_expand_reference(output[:, columns], shrunk, b, slots, slot_widths[j], ones,
+                                                    table, bias_j)  # fmt: skip
 
 
 @fused_lora_slices_.register_fake
-def _(output, x, lora_a, lora_b, slot_widths, token_slots, offsets, scale_table=None, bias=None) -> None:
+def _(output, x, lora_a, lora_b, slot_widths, slice_bounds, token_slots, sorted_ids=None, group_slot=None,
+      group_count=None, group_start=None, no_lora=None, scale_table=None, bias=None) -> None:  # fmt: skip
     return None
