@@ -177,6 +177,10 @@ def run_kernel_check(device, dtype, tokens, tol, interpret):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a GPU host checks the compiled kernels instead; Triton 3.6's interpreter there cannot run them",
+)
 def test_triton_kernels_in_interpreter_match_references():
     run_kernel_check("cpu", "float32", (1, 5, 45), 1e-4, interpret=True)
 

@@ -7,9 +7,11 @@ with lora_kernels: fused), and shrink + split-graph fused GEMM.
 
 Packed layers keep their slices (qkv: q, k, v; gate_up: gate, up), so each path serves the whole layer.
 Batches hold one adapter, or several (tokens dealt round robin, --adapters). Every path is checked against
-the torch reference first; median of 200 CUDA-event trials after 10 warm-ups. bf16. --tune also times a few
-launch configurations of the fused kernels per point and records the best (the defaults are what the
-layers use). A path that cannot run (vLLM not installed) is reported as such, not skipped silently.
+the torch reference first. `<path>_ms`: median of 200 CUDA-event-timed replays of a CUDA graph holding 10
+calls (the kernels' own time, as serving replays graphs), after warm-up; `<path>_eager_ms`: the same path
+launched from Python each time. bf16. `lora_overhead_ms` columns subtract the base GEMM alone. --tune also
+times a few launch configurations of the fused kernels per point and records the best (the defaults are
+what the layers use). A path that cannot run (vLLM not installed) is reported as such, not skipped silently.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ LAYERS = (
 )
 TOKENS = (1, 16, 64, 1024, 2048, 4096, 8192)
 WIDTH = 32  # a BD r'=128 adapter at TP=4 (per-GPU width)
+GRAPH_REPEATS = 10
 
 
 def make_layer(k, heights, tokens, adapters, width, seed=0):
@@ -119,7 +122,8 @@ def candidate_configs(tokens, k, width):
     s, e, lin = shrink_config(tokens, k, width), expand_config(tokens, width), linear_config(tokens)
     decode = tokens <= 64
     shrinks = {s} | {LaunchConfig(16, s.block_n, 128, split_k=sk, num_stages=2) for sk in (4, 16)} if decode \
-        else {s, LaunchConfig(64, s.block_n, 128), LaunchConfig(128, s.block_n, 64, num_warps=8)}  # fmt: skip
+        else {s, LaunchConfig(64, s.block_n, 128), LaunchConfig(32, s.block_n, 128),
+              LaunchConfig(64, s.block_n, 64, split_k=2), LaunchConfig(64, s.block_n, 128, split_k=4)}  # fmt: skip
     expands = {e} | ({LaunchConfig(16, bn, e.block_k, num_stages=2) for bn in (32, 128, 256)} if decode
                      else {LaunchConfig(128, 128, e.block_k, num_warps=8), LaunchConfig(64, 256, e.block_k,
                                                                                         num_warps=8)})  # fmt: skip
@@ -147,7 +151,7 @@ def tune_point(layer, want, tokens, k, width) -> dict:
             except AssertionError as e:
                 print(f"{path} {shrink_cfg} {other_cfg}: wrong result, not timed: {str(e).splitlines()[0]}")
                 continue
-            timed.append((time_cuda(fn, trials=50)["median_ms"], shrink_cfg, other_cfg))
+            timed.append((time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"], shrink_cfg, other_cfg))
         ms, shrink_cfg, other_cfg = min(timed, key=lambda t: t[0])
         found[f"tuned_{path}_ms"] = round(ms, 5)
         found[f"tuned_{path}_config"] = {"shrink": asdict(shrink_cfg) if shrink_cfg else "default",
@@ -173,13 +177,17 @@ def bench_point(name, k, heights, tokens, adapters, width, tune):
             except AssertionError as e:  # record it and time the other paths
                 row[f"{path}_ms"], row[f"{path}_error"] = None, str(e).splitlines()[0]
                 continue
-        row[f"{path}_ms"] = round(time_cuda(fn)["median_ms"], 5)
+        row[f"{path}_ms"] = round(time_cuda(fn, graph_repeats=GRAPH_REPEATS)["median_ms"], 5)
+        row[f"{path}_eager_ms"] = round(time_cuda(fn)["median_ms"], 5)
     if tune:
         row.update(tune_point(layer, want, tokens, k, width))
     if row["vllm_ms"]:
         for path in ("fused_expand", "fused_linear", "tuned_fused_expand", "tuned_fused_linear"):
             if row.get(f"{path}_ms"):
                 row[f"{path}_speedup"] = round(row["vllm_ms"] / row[f"{path}_ms"], 3)
+    for path in ("vllm", "fused_expand", "fused_linear"):
+        if row.get(f"{path}_ms"):
+            row[f"{path}_lora_overhead_ms"] = round(row[f"{path}_ms"] - row["base_gemm_only_ms"], 5)
     gemm_s = row["base_gemm_only_ms"] * 1e-3
     row["base_gemm_tflops"] = round(2 * tokens * k * row["N"] / gemm_s / 1e12, 1)
     row["base_gemm_gbs"] = round(2 * (tokens * k + k * row["N"] + tokens * row["N"]) / gemm_s / 1e9, 1)

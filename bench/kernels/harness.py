@@ -12,8 +12,24 @@ import time
 import torch
 
 
-def time_cuda(fn, trials: int = 200, warmup: int = 10) -> dict:
-    """Median/p10/p90 milliseconds of `fn()` over `trials` CUDA-event-timed calls after `warmup` calls."""
+def time_cuda(fn, trials: int = 200, warmup: int = 10, graph_repeats: int = 0) -> dict:
+    """Median/p10/p90 milliseconds of `fn()` over `trials` CUDA-event-timed calls after `warmup` calls.
+
+    graph_repeats > 0 captures that many back-to-back calls in one CUDA graph and reports a replay's time
+    divided by it: the kernels' own time, without Python and launch overhead (serving replays graphs too).
+    """
+    if graph_repeats:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(graph_repeats):
+                fn()
+        fn = graph.replay
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -24,7 +40,7 @@ def time_cuda(fn, trials: int = 200, warmup: int = 10) -> dict:
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / max(graph_repeats, 1))
     times.sort()
     n = len(times)
     return {"median_ms": statistics.median(times), "p10_ms": times[n // 10], "p90_ms": times[9 * n // 10]}
