@@ -70,7 +70,7 @@ def test_settings(additional_config, enabled):
         ({"enable": True}, "Unknown key"),
         ({"enabled": "yes"}, "true or false"),
         ({"dora": 1}, "true or false"),
-        ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused'\]"),
+        ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused', 'auto'\]"),
     ],
 )
 def test_bad_settings(section, message):

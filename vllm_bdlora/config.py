@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 CONFIG_KEY = "bdlora"
-LORA_KERNELS = ("vllm", "fused")
+LORA_KERNELS = ("vllm", "fused", "auto")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class BdLoraSettings:
     # (CUDA graphs fix the layer's code path at start-up), so it is opt-in.
     dora: bool = False
     # "vllm": vLLM's own shrink/expand kernels. "fused": vllm_bdlora's routed shrink + fused expand
-    # (DoRA compose folded into the expand's output write); experimental, see kernels/fused_lora.py.
+    # (DoRA compose folded into the expand's output write) in every BD layer. "auto": the fused kernels
+    # in packed layers (qkv, gate_up), where they measured faster than vLLM's, and vLLM's kernels in
+    # single-projection layers (o, down), where vLLM's measured faster (bench/results/kernels-h200).
     lora_kernels: str = "vllm"
 
     @classmethod

@@ -62,8 +62,17 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join([os.path.basename(sys.executable), "-m", *sys.argv]) if sys.argv else "",
+        "command": command_line(),
     }
+
+
+def command_line() -> str:
+    """How this benchmark was started, as `python3 -m package.module args` when run as a module."""
+    script, args = sys.argv[0], sys.argv[1:]
+    rel = os.path.relpath(script)
+    if rel.endswith(".py") and not rel.startswith(".."):
+        return " ".join([os.path.basename(sys.executable), "-m", rel[:-3].replace(os.sep, "."), *args])
+    return " ".join([os.path.basename(sys.executable), script, *args])
 
 
 def write_results(out_dir: str, name: str, rows: list[dict], extra: dict) -> str:

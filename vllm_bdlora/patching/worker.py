@@ -99,10 +99,11 @@ def patch_lora_manager() -> bool:
                     "DoRA on: each BD layer keeps a float32 magnitude scale per LoRA slot and output channel; "
                     f"compose base + (g-1)(base - bias) + g*lora per token: {path}."
                 )
-            if settings.lora_kernels == "fused":
+            if settings.lora_kernels != "vllm":
+                where = "every BD layer" if settings.lora_kernels == "fused" else "packed BD layers (qkv, gate_up)"
                 lines.append(
-                    "LoRA kernels: vllm-bdlora fused (routed shrink + fused expand, experimental) instead of "
-                    "vLLM's shrink/expand."
+                    f"LoRA kernels ({settings.lora_kernels}): vllm-bdlora's shrink + fused expand in {where}, "
+                    "one launch each for all slices; vLLM's shrink/expand elsewhere."
                 )
             if is_first_tp_rank(self):
                 for line in lines:
