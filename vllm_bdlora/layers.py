@@ -140,15 +140,19 @@ class BlockDiagonalLoRALayer:
         self.dora_scale: torch.Tensor | None = None
         if _serving_dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
-        # Per slice and slot, the width an adapter really uses: the fused kernels stop there.
-        self.slot_widths = torch.zeros(len(heights), max_loras, dtype=torch.int32, device=self.device)
+        # Per slice and slot, the width an adapter really uses: the fused kernels stop there. Only they
+        # read it, so other layers skip its per-load device writes.
+        self.slot_widths: torch.Tensor | None = None
+        if self.fused_kernels:
+            self.slot_widths = torch.zeros(len(heights), max_loras, dtype=torch.int32, device=self.device)
         if _serving_dora or self.fused_kernels:
             # vLLM's optional side-stream LoRA path bypasses _apply_sync, where both happen.
             self._enable_aux_cuda_stream = False
 
     def reset_lora(self, index: int) -> None:
         super().reset_lora(index)
-        self.slot_widths[:, index] = 0
+        if self.slot_widths is not None:
+            self.slot_widths[:, index] = 0
         if self.dora_scale is not None:
             self.dora_scale[index].fill_(1.0)
 
@@ -208,7 +212,8 @@ class BlockDiagonalLoRALayer:
             if a is None or b is None:
                 continue
             a, b = self._fit_local(i, a, b)
-            self.slot_widths[i, index] = a.shape[0]
+            if self.slot_widths is not None:
+                self.slot_widths[i, index] = a.shape[0]
             self.lora_a_stacked[i][index, 0, : a.shape[0], :].copy_(a, non_blocking=True)
             self.lora_b_stacked[i][index, 0, :, : b.shape[1]].copy_(b, non_blocking=True)
 
