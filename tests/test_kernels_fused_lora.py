@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from vllm_bdlora.kernels.reference import (
-    fused_expand_reference,
     fused_lora_linear_reference,
+    fused_lora_slices_reference,
     lora_shrink_reference,
+    slice_views,
 )
 
 # Per slice (rows) and slot (columns): the width each adapter really uses, out of WIDTH. Heterogeneous,
@@ -70,21 +71,21 @@ def per_token_loop(b, dora=False):
 
 
 def reference_by_slice(b, dora, fused_linear):
-    """The per-slice reference contracts, assembled over the slices of the packed layer."""
-    from vllm_bdlora.kernels.fused_lora import slice_views
-
+    """The reference contracts over the slices of the packed layer: the fused shrink + expand on the base
+    output, or the split-graph GEMM slice by slice."""
+    g = b["g"] if dora else None
+    if not fused_linear:
+        base = (b["x"].float() @ b["weight"].float().T + b["bias"].float()).to(b["x"].dtype)
+        return fused_lora_slices_reference(base, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
+                                           b["slots"], b["scales"], g, b["bias"])  # fmt: skip
     pieces = []
     bounds = b["bounds"].tolist()
     for j, (a, lb) in enumerate(slice_views(b["lora_a"], b["lora_b"], b["widths"], b["bounds"])):
         rows = slice(bounds[j], bounds[j + 1])
         shrunk = lora_shrink_reference(b["x"], a, b["slots"], b["widths"][j])
         args = (shrunk, lb, b["slots"], b["widths"][j], b["scales"])
-        g, bias = (b["g"][:, rows] if dora else None), b["bias"][rows]
-        if fused_linear:
-            pieces.append(fused_lora_linear_reference(b["x"], b["weight"][rows], *args, bias=bias, scale_table=g))
-        else:
-            base = (b["x"].float() @ b["weight"][rows].float().T + bias.float()).to(b["x"].dtype)
-            pieces.append(fused_expand_reference(base, *args, scale_table=g, bias=bias))
+        pieces.append(fused_lora_linear_reference(b["x"], b["weight"][rows], *args, bias=b["bias"][rows],
+                                                  scale_table=g[:, rows] if dora else None))  # fmt: skip
     return torch.cat(pieces, dim=1)
 
 
@@ -136,9 +137,8 @@ def test_token_groups_match_vllm_kernel_metadata():
 KERNEL_CHECK = """
 import sys, torch
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch, reference_by_slice
-from vllm_bdlora.kernels.fused_lora import (LaunchConfig, fused_expand, fused_lora_linear, group_tokens,
-    lora_shrink, slice_views)
-from vllm_bdlora.kernels.reference import lora_shrink_reference
+from vllm_bdlora.kernels.fused_lora import LaunchConfig, fused_expand, fused_lora_linear, group_tokens, lora_shrink
+from vllm_bdlora.kernels.reference import lora_shrink_reference, slice_views
 device, dtype, tokens_list, tol = sys.argv[1], getattr(torch, sys.argv[2]), eval(sys.argv[3]), float(sys.argv[4])
 def close(got, want, what):
     if want.numel() == 0:

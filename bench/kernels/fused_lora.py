@@ -55,8 +55,7 @@ def make_layer(k, heights, tokens, adapters, width, seed=0):
 
 
 def reference(layer):
-    from vllm_bdlora.kernels.fused_lora import slice_views
-    from vllm_bdlora.kernels.reference import fused_lora_linear_reference, lora_shrink_reference
+    from vllm_bdlora.kernels.reference import fused_lora_linear_reference, lora_shrink_reference, slice_views
 
     x, slots, bounds = layer["x"], layer["slots"], layer["bounds"].tolist()
     ones = torch.ones(layer["lora_a"].shape[0], device=x.device)
@@ -76,7 +75,7 @@ def vllm_path(layer):
     except Exception as e:  # not installed here: report, do not fake
         print(f"vLLM LoRA ops unavailable: {e}")
         return None
-    from vllm_bdlora.kernels.fused_lora import slice_views
+    from vllm_bdlora.kernels.reference import slice_views
 
     x, adapters = layer["x"], layer["lora_a"].shape[0]
     views = slice_views(layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"])

@@ -337,16 +337,6 @@ def fused_lora_linear(
     return out
 
 
-def slice_views(lora_a, lora_b, slot_widths, slice_bounds):
-    """Per slice j: (A_j (slots, width, in), B_j (slots, height_j, width)) views of the combined buffers."""
-    width = lora_b.shape[2]
-    bounds = slice_bounds.tolist()
-    return [
-        (lora_a[:, j * width : (j + 1) * width], lora_b[:, bounds[j] : bounds[j + 1]])
-        for j in range(slot_widths.shape[0])
-    ]
-
-
 @torch.library.custom_op("vllm_bdlora::fused_lora_slices_", mutates_args=("output",))
 def fused_lora_slices_(
     output: torch.Tensor,
@@ -377,18 +367,10 @@ def fused_lora_slices_(
         shrunk = lora_shrink(x, lora_a, groups, slot_widths)
         fused_expand(output, shrunk, lora_b, groups, slot_widths, slice_bounds, None, scale_table, bias)
         return
-    from vllm_bdlora.kernels.reference import fused_expand_reference, lora_shrink_reference
+    from vllm_bdlora.kernels.reference import fused_lora_slices_reference
 
-    slots = token_slots[:tokens]
-    ones = torch.ones(lora_a.shape[0], dtype=torch.float32)
-    bounds = slice_bounds.tolist()
-    for j, (a, b) in enumerate(slice_views(lora_a, lora_b, slot_widths, slice_bounds)):
-        columns = slice(bounds[j], bounds[j + 1])
-        table = scale_table[:, columns] if scale_table is not None else None
-        bias_j = bias[columns] if bias is not None else None
-        shrunk = lora_shrink_reference(x, a, slots, slot_widths[j])
-        output[:, columns] = fused_expand_reference(output[:, columns], shrunk, b, slots, slot_widths[j], ones,
-                                                    table, bias_j)  # fmt: skip
+    output.copy_(fused_lora_slices_reference(output, x, lora_a, lora_b, slot_widths, slice_bounds,
+                                             token_slots[:tokens], None, scale_table, bias))  # fmt: skip
 
 
 @fused_lora_slices_.register_fake

@@ -89,3 +89,34 @@ def fused_lora_linear_reference(
         base32 = base32 + bias.float()
     delta = lora_delta_reference(shrunk, lora_b, token_slots, slot_ranks, slot_scales)
     return _compose(base32, delta, scale_table, token_slots, bias, x.dtype)
+
+
+def slice_views(lora_a, lora_b, slot_widths, slice_bounds):
+    """Per slice j of a packed layer's combined buffers: (A_j (slots, width, in), B_j (slots, height_j,
+    width)), views of lora_a (slots, slices·width, in) and lora_b (slots, total height, width)."""
+    width = lora_b.shape[2]
+    bounds = slice_bounds.tolist()
+    return [
+        (lora_a[:, j * width : (j + 1) * width], lora_b[:, bounds[j] : bounds[j + 1]])
+        for j in range(slot_widths.shape[0])
+    ]
+
+
+def fused_lora_slices_reference(
+    y, x, lora_a, lora_b, slot_widths, slice_bounds, token_slots, slot_scales=None, scale_table=None, bias=None
+):
+    """The fused shrink + expand of a whole packed layer (what `fused_lora_slices_` computes), slice by
+    slice: y with each slice's columns passed through `fused_expand_reference`. slot_scales None: 1."""
+    if slot_scales is None:
+        slot_scales = torch.ones(lora_a.shape[0], dtype=torch.float32, device=x.device)
+    out = y.clone()
+    bounds = slice_bounds.tolist()
+    for j, (a, b) in enumerate(slice_views(lora_a, lora_b, slot_widths, slice_bounds)):
+        columns = slice(bounds[j], bounds[j + 1])
+        table = scale_table[:, columns] if scale_table is not None else None
+        bias_j = bias[columns] if bias is not None else None
+        shrunk = lora_shrink_reference(x, a, token_slots, slot_widths[j])
+        out[:, columns] = fused_expand_reference(
+            y[:, columns], shrunk, b, token_slots, slot_widths[j], slot_scales, table, bias_j
+        )
+    return out
