@@ -24,14 +24,21 @@ def teacher_forced(model, prompt, tokens):
     return logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
-@pytest.mark.parametrize("tp,cuda_graphs", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-cudagraphs"])
-def test_bd_on_gpu_matches_peft(tp, cuda_graphs, assets, prompts, tmp_path_factory):
+@pytest.mark.parametrize(
+    "tp,cuda_graphs,lora_kernels",
+    [(1, False, "vllm"), (2, False, "vllm"), (2, True, "vllm"), (1, True, "fused"), (2, True, "auto")],
+    ids=["tp1", "tp2", "tp2-cudagraphs", "tp1-cudagraphs-fused", "tp2-cudagraphs-auto"],
+)
+def test_bd_on_gpu_matches_peft(tp, cuda_graphs, lora_kernels, assets, prompts, tmp_path_factory):
+    """fused/auto: the layers run the fused kernels, and over this unquantized base the base GEMM after
+    them (delta first)."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     graphs = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}} if cuda_graphs else {}
-    engine = engine_kwargs(assets["model"], tp, bdlora=True, dtype=DTYPE, enforce_eager=not cuda_graphs, **graphs)
+    engine = engine_kwargs(assets["model"], tp, bdlora=True, dtype=DTYPE, enforce_eager=not cuda_graphs,
+                           additional_config={"bdlora": {"lora_kernels": lora_kernels}}, **graphs)  # fmt: skip
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
-    result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}"))
+    result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}_{lora_kernels}"))
     worst = {}
     for name, output in zip(BATCH, result["outputs"], strict=True):
         reference = teacher_forced(load_reference(assets["model"], assets[name] if name else None),

@@ -137,7 +137,8 @@ def test_token_groups_match_vllm_kernel_metadata():
 KERNEL_CHECK = """
 import sys, torch
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch, reference_by_slice
-from vllm_bdlora.kernels.fused_lora import LaunchConfig, fused_expand, fused_lora_linear, group_tokens, lora_shrink
+from vllm_bdlora.kernels.fused_lora import LaunchConfig, delta_then_gemm, fused_expand, fused_lora_linear
+from vllm_bdlora.kernels.fused_lora import group_tokens, lora_shrink
 from vllm_bdlora.kernels.reference import lora_shrink_reference, slice_views
 device, dtype, tokens_list, tol = sys.argv[1], getattr(torch, sys.argv[2]), eval(sys.argv[3]), float(sys.argv[4])
 def close(got, want, what):
@@ -146,7 +147,8 @@ def close(got, want, what):
     err = (got.double() - want.double()).abs().max().item()
     assert err <= tol * (1 + want.double().abs().max().item()), (what, err)
 for tokens in tokens_list:
-    b = mixed_batch(tokens=tokens, hidden=256 if device == "cuda" else 48, dtype=dtype, device=device)
+    # hidden: not a whole number of the shrink's K steps (its last step masked)
+    b = mixed_batch(tokens=tokens, hidden=272 if device == "cuda" else 48, dtype=dtype, device=device)
     groups = group_tokens(b["slots"], len(SLOT_WIDTHS[0]))
     adapted = b["slots"] >= 0
     for split_k in (1, 3):
@@ -163,9 +165,22 @@ for tokens in tokens_list:
             got = fused_lora_linear(b["x"], b["weight"], *args, bias=b["bias"], scale_table=g)
             close(got, reference_by_slice(b, dora, True), f"fused_lora_linear dora={dora} split_k={split_k}")
             y = (b["x"].float() @ b["weight"].float().T + b["bias"].float()).to(dtype)
-            got = fused_expand(y.clone(), *args, scale_table=g, bias=b["bias"])
-            close(got, reference_by_slice(b, dora, False), f"fused_expand dora={dora} split_k={split_k}")
-            assert torch.equal(got[~adapted], y[~adapted]), "base-model tokens must stay untouched"
+            # the default tiles, and a rank step wider than the buffer (its loads masked past the width)
+            for expand_cfg in (None, LaunchConfig(16, 32, 64)):
+                got = fused_expand(y.clone(), *args, scale_table=g, bias=b["bias"], config=expand_cfg)
+                close(got, reference_by_slice(b, dora, False), f"fused_expand {dora=} {expand_cfg} {split_k=}")
+                assert torch.equal(got[~adapted], y[~adapted]), "base-model tokens must stay untouched"
+        garbage = torch.full_like(y, float("nan"))
+        got = delta_then_gemm(b["x"], b["weight"], *args, bias=b["bias"], out=garbage)
+        close(got, reference_by_slice(b, False, True), f"delta_then_gemm split_k={split_k}")
+    # CUDA-graph padding: the groups hold only the first rows; the rest must come out as the base layer's.
+    grouped = max(tokens - 3, 0)
+    part = group_tokens(b["slots"][:grouped], len(SLOT_WIDTHS[0]))
+    shrunk = lora_shrink(b["x"], b["lora_a"], part, b["widths"])
+    got = delta_then_gemm(b["x"], b["weight"], shrunk, b["lora_b"], part, b["widths"], b["bounds"], b["scales"],
+                          bias=b["bias"], out=torch.full_like(y, float("nan")))
+    b["slots"][grouped:] = -1
+    close(got, reference_by_slice(b, False, True), "delta_then_gemm with padding rows")
 print("ok")
 """
 
@@ -191,25 +206,45 @@ def test_triton_kernels_match_references_on_gpu(dtype):
     run_kernel_check("cuda", dtype, (1, 7, 64, 1000), 3e-2, interpret=False)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dora", [False, True])
-def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora):
-    """What BD layers run under CUDA graphs: the op captured once, then replayed after the token groups
-    (vLLM's per-step metadata, same addresses) change to another batch's."""
-    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_, group_tokens
+def test_layer_op_given_the_base_weight_computes_the_whole_layer(dora):
+    """The op as BD layers call it over an unquantized base (CPU path): output's prior contents are
+    ignored; out = X·Wᵀ + bias + delta, or the DoRA compose; with vLLM's no-LoRA flag, the base layer alone."""
+    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_
 
-    b = mixed_batch(tokens=48, hidden=256, dtype=torch.bfloat16, device="cuda")
+    b = mixed_batch()
     b["scales"] = torch.ones_like(b["scales"])  # vLLM folds the scaling into B
     table = b["g"] if dora else None
+    for no_lora, want in ((False, reference_by_slice(b, dora, False)), (True, b["x"] @ b["weight"].T + b["bias"])):
+        out = torch.full_like(want, float("nan"))
+        fused_lora_slices_(out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"],
+                           None, None, None, None, torch.tensor([no_lora]), table, b["bias"], b["weight"])  # fmt: skip
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dora,base_weight", [(False, False), (True, False), (False, True)],
+                         ids=["lora", "dora", "lora-with-base-gemm"])  # fmt: skip
+def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora, base_weight):
+    """What BD layers run under CUDA graphs: the op captured once (48 rows), then replayed after the token
+    groups (vLLM's per-step metadata, same addresses) change to another batch's, one of which covers only
+    the first rows (the rest is graph padding). base_weight: the op runs the base GEMM too (delta first)."""
+    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_, group_tokens
+
+    rows, slots_n = 48, len(SLOT_WIDTHS[0])
+    b = mixed_batch(tokens=rows, hidden=256, dtype=torch.bfloat16, device="cuda")
+    b["scales"] = torch.ones_like(b["scales"])  # vLLM folds the scaling into B
+    table = b["g"] if dora else None
+    weight = b["weight"] if base_weight else None
     base = (b["x"].float() @ b["weight"].float().T + b["bias"].float()).to(torch.bfloat16)
-    groups = group_tokens(b["slots"], len(SLOT_WIDTHS[0]))
+    groups = group_tokens(b["slots"], slots_n)
     persistent = [t.clone() for t in (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)]
     out = base.clone()
     no_lora = torch.tensor([False])
 
     def step():
         fused_lora_slices_(out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *persistent,
-                           no_lora, table, b["bias"])  # fmt: skip
+                           no_lora, table, b["bias"], weight)  # fmt: skip
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -218,13 +253,14 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for seed in (1, 2):
-        b["slots"] = torch.randint(-1, len(SLOT_WIDTHS[0]), (48,), generator=torch.Generator().manual_seed(seed)).cuda()
-        fresh = group_tokens(b["slots"], len(SLOT_WIDTHS[0]))
+    for seed, grouped in ((1, rows), (2, rows - 9)):
+        b["slots"] = torch.randint(-1, slots_n, (rows,), generator=torch.Generator().manual_seed(seed)).cuda()
+        b["slots"][grouped:] = -1  # padding rows: no adapter, the base layer's output
+        fresh = group_tokens(b["slots"][:grouped], slots_n)
         for dst, src in zip(persistent, (fresh.sorted_ids, fresh.group_slot, fresh.group_count, fresh.group_start),
                             strict=True):  # fmt: skip
-            dst.copy_(src)
-        out.copy_(base)
+            dst[: src.shape[0]].copy_(src)
+        out.copy_(base if weight is None else torch.full_like(base, float("nan")))
         graph.replay()
         torch.cuda.synchronize()
         want = reference_by_slice(b, dora, False)

@@ -22,9 +22,11 @@ layers apply it to their partial sums before the all-reduce: still no added coll
 
 Fused kernels (`additional_config {"bdlora": {"lora_kernels": "fused"}}`, or "auto" for packed layers
 only, where they measured faster): all slices' A and B live in one
-buffer each (vLLM sees per-slice views), and after the base GEMM one shrink and one fused expand
+buffer each (vLLM sees per-slice views), and one shrink and one fused expand
 (vllm_bdlora.kernels.fused_lora) add the LoRA delta, or form the DoRA compose, for the whole packed layer,
-routed by the token grouping vLLM's punica wrapper builds once per step.
+routed by the token grouping vLLM's punica wrapper builds once per step. With an unquantized base the
+expand writes the delta first and cuBLAS accumulates the base GEMM onto it, so the output is not re-read
+and re-written by a separate pass.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from vllm.lora.layers import (
     QKVParallelLinearWithLoRA,
     RowParallelLinearWithLoRA,
 )
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.platforms import current_platform
 
 import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm_bdlora.dora_compose_)
@@ -183,8 +186,13 @@ class BlockDiagonalLoRALayer:
         return output
 
     def _apply_fused(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Base GEMM, then one shrink and one fused expand (LoRA add or DoRA compose) for all slices."""
-        output = self._get_quant_method().apply(self.base_layer, x, bias)
+        """One shrink and one fused expand (LoRA add or DoRA compose) for all slices; for an unquantized
+        base the op runs the base GEMM too, accumulating it onto the LoRA delta (`delta_then_gemm`)."""
+        weight = self._plain_weight(x.dtype)
+        if weight is None:
+            output = self._get_quant_method().apply(self.base_layer, x, bias)
+        else:
+            output = x.new_empty(*x.shape[:-1], weight.shape[0])
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1])
         torch.ops.vllm_bdlora.fused_lora_slices_(
             flat_out,
@@ -197,8 +205,23 @@ class BlockDiagonalLoRALayer:
             *token_groups(self.punica_wrapper),
             self.dora_scale,
             bias,
+            weight,
         )
         return output
+
+    def _plain_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The base weight when the base layer computes exactly x·Wᵀ (+ bias) with it: unquantized, and
+        the weight still the (out, in) matrix (vLLM's CPU backend swaps it for a packed one)."""
+        weight = getattr(self.base_layer, "weight", None)
+        if (
+            isinstance(self._get_quant_method(), UnquantizedLinearMethod)
+            and weight is not None
+            and weight.dtype == dtype
+            and tuple(weight.shape) == (sum(self.output_slices), self.input_size)
+            and weight.stride(-1) == 1
+        ):
+            return weight
+        return None
 
     def set_lora(self, index: int, lora_a, lora_b) -> None:
         self.reset_lora(index)

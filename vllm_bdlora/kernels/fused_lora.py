@@ -72,19 +72,37 @@ class LaunchConfig:
     num_stages: int = 3
 
 
-def shrink_config(tokens: int, hidden: int, width: int) -> LaunchConfig:
-    """Decode-sized batches cut the hidden dimension into parts so the A reads spread over many SMs."""
-    block_n = 16 if width <= 16 else 32 if width <= 32 else 64
+# Launch configurations and the delta-first threshold below were chosen from launch-configuration sweeps
+# on an H200 at Llama-3.1-8B TP=4 shapes (bench/kernels/lora_breakdown.py --configs; results in
+# bench/results/kernels-h200-s4).
+
+
+def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> LaunchConfig:
+    """Decode-sized batches: a column block per slice and the hidden dimension cut into up to 16 parts, so
+    the A reads spread over the SMs. Larger ones: one column block for all slices where they fit (X read
+    once), the hidden dimension cut until the grid has some 256 programs."""
     if tokens <= 64:
-        return LaunchConfig(16, block_n, 128, split_k=max(1, min(16, hidden // 512)), num_stages=2)
-    return LaunchConfig(64 if tokens >= 1024 else 32, block_n, 64)
+        parts = max(1, min(16, hidden // 64))
+        per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
+        return LaunchConfig(16, per_slice, 128 if hidden // parts >= 128 else 64, split_k=parts)
+    whole = min(128, triton.next_power_of_2(width * slices))
+    tiles = triton.cdiv(tokens, 64) * triton.cdiv(width * slices, whole)
+    return LaunchConfig(64, whole, 128, split_k=max(1, min(8, hidden // 256, 256 // tiles)))
 
 
-def expand_config(tokens: int, width: int) -> LaunchConfig:
+def expand_config(tokens: int, width: int, slices: int = 1) -> LaunchConfig:
     block_k = 16 if width <= 16 else 32
     if tokens <= 64:
         return LaunchConfig(16, 64, block_k, num_stages=2)
-    return LaunchConfig(64, 128 if tokens >= 1024 else 64, block_k, num_warps=8 if tokens >= 1024 else 4)
+    if tokens >= 4096:
+        return LaunchConfig(128 if slices > 1 else 64, 128, block_k, num_stages=1)
+    return LaunchConfig(64, 64, block_k, num_stages=1)
+
+
+# From this many tokens the base GEMM accumulates onto the delta (delta_then_gemm) rather than the expand
+# adding to the GEMM's output: writing the delta saves reading the output, but cuBLAS with beta = 1 picks
+# slower kernels for some shapes, which only the larger batches' saving outweighs.
+DELTA_FIRST_MIN_TOKENS = 2048
 
 
 def linear_config(tokens: int) -> LaunchConfig:
@@ -106,41 +124,58 @@ def _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr
 
 
 @triton.jit
-def _rows_dot(acc, x_ptr, m_ptr, rows, row_ok, cols, col_ok, k_lo, k_hi, stride_x, stride_m, BLOCK_K: tl.constexpr):
-    """acc += X[rows, k_lo:k_hi]·M[cols, k_lo:k_hi]ᵀ (X·Aᵀ in the shrink, X·Wᵀ in the GEMM)."""
+def _rows_dot(acc, x_ptr, m_ptr, rows, cols, k_lo, k_hi, stride_x, stride_m, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):  # fmt: skip
+    """acc += X[rows, k_lo:k_hi]·M[cols, k_lo:k_hi]ᵀ (X·Aᵀ in the shrink, X·Wᵀ in the GEMM). rows and cols
+    must be valid indices (callers point padding lanes at real rows/columns and mask only the store), so
+    with EVEN_K (every [k_lo, k_hi) a whole number of BLOCK_K) no load is masked."""
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_hi
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        m = tl.load(m_ptr + cols[None, :] * stride_m + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        x_ptrs = x_ptr + rows[:, None] * stride_x + ks[None, :]
+        m_ptrs = m_ptr + cols[None, :] * stride_m + ks[:, None]
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            m = tl.load(m_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(ks < k_hi)[None, :], other=0.0)
+            m = tl.load(m_ptrs, mask=(ks < k_hi)[:, None], other=0.0)
         acc += tl.dot(x, m)
     return acc
 
 
 @triton.jit
 def _slices_delta(
-    acc, s_ptr, b_ptr, widths_ptr, bounds_ptr, slot, rows, row_ok, cols, col_ok, n0, width,
-    stride_split, stride_s, stride_bn, stride_w,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    acc, s_ptr, b_ptr, widths_ptr, bounds_ptr, slot, rows, cols, n0, stride_split, stride_s, stride_bn, stride_w,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
 ):  # fmt: skip
     """acc += S_j[rows, :w]·B[slot, cols, :w]ᵀ for each slice j the column block [n0, n0 + BLOCK_N)
-    meets, w = the slot's width in slice j (summing S's split_k parts as it loads them)."""
+    meets, w = the slot's width in slice j (summing S's split_k parts as it loads them). rows and cols
+    are valid indices; S beyond w (never written) is zeroed after loading, and B is only masked in a
+    column block that straddles two slices (or, unless EVEN_W, where BLOCK_K passes the buffer width)."""
     for j in tl.static_range(NUM_SLICES):
         lo = tl.load(bounds_ptr + j)
         hi = tl.load(bounds_ptr + j + 1)
         w = tl.load(widths_ptr + j * stride_w + slot)
         if (n0 < hi) & (n0 + BLOCK_N > lo) & (w > 0):
-            in_slice = col_ok & (cols >= lo) & (cols < hi)
-            for k0 in range(0, w, BLOCK_K):
+            for k0 in tl.static_range(0, WIDTH, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < w
-                s_mask = row_ok[:, None] & k_ok[None, :]
-                s_offs = rows[:, None] * stride_s + j * width + ks[None, :]
-                s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
-                for part in tl.static_range(1, SPLIT_K):
-                    s += tl.load(s_ptr + part * stride_split + s_offs, mask=s_mask, other=0.0)
-                b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None], mask=k_ok[:, None] & in_slice[None, :],
-                            other=0.0)  # fmt: skip
+                s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
+                if EVEN_W:
+                    s = tl.load(s_ptr + s_offs)
+                    for part in tl.static_range(1, SPLIT_K):
+                        s += tl.load(s_ptr + part * stride_split + s_offs)
+                else:
+                    s = tl.load(s_ptr + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
+                    for part in tl.static_range(1, SPLIT_K):
+                        s += tl.load(s_ptr + part * stride_split + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
+                s = tl.where((ks < w)[None, :], s, 0.0)
+                b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
+                if EVEN_W & (n0 >= lo) & (n0 + BLOCK_N <= hi):
+                    b = tl.load(b_ptrs)
+                else:
+                    b_mask = ((cols >= lo) & (cols < hi))[None, :] & (ks < WIDTH)[:, None]
+                    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
                 acc += tl.dot(s.to(b.dtype), b)
     return acc
 
@@ -164,10 +199,19 @@ def _compose_and_store(
 
 
 @triton.jit
+def _store_delta(out_ptr, delta, rows, row_ok, cols, col_ok, stride_out, bias_ptr, HAS_BIAS: tl.constexpr):
+    """out = delta (+ bias): what the base GEMM then accumulates onto (fused_expand's overwrite mode)."""
+    if HAS_BIAS:
+        delta += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], delta.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, s_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
     hidden, total_width, width, k_per_split, stride_x, stride_al, stride_ar, stride_split, stride_s, stride_w,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
     group = tl.program_id(1)
@@ -185,8 +229,8 @@ def _lora_shrink_kernel(
         return
     k_lo = part * k_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc = _rows_dot(acc, x_ptr, a_ptr + slot * stride_al, rows, row_ok, rs, r_ok, k_lo,
-                    tl.minimum(k_lo + k_per_split, hidden), stride_x, stride_ar, BLOCK_K)  # fmt: skip
+    acc = _rows_dot(acc, x_ptr, a_ptr + slot * stride_al, rows, rs % total_width, k_lo,
+                    tl.minimum(k_lo + k_per_split, hidden), stride_x, stride_ar, BLOCK_K, EVEN_K)  # fmt: skip
     out = s_ptr + part * stride_split + rows[:, None] * stride_s + rs[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 
@@ -194,27 +238,49 @@ def _lora_shrink_kernel(
 @triton.jit
 def _fused_expand_kernel(
     y_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
-    bounds_ptr, scale_ptr, g_ptr, bias_ptr, n_cols, width,
+    bounds_ptr, scale_ptr, g_ptr, bias_ptr, n_rows, n_cols, n_groups,
     stride_y, stride_split, stride_s, stride_bl, stride_bn, stride_w, stride_g,
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OVERWRITE: tl.constexpr, MAX_GROUPS: tl.constexpr, WIDTH: tl.constexpr,
+    EVEN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
-    slot, count, rows, row_ok = _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
-                                            tl.program_id(1), m_block, BLOCK_M)  # fmt: skip
-    if (slot < 0) | (m_block * BLOCK_M >= count):
-        return
+    group = tl.program_id(1)
     n0 = tl.program_id(2) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
+    if OVERWRITE:
+        if group == n_groups:
+            # Rows no group holds (CUDA-graph padding past the step's tokens, which come first): they
+            # still get a defined value, the bias, before the base GEMM accumulates onto them.
+            groups = tl.arange(0, MAX_GROUPS)
+            grouped = tl.sum(tl.load(group_count_ptr + groups, mask=groups < n_groups, other=0), 0)
+            rows = grouped + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < n_rows
+            if grouped + m_block * BLOCK_M < n_rows:
+                _store_delta(y_ptr, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), rows.to(tl.int64), row_ok,
+                             cols, col_ok, stride_y, bias_ptr, HAS_BIAS)  # fmt: skip
+            return
+    slot, count, rows, row_ok = _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
+                                            group, m_block, BLOCK_M)  # fmt: skip
+    if m_block * BLOCK_M >= count:
+        return
+    if slot < 0:
+        if OVERWRITE:  # base-model tokens: no delta
+            _store_delta(y_ptr, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), rows, row_ok, cols, col_ok,
+                         stride_y, bias_ptr, HAS_BIAS)  # fmt: skip
+        return
+    valid_cols = cols % n_cols  # lanes past the last column read a real one; only the store is masked
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, row_ok, cols,
-                          col_ok, n0, width, stride_split, stride_s, stride_bn, stride_w,
-                          NUM_SLICES, SPLIT_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, valid_cols, n0,
+                          stride_split, stride_s, stride_bn, stride_w, NUM_SLICES, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K,
+                          EVEN_W)  # fmt: skip
     if HAS_SCALE:
         delta = delta * tl.load(scale_ptr + slot)
-    mask = row_ok[:, None] & col_ok[None, :]
-    base = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if OVERWRITE:
+        _store_delta(y_ptr, delta, rows, row_ok, cols, col_ok, stride_y, bias_ptr, HAS_BIAS)
+        return
+    base = tl.load(y_ptr + rows[:, None] * stride_y + valid_cols[None, :]).to(tl.float32)
     _compose_and_store(y_ptr, base, delta, rows, row_ok, cols, col_ok, slot, stride_y, g_ptr, stride_g, bias_ptr,
                        HAS_DORA, HAS_BIAS)  # fmt: skip
 
@@ -222,11 +288,11 @@ def _fused_expand_kernel(
 @triton.jit
 def _fused_lora_linear_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
-    widths_ptr, bounds_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols, width,
+    widths_ptr, bounds_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols,
     stride_x, stride_w, stride_out, stride_split, stride_s, stride_bl, stride_bn, stride_wt, stride_g,
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr, EVEN_W: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
     slot, count, rows, row_ok = _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
@@ -236,15 +302,16 @@ def _fused_lora_linear_kernel(
     n0 = tl.program_id(2) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
+    valid_cols = cols % n_cols
     base = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    base = _rows_dot(base, x_ptr, w_ptr, rows, row_ok, cols, col_ok, 0, hidden, stride_x, stride_w, BLOCK_K)
+    base = _rows_dot(base, x_ptr, w_ptr, rows, valid_cols, 0, hidden, stride_x, stride_w, BLOCK_K, EVEN_K)
     if HAS_BIAS:
         base += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if slot >= 0:
-        delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, row_ok,
-                              cols, col_ok, n0, width, stride_split, stride_s, stride_bn, stride_wt,
-                              NUM_SLICES, SPLIT_K, BLOCK_N, BLOCK_R)  # fmt: skip
+        delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows,
+                              valid_cols, n0, stride_split, stride_s, stride_bn, stride_wt, NUM_SLICES, SPLIT_K,
+                              WIDTH, BLOCK_N, BLOCK_R, EVEN_W)  # fmt: skip
         if HAS_SCALE:
             delta = delta * tl.load(scale_ptr + slot)
     _compose_and_store(out_ptr, base, delta, rows, row_ok, cols, col_ok, slot, stride_out, g_ptr, stride_g, bias_ptr,
@@ -267,7 +334,7 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
     sum to S."""
     _rows_major(x, lora_a)
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
-    cfg = config or shrink_config(x.shape[0], x.shape[1], total_width // slices)
+    cfg = config or shrink_config(x.shape[0], x.shape[1], total_width // slices, slices)
     k_per_split = triton.cdiv(triton.cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
     out = torch.empty(cfg.split_k, x.shape[0], total_width, dtype=torch.float32, device=x.device)
     grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(total_width, cfg.block_n) * cfg.split_k)
@@ -276,6 +343,7 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
         x.shape[1], total_width, total_width // slices, k_per_split, x.stride(0), lora_a.stride(0),
         lora_a.stride(1), out.stride(0), out.stride(1), slot_widths.stride(0),
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=x.shape[1] % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -287,27 +355,49 @@ def _optional(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
 
 def fused_expand(
     y, shrunk, lora_b, groups, slot_widths, slice_bounds, slot_scales=None, scale_table=None, bias=None,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig | None = None, overwrite: bool = False,
 ):  # fmt: skip
     """In place on y (tokens, total height): y += S·B[slot]ᵀ per token (times slot_scales[slot] if given),
     or the DoRA compose with `scale_table` (slots, total height). lora_b (slots, total height, width);
-    slice j owns columns slice_bounds[j]:slice_bounds[j+1] and S's columns j·width:(j+1)·width."""
+    slice j owns columns slice_bounds[j]:slice_bounds[j+1] and S's columns j·width:(j+1)·width.
+    overwrite: y's contents are ignored and every row is written: the delta + bias (bias alone for
+    base-model tokens and rows in no group), for a base GEMM to accumulate onto (`delta_then_gemm`)."""
     _rows_major(y, shrunk, lora_b)
+    if overwrite and scale_table is not None:
+        raise ValueError("the DoRA compose needs the base output: overwrite=False")
     width = lora_b.shape[2]
-    cfg = config or expand_config(y.shape[0], width)
+    cfg = config or expand_config(y.shape[0], width, slot_widths.shape[0])
+    n_groups = groups.group_slot.shape[0]
     grid = _groups_grid(groups, y.shape[0], cfg.block_m, triton.cdiv(y.shape[1], cfg.block_n))
+    if overwrite:
+        grid = (grid[0], n_groups + 1, grid[2])  # the extra group: rows past the grouped tokens
     _fused_expand_kernel[grid](
         y, shrunk, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start,
         slot_widths, slice_bounds, _optional(slot_scales, slice_bounds), _optional(scale_table, slice_bounds),
-        _optional(bias, slice_bounds), y.shape[1], width, y.stride(0), shrunk.stride(0), shrunk.stride(1),
-        lora_b.stride(0), lora_b.stride(1), slot_widths.stride(0),
+        _optional(bias, slice_bounds), y.shape[0], y.shape[1], n_groups, y.stride(0), shrunk.stride(0),
+        shrunk.stride(1), lora_b.stride(0), lora_b.stride(1), slot_widths.stride(0),
         scale_table.stride(0) if scale_table is not None else 0,
         NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
-        HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None,
+        HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, OVERWRITE=overwrite,
+        MAX_GROUPS=triton.next_power_of_2(n_groups), WIDTH=width, EVEN_W=width % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
+
+
+def delta_then_gemm(
+    x, weight, shrunk, lora_b, groups, slot_widths, slice_bounds, slot_scales=None, bias=None, out=None,
+    config: LaunchConfig | None = None,
+):  # fmt: skip
+    """out = X·Wᵀ (+ bias) + S·B[slot]ᵀ per token: the fused expand writes delta + bias into out (a write
+    only pass), then cuBLAS accumulates X·Wᵀ onto it (beta = 1), reading out in the GEMM's epilogue while the
+    GEMM is busy computing. vLLM's order (GEMM, then an expand that re-reads and re-writes the whole output)
+    moves the same bytes but in a memory-bound pass of its own."""
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    fused_expand(out, shrunk, lora_b, groups, slot_widths, slice_bounds, slot_scales, None, bias, config, True)
+    return out.addmm_(x, weight.t())
 
 
 def fused_lora_linear(
@@ -321,17 +411,19 @@ def fused_lora_linear(
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     width = lora_b.shape[2]
+    block_r = 16 if width <= 16 else 32
     cfg = config or linear_config(x.shape[0])
     grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(weight.shape[0], cfg.block_n))
     _fused_lora_linear_kernel[grid](
         x, weight, out, shrunk, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count,
         groups.group_start, slot_widths, slice_bounds, _optional(slot_scales, slice_bounds),
-        _optional(scale_table, slice_bounds), _optional(bias, slice_bounds), x.shape[1], weight.shape[0], width,
+        _optional(scale_table, slice_bounds), _optional(bias, slice_bounds), x.shape[1], weight.shape[0],
         x.stride(0), weight.stride(0), out.stride(0), shrunk.stride(0), shrunk.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0), scale_table.stride(0) if scale_table is not None else 0,
         NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
-        HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=16 if width <= 16 else 32,
+        HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, WIDTH=width, EVEN_W=width % block_r == 0,
+        EVEN_K=x.shape[1] % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_R=block_r,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -353,19 +445,32 @@ def fused_lora_slices_(
     no_lora: torch.Tensor | None = None,
     scale_table: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> None:
     """In place on output (tokens, total height): each token's LoRA delta from its slot's adapter, all
     slices at once (lora_a (slots, slices·width, in), lora_b (slots, total height, width), the first
     slot_widths[j, slot] columns of slice j; vLLM has folded the scaling into B), or with scale_table the
     DoRA compose. Token slot -1: untouched. On CUDA the token groups (vLLM's LoRAKernelMeta tensors) are
-    used; `no_lora`, a CPU flag as in vLLM's own ops, skips every launch when no token has an adapter."""
-    if no_lora is not None and bool(no_lora[0]):
-        return
+    used; `no_lora`, a CPU flag as in vLLM's own ops, skips every LoRA launch when no token has an adapter.
+
+    With `weight` (total height, in) the op runs the base GEMM too and output's contents are ignored:
+    output = X·Wᵀ + bias + delta, in `delta_then_gemm` order from DELTA_FIRST_MIN_TOKENS tokens (not for
+    the DoRA compose, which needs the base output), else the GEMM first."""
     tokens = x.shape[0]
+    skip_lora = no_lora is not None and bool(no_lora[0])
+    delta_first = x.is_cuda and scale_table is None and tokens >= DELTA_FIRST_MIN_TOKENS
+    if weight is not None and (skip_lora or not delta_first):
+        torch.addmm(bias, x, weight.t(), out=output) if bias is not None else torch.mm(x, weight.t(), out=output)
+        weight = None
+    if skip_lora:
+        return
     if x.is_cuda:
         groups = TokenGroups(sorted_ids[:tokens], group_slot, group_count, group_start)
         shrunk = lora_shrink(x, lora_a, groups, slot_widths)
-        fused_expand(output, shrunk, lora_b, groups, slot_widths, slice_bounds, None, scale_table, bias)
+        if weight is not None:
+            delta_then_gemm(x, weight, shrunk, lora_b, groups, slot_widths, slice_bounds, bias=bias, out=output)
+        else:
+            fused_expand(output, shrunk, lora_b, groups, slot_widths, slice_bounds, None, scale_table, bias)
         return
     from vllm_bdlora.kernels.reference import fused_lora_slices_reference
 
@@ -375,5 +480,5 @@ def fused_lora_slices_(
 
 @fused_lora_slices_.register_fake
 def _(output, x, lora_a, lora_b, slot_widths, slice_bounds, token_slots, sorted_ids=None, group_slot=None,
-      group_count=None, group_start=None, no_lora=None, scale_table=None, bias=None) -> None:  # fmt: skip
+      group_count=None, group_start=None, no_lora=None, scale_table=None, bias=None, weight=None) -> None:  # fmt: skip
     return None
