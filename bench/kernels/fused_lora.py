@@ -1,7 +1,8 @@
 """The whole LoRA-adapted layer (base GEMM + LoRA) at Llama-3.1-8B TP=4 per-GPU shapes: vLLM's path
 (cuBLAS GEMM, then its Triton shrink and expand kernels, as its GPU punica wrapper calls them) against the
-fused kernels of vllm_bdlora.kernels.fused_lora: cuBLAS GEMM + shrink + fused expand (what the layers run
-with lora_kernels: fused), and shrink + split-graph fused GEMM.
+fused kernels of vllm_bdlora.kernels.fused_lora: the custom op BD layers call (layer_op), and its two
+orders on their own: shrink + delta-writing expand + cuBLAS GEMM accumulating onto it (delta_first),
+cuBLAS GEMM + shrink + in-place fused expand (fused_expand); and shrink + split-graph fused GEMM.
 
     python -m bench.kernels.fused_lora --out bench/results/kernels-h200 [--tune]
 
@@ -97,7 +98,8 @@ def vllm_path(layer):
 
 
 def fused_paths(layer, shrink_cfg=None, expand_cfg=None, linear_cfg=None):
-    from vllm_bdlora.kernels.fused_lora import fused_expand, fused_lora_linear, lora_shrink
+    """(fused expand, delta first, fused GEMM) paths for one layer; expand_cfg serves both expand modes."""
+    from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, fused_lora_linear, lora_shrink
 
     x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
 
@@ -106,63 +108,93 @@ def fused_paths(layer, shrink_cfg=None, expand_cfg=None, linear_cfg=None):
         shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
         return fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, config=expand_cfg)
 
+    def delta_first_path():
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
+        return delta_then_gemm(x, layer["weight"], shrunk, layer["lora_b"], groups, widths, bounds, config=expand_cfg)
+
     def fused_linear_path():
         shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
         return fused_lora_linear(x, layer["weight"], shrunk, layer["lora_b"], groups, widths, bounds,
                                  config=linear_cfg)  # fmt: skip
 
-    return fused_expand_path, fused_linear_path
+    return fused_expand_path, delta_first_path, fused_linear_path
 
 
-def candidate_configs(tokens, k, width):
-    """A few launch configurations around the defaults, for --tune."""
+PATHS = ("fused_expand", "delta_first", "fused_linear")
+
+
+def layer_op_path(layer):
+    """Exactly what a BD layer runs with lora_kernels fused/auto over an unquantized base: the custom op
+    given the base weight (it picks delta first or GEMM first by token count, and its launch configurations)."""
+    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_
+
+    x, groups = layer["x"], layer["groups"]
+    out = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
+
+    def run():
+        fused_lora_slices_(out, x, layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"], layer["slots"],
+                           groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, None, None,
+                           None, layer["weight"])  # fmt: skip
+        return out
+
+    return run
+
+
+def candidate_configs(tokens, k, width, slices):
+    """A few launch configurations around the defaults, for --tune: (shrinks, expands, linears)."""
     from vllm_bdlora.kernels.fused_lora import LaunchConfig, expand_config, linear_config, shrink_config
 
-    s, e, lin = shrink_config(tokens, k, width), expand_config(tokens, width), linear_config(tokens)
-    decode = tokens <= 64
-    shrinks = {s} | {LaunchConfig(16, s.block_n, 128, split_k=sk, num_stages=2) for sk in (4, 16)} if decode \
-        else {s, LaunchConfig(64, s.block_n, 128), LaunchConfig(32, s.block_n, 128),
-              LaunchConfig(64, s.block_n, 64, split_k=2), LaunchConfig(64, s.block_n, 128, split_k=4)}  # fmt: skip
-    expands = {e} | ({LaunchConfig(16, bn, e.block_k, num_stages=2) for bn in (32, 128, 256)} if decode
-                     else {LaunchConfig(128, 128, e.block_k, num_warps=8), LaunchConfig(64, 256, e.block_k,
-                                                                                        num_warps=8)})  # fmt: skip
-    linears = {lin} | ({LaunchConfig(16, bn, bk, num_stages=st) for bn, bk, st in
-                        ((16, 256, 4), (32, 256, 3), (64, 128, 4), (64, 64, 5))} if decode else
-                       {LaunchConfig(128, 256, 64, num_warps=8, num_stages=3),
-                        LaunchConfig(128, 128, 64, num_warps=4, num_stages=4),
-                        LaunchConfig(64, 256, 64, num_warps=8, num_stages=4)})  # fmt: skip
+    s, e = shrink_config(tokens, k, width, slices), expand_config(tokens, width, slices)
+    lin = linear_config(tokens)
+    whole = min(128, 1 << (slices * width - 1).bit_length())  # one column block for all slices: X read once
+    if tokens <= 64:
+        shrinks = {s} | {LaunchConfig(16, bn, 128, split_k=sk, num_stages=2) for bn in (s.block_n, whole)
+                         for sk in (4, 8, 16)}  # fmt: skip
+        expands = {e} | {LaunchConfig(16, bn, e.block_k, num_stages=2) for bn in (32, 128, 256)}
+        linears = {lin} | {LaunchConfig(16, bn, bk, num_stages=st) for bn, bk, st in
+                           ((16, 256, 4), (32, 256, 3), (64, 128, 4), (64, 64, 5))}  # fmt: skip
+        return shrinks, expands, linears
+    shrinks = {s} | {LaunchConfig(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st)
+                     for bm, bn, bk, sk, w, st in ((64, 32, 64, 1, 4, 3), (64, whole, 64, 1, 4, 3),
+                                                   (64, whole, 64, 2, 4, 3), (128, whole, 64, 1, 8, 3),
+                                                   (32, whole, 128, 1, 4, 4), (64, whole, 128, 1, 8, 3))}  # fmt: skip
+    expands = {e} | {LaunchConfig(bm, bn, e.block_k, num_warps=w, num_stages=st)
+                     for bm, bn, w, st in ((128, 128, 8, 2), (64, 256, 8, 2), (32, 256, 4, 2),
+                                           (64, 128, 4, 2))}  # fmt: skip
+    linears = {lin} | {LaunchConfig(128, 256, 64, num_warps=8, num_stages=3),
+                       LaunchConfig(128, 128, 64, num_warps=4, num_stages=4)}  # fmt: skip
     return shrinks, expands, linears
 
 
 def tune_point(layer, want, tokens, k, width) -> dict:
-    """Best shrink + fused expand and shrink + fused GEMM configurations, varying one kernel's launch
-    configuration at a time around the defaults (each checked against the reference)."""
-    shrinks, expands, linears = candidate_configs(tokens, k, width)
+    """Best configuration per fused path, varying one kernel's launch configuration at a time around the
+    defaults (each checked against the reference)."""
+    shrinks, expands, linears = candidate_configs(tokens, k, width, layer["widths"].shape[0])
     found = {}
-    for path, index, others in (("fused_expand", 0, expands), ("fused_linear", 1, linears)):
+    for index, (path, others) in enumerate(zip(PATHS, (expands, expands, linears), strict=True)):
         trials = [(s, None) for s in shrinks] + [(None, o) for o in others]  # None: the default
         timed = []
         for shrink_cfg, other_cfg in trials:
-            cfgs = (shrink_cfg, other_cfg, None) if index == 0 else (shrink_cfg, None, other_cfg)
+            cfgs = (shrink_cfg, other_cfg, None) if index < 2 else (shrink_cfg, None, other_cfg)
             fn = fused_paths(layer, *cfgs)[index]
             try:
                 torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
-            except AssertionError as e:
-                print(f"{path} {shrink_cfg} {other_cfg}: wrong result, not timed: {str(e).splitlines()[0]}")
+            except Exception as e:  # a configuration that fails to compile or computes wrong is not timed
+                print(f"{path} {shrink_cfg} {other_cfg}: not timed: {str(e).splitlines()[0][:200]}")
                 continue
             timed.append((time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"], shrink_cfg, other_cfg))
         ms, shrink_cfg, other_cfg = min(timed, key=lambda t: t[0])
         found[f"tuned_{path}_ms"] = round(ms, 5)
         found[f"tuned_{path}_config"] = {"shrink": asdict(shrink_cfg) if shrink_cfg else "default",
-                                         path: asdict(other_cfg) if other_cfg else "default"}  # fmt: skip
+                                         "other": asdict(other_cfg) if other_cfg else "default"}  # fmt: skip
     return found
 
 
 def bench_point(name, k, heights, tokens, adapters, width, tune):
     layer = make_layer(k, heights, tokens, adapters, width)
     want = reference(layer)
-    expand_path, linear_path = fused_paths(layer)
-    paths = {"vllm": vllm_path(layer), "fused_expand": expand_path, "fused_linear": linear_path,
+    paths = {"vllm": vllm_path(layer), "layer_op": layer_op_path(layer),
+             **dict(zip(PATHS, fused_paths(layer), strict=True)),
              "base_gemm_only": lambda: layer["x"] @ layer["weight"].T}  # fmt: skip
     row = {"layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": sum(heights),
            "slices": len(heights), "width": width}  # fmt: skip
@@ -181,15 +213,20 @@ def bench_point(name, k, heights, tokens, adapters, width, tune):
     if tune:
         row.update(tune_point(layer, want, tokens, k, width))
     if row["vllm_ms"]:
-        for path in ("fused_expand", "fused_linear", "tuned_fused_expand", "tuned_fused_linear"):
+        for path in ("layer_op", *PATHS, *(f"tuned_{p}" for p in PATHS)):
             if row.get(f"{path}_ms"):
                 row[f"{path}_speedup"] = round(row["vllm_ms"] / row[f"{path}_ms"], 3)
-    for path in ("vllm", "fused_expand", "fused_linear"):
+    for path in ("vllm", "layer_op", *PATHS):
         if row.get(f"{path}_ms"):
             row[f"{path}_lora_overhead_ms"] = round(row[f"{path}_ms"] - row["base_gemm_only_ms"], 5)
     gemm_s = row["base_gemm_only_ms"] * 1e-3
     row["base_gemm_tflops"] = round(2 * tokens * k * row["N"] / gemm_s / 1e12, 1)
     row["base_gemm_gbs"] = round(2 * (tokens * k + k * row["N"] + tokens * row["N"]) / gemm_s / 1e9, 1)
+    # Bytes the LoRA work must move at least, beyond the base GEMM's own: X once (shrink) and the output
+    # once (the delta-first expand's write); its achieved rate against the measured copy bandwidth.
+    lora_bytes = 2 * (tokens * k + tokens * row["N"])
+    if row.get("layer_op_lora_overhead_ms", 0) > 0:
+        row["layer_op_lora_gbs"] = round(lora_bytes / (row["layer_op_lora_overhead_ms"] * 1e-3) / 1e9, 1)
     print(row, flush=True)
     return row
 
@@ -212,30 +249,42 @@ def report(json_path: str) -> str:
         "- times: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls (ms per call); bf16; "
         "Llama-3.1-8B TP=4 per-GPU shapes, per-GPU LoRA width "
         f"{rows[0]['width']} (BD r'=128)",
-        "- fused expand = cuBLAS GEMM + our shrink + our fused expand (what `lora_kernels: fused` runs); "
-        "fused GEMM = our shrink + split-graph Triton GEMM with the LoRA term in its accumulator",
+        "- paths: **layer op** = the custom op BD layers call with `lora_kernels: fused`/`auto` over an "
+        "unquantized base (our shrink, then from 2048 tokens our expand writing delta + bias and cuBLAS "
+        "accumulating X·Wᵀ onto it with beta = 1 (= delta first), below that cuBLAS GEMM then our expand adding "
+        "in place (= fused expand, also the path for quantized bases and DoRA)); fused GEMM = our shrink + "
+        "split-graph Triton GEMM with the LoRA term in its accumulator (not used by the layers)",
+        "- LoRA GB/s: the bytes the LoRA work must move beyond the base GEMM's (X once, the output once) over "
+        "the layer op's added time",
         "",
     ]
+    tuned = any("tuned_delta_first_ms" in r for r in rows)
     for adapters in sorted({r["adapters"] for r in rows}):
         lines += [f"## {adapters} adapter(s) per batch", "",
-                  "| layer | tokens | base GEMM ms (TFLOP/s) | vLLM ms | fused expand ms (×) | fused GEMM ms (×) "
-                  "| LoRA cost vLLM / fused expand, µs |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| layer | tokens | base GEMM ms (TFLOP/s) | vLLM ms | layer op ms (×) | delta first ms (×) "
+                  "| fused expand ms (×) | fused GEMM ms (×) | LoRA cost vLLM / layer op, µs (LoRA GB/s) |"
+                  + (" tuned delta first ms (×) |" if tuned else ""),
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if tuned else "")]  # fmt: skip
         for r in (r for r in rows if r["adapters"] == adapters):
             lines.append(
                 f"| {r['layer']} | {r['tokens']} | {r['base_gemm_only_ms']:.4f} ({r['base_gemm_tflops']}) | "
-                f"{r['vllm_ms']:.4f} | {r['fused_expand_ms']:.4f} ({r.get('fused_expand_speedup', '-')}) | "
+                f"{r['vllm_ms']:.4f} | **{r['layer_op_ms']:.4f} ({r.get('layer_op_speedup', '-')})** | "
+                f"{r['delta_first_ms']:.4f} ({r.get('delta_first_speedup', '-')}) | "
+                f"{r['fused_expand_ms']:.4f} ({r.get('fused_expand_speedup', '-')}) | "
                 f"{r['fused_linear_ms']:.4f} ({r.get('fused_linear_speedup', '-')}) | "
-                f"{r['vllm_lora_overhead_ms'] * 1e3:.1f} / {r['fused_expand_lora_overhead_ms'] * 1e3:.1f} |"
+                f"{r['vllm_lora_overhead_ms'] * 1e3:.1f} / {r['layer_op_lora_overhead_ms'] * 1e3:.1f} "
+                f"({r.get('layer_op_lora_gbs', '-')}) |"
+                + (f" {r['tuned_delta_first_ms']:.4f} ({r.get('tuned_delta_first_speedup', '-')}) |" if tuned else "")
             )
         lines.append("")
-    lines += ["## Targets (issue 5), fused expand path", ""]
+    lines += ["## Targets (issue 5): the layer op", ""]
     for label, lo, hi, test, goal in (
         ("prefill (1024-8192 tokens): ≥ 1.2× faster than vLLM", 1024, 8192, lambda x: x >= 1.2, "≥ 1.2×"),
         ("decode (1-64 tokens): never slower than vLLM", 1, 64, lambda x: x >= 1.0, "≥ 1.0×"),
     ):
         for layer in dict.fromkeys(r["layer"] for r in rows):
             picked = [r for r in rows if r["layer"] == layer and lo <= r["tokens"] <= hi and r.get("vllm_ms")]
-            speedups = [r["fused_expand_speedup"] for r in picked]
+            speedups = [r["layer_op_speedup"] for r in picked]
             verdict = "met" if all(test(x) for x in speedups) else "MISSED"
             lines.append(f"- {label}, {layer}: {min(speedups):.2f}-{max(speedups):.2f}× ({goal}): {verdict}")
     out = os.path.join(os.path.dirname(json_path), "fused_lora.md")

@@ -1,0 +1,146 @@
+"""Where a LoRA-adapted layer's time goes, kernel by kernel (the whole-layer benchmark, fused_lora.py, only
+shows sums): the base GEMM as cuBLAS runs it alone and accumulating onto an existing output (beta = 1), our
+shrink and expand (in place, and writing the delta), and vLLM's shrink and expand, at Llama-3.1-8B TP=4
+per-GPU shapes, one adapter, bf16.
+
+    python -m bench.kernels.lora_breakdown --out bench/results/kernels-h200
+
+Times: median of CUDA-event-timed replays of a CUDA graph of 10 calls. Streaming kernels also report GB/s
+(the bytes they must move: output read and/or written, S, X for the shrink) against the measured copy
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer
+from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
+
+TOKENS = (16, 1024, 8192)
+
+
+def kernels(layer):
+    """(name, fn, bytes it must move or None) for every kernel of the layer on its own."""
+    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
+
+    x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
+    tokens, n = x.shape[0], w.shape[0]
+    y = x @ w.T
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths)
+    out_bytes = 2 * tokens * n
+    found = [
+        ("cublas_gemm", lambda: x @ w.T, None),
+        ("cublas_gemm_beta1", lambda: y.addmm_(x, w.t()), None),
+        ("our_shrink", lambda: lora_shrink(x, layer["lora_a"], groups, widths), 2 * x.numel()),
+        ("our_expand_in_place", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds),
+         2 * out_bytes),
+        ("our_expand_write", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, overwrite=True),
+         out_bytes),
+    ]  # fmt: skip
+    try:
+        import vllm.lora.ops.triton_ops  # noqa: F401
+        from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
+    except Exception as e:
+        print(f"vLLM LoRA ops unavailable: {e}")
+        return found
+    from vllm_bdlora.kernels.reference import slice_views
+
+    views = slice_views(layer["lora_a"], layer["lora_b"], widths, bounds)
+    lora_a = [a.contiguous() for a, _ in views]
+    lora_b = [b.contiguous() for _, b in views]
+    meta = LoRAKernelMeta.make(lora_a[0].shape[0], tokens, x.device)
+    meta.prepare_tensors(layer["slots"].int())
+    args = meta.meta_args(tokens, False)
+    buffer = torch.empty(len(lora_a), tokens, lora_b[0].shape[-1], dtype=torch.float32, device=x.device)
+    found += [
+        ("vllm_shrink", lambda: torch.ops.vllm.lora_shrink(x, lora_a, buffer, *args, 1.0), 2 * x.numel()),
+        ("vllm_expand", lambda: torch.ops.vllm.lora_expand(buffer, lora_b, y, *args, offset_start=0, add_inputs=True),
+         2 * out_bytes),
+    ]  # fmt: skip
+    return found
+
+
+def expand_configs(layer) -> list[dict]:
+    """Our expand (writing the delta) under a grid of launch configurations: which tile shapes stream."""
+    from vllm_bdlora.kernels.fused_lora import LaunchConfig, fused_expand, lora_shrink
+
+    x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
+    y = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths)
+    timed = []
+    for bm in (16, 32, 64, 128):
+        for bn in (64, 128, 256):
+            for warps in (4, 8):
+                for stages in (1, 2):
+                    cfg = LaunchConfig(bm, bn, 32, num_warps=warps, num_stages=stages)
+
+                    def run(cfg=cfg):
+                        return fused_expand(
+                            y, shrunk, layer["lora_b"], groups, widths, bounds, config=cfg, overwrite=True
+                        )
+
+                    us = time_cuda(run, trials=50, graph_repeats=10)["median_ms"] * 1e3
+                    timed.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                                  "us": round(us, 2), "gbs": round(y.numel() * 2 / (us * 1e-6) / 1e9, 1)})  # fmt: skip
+    return sorted(timed, key=lambda t: t["us"])
+
+
+def shrink_configs(layer) -> list[dict]:
+    """Our shrink under a grid of launch configurations (tile rows, one column block per slice or one for
+    all slices, hidden-dimension split)."""
+    from vllm_bdlora.kernels.fused_lora import LaunchConfig, lora_shrink
+
+    x, groups, widths = layer["x"], layer["groups"], layer["widths"]
+    total = layer["lora_a"].shape[1]
+    whole = min(128, 1 << (total - 1).bit_length())
+    timed = []
+    for bm in (16, 32, 64, 128):
+        for bn in sorted({min(whole, WIDTH), whole}):
+            for split in (1, 2, 4, 8, 16):
+                for bk in (64, 128):
+                    if x.shape[1] // split < bk:
+                        continue
+                    cfg = LaunchConfig(bm, bn, bk, split_k=split, num_warps=4, num_stages=3)
+
+                    def run(cfg=cfg):
+                        return lora_shrink(x, layer["lora_a"], groups, widths, config=cfg)
+
+                    us = time_cuda(run, trials=50, graph_repeats=10)["median_ms"] * 1e3
+                    timed.append({"block_m": bm, "block_n": bn, "split_k": split, "block_k": bk, "us": round(us, 2),
+                                  "x_gbs": round(x.numel() * 2 / (us * 1e-6) / 1e9, 1)})  # fmt: skip
+    return sorted(timed, key=lambda t: t["us"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--configs", action="store_true", help="also time our kernels' launch configurations")
+    args = p.parse_args(argv)
+    copy_gbs = copy_bandwidth_gbs()
+    rows = []
+    for name, k, heights in LAYERS:
+        for tokens in map(int, args.tokens.split(",")):
+            layer = make_layer(k, heights, tokens, 1, WIDTH)
+            row = {"layer": name, "tokens": tokens}
+            for kernel, fn, moved in kernels(layer):
+                us = time_cuda(fn, trials=100, graph_repeats=10)["median_ms"] * 1e3
+                row[f"{kernel}_us"] = round(us, 2)
+                if moved:
+                    row[f"{kernel}_gbs"] = round(moved / (us * 1e-6) / 1e9, 1)
+            if args.configs:
+                for kernel, ranked in (("expand_write", expand_configs(layer)), ("shrink", shrink_configs(layer))):
+                    row[f"{kernel}_top5"], row[f"{kernel}_worst"] = ranked[:5], ranked[-1]
+            print(row, flush=True)
+            rows.append(row)
+            # after every point: a call cut short by the host's time limit still leaves what it measured
+            path = write_results(args.out, "lora_breakdown", rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
