@@ -223,13 +223,18 @@ def test_layer_op_given_the_base_weight_computes_the_whole_layer(dora):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dora,base_weight", [(False, False), (True, False), (False, True)],
-                         ids=["lora", "dora", "lora-with-base-gemm"])  # fmt: skip
-def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora, base_weight):
+@pytest.mark.parametrize("dora,base_weight,delta_first", [(False, False, False), (True, False, False),
+                                                          (False, True, False), (False, True, True)],
+                         ids=["lora", "dora", "lora-gemm-first", "lora-delta-first"])  # fmt: skip
+def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora, base_weight, delta_first, monkeypatch):
     """What BD layers run under CUDA graphs: the op captured once (48 rows), then replayed after the token
     groups (vLLM's per-step metadata, same addresses) change to another batch's, one of which covers only
-    the first rows (the rest is graph padding). base_weight: the op runs the base GEMM too (delta first)."""
+    the first rows (the rest is graph padding). base_weight: the op runs the base GEMM too, first or (at
+    any batch size, for the test) after writing the delta."""
+    from vllm_bdlora.kernels import fused_lora
     from vllm_bdlora.kernels.fused_lora import fused_lora_slices_, group_tokens
+
+    monkeypatch.setattr(fused_lora, "DELTA_FIRST_MIN_TOKENS", 0 if delta_first else 1 << 30)
 
     rows, slots_n = 48, len(SLOT_WIDTHS[0])
     b = mixed_batch(tokens=rows, hidden=256, dtype=torch.bfloat16, device="cuda")

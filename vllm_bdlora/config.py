@@ -27,8 +27,9 @@ class BdLoraSettings:
     dora: bool = False
     # "vllm": vLLM's own shrink/expand kernels. "fused": vllm_bdlora's routed shrink + fused expand
     # (DoRA compose folded into the expand's output write) in every BD layer. "auto": the fused kernels
-    # in packed layers (qkv, gate_up), where they measured faster than vLLM's, and vLLM's kernels in
-    # single-projection layers (o, down), where vLLM's measured faster (bench/results/kernels-h200).
+    # on CUDA, where an H200 measured them as fast as or faster than vLLM's in every layer
+    # (bench/results/kernels-h200-s4), and vLLM's kernels elsewhere (the fused op's CPU path is a
+    # torch reference, slower than vLLM's CPU LoRA ops).
     lora_kernels: str = "vllm"
 
     @classmethod

@@ -20,8 +20,8 @@ channel (1 for plain LoRA adapters and empty slots). The LoRA product then goes 
 token's slot (vllm_bdlora.kernels.dora_compose). The compose is linear in (base, lora), so row-parallel
 layers apply it to their partial sums before the all-reduce: still no added collective per token.
 
-Fused kernels (`additional_config {"bdlora": {"lora_kernels": "fused"}}`, or "auto" for packed layers
-only, where they measured faster): all slices' A and B live in one
+Fused kernels (`additional_config {"bdlora": {"lora_kernels": "fused"}}`, or "auto": fused on CUDA,
+where they measured faster than vLLM's in every layer, vLLM's elsewhere): all slices' A and B live in one
 buffer each (vLLM sees per-slice views), and one shrink and one fused expand
 (vllm_bdlora.kernels.fused_lora) add the LoRA delta, or form the DoRA compose, for the whole packed layer,
 routed by the token grouping vLLM's punica wrapper builds once per step. With an unquantized base the
@@ -122,7 +122,7 @@ class BlockDiagonalLoRALayer:
         self.output_slices = heights
         # Where each output slice starts in the layer's (local) output columns.
         self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
-        self.fused_kernels = _lora_kernels == "fused" or (_lora_kernels == "auto" and len(heights) > 1)
+        self.fused_kernels = _lora_kernels == "fused" or (_lora_kernels == "auto" and current_platform.is_cuda())
         width = self.lora_width
         if self.fused_kernels:
             # One A and one B buffer for all slices, so one launch serves the packed layer; vLLM (and

@@ -23,8 +23,8 @@ per-slice views are what vLLM sees.
 `fused_lora_linear_reference`). Launches never sync with the host and size their grids from the token
 count only, so they are CUDA-graph safe. `fused_lora_slices_` (custom op
 `torch.ops.vllm_bdlora.fused_lora_slices_`) is what BD layers call with
-`additional_config {"bdlora": {"lora_kernels": "fused"}}` (every layer) or `"auto"` (packed layers only);
-CPU tensors take the torch references.
+`additional_config {"bdlora": {"lora_kernels": "fused"}}`, or `"auto"` on CUDA; CPU tensors take the
+torch references.
 
 Measured on an H200 at Llama-3.1-8B TP=4 shapes (bench/results/kernels-h200/fused_lora.md): faster than
 vLLM's shrink + expand for packed layers (qkv 1.10-1.95×, gate_up mostly), slower for single-projection
@@ -99,9 +99,10 @@ def expand_config(tokens: int, width: int, slices: int = 1) -> LaunchConfig:
     return LaunchConfig(64, 64, block_k, num_stages=1)
 
 
-# From this many tokens the base GEMM accumulates onto the delta (delta_then_gemm) rather than the expand
-# adding to the GEMM's output: writing the delta saves reading the output, but cuBLAS with beta = 1 picks
-# slower kernels for some shapes, which only the larger batches' saving outweighs.
+# From this many tokens packed layers (several slices) let the base GEMM accumulate onto the delta
+# (delta_then_gemm) rather than the expand add to the GEMM's output: writing the delta saves reading the
+# output, but cuBLAS with beta = 1 picks slower kernels for some shapes. Measured: 1-3% faster for qkv and
+# gate_up from 2048 tokens, a wash (±2%) for o and down, slower below 2048 tokens.
 DELTA_FIRST_MIN_TOKENS = 2048
 
 
@@ -454,11 +455,11 @@ def fused_lora_slices_(
     used; `no_lora`, a CPU flag as in vLLM's own ops, skips every LoRA launch when no token has an adapter.
 
     With `weight` (total height, in) the op runs the base GEMM too and output's contents are ignored:
-    output = X·Wᵀ + bias + delta, in `delta_then_gemm` order from DELTA_FIRST_MIN_TOKENS tokens (not for
-    the DoRA compose, which needs the base output), else the GEMM first."""
+    output = X·Wᵀ + bias + delta, in `delta_then_gemm` order for packed layers from DELTA_FIRST_MIN_TOKENS
+    tokens (not for the DoRA compose, which needs the base output), else the GEMM first."""
     tokens = x.shape[0]
     skip_lora = no_lora is not None and bool(no_lora[0])
-    delta_first = x.is_cuda and scale_table is None and tokens >= DELTA_FIRST_MIN_TOKENS
+    delta_first = x.is_cuda and scale_table is None and tokens >= DELTA_FIRST_MIN_TOKENS and slot_widths.shape[0] > 1
     if weight is not None and (skip_lora or not delta_first):
         torch.addmm(bias, x, weight.t(), out=output) if bias is not None else torch.mm(x, weight.t(), out=output)
         weight = None

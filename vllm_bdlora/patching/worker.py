@@ -100,11 +100,15 @@ def patch_lora_manager() -> bool:
                     f"compose base + (g-1)(base - bias) + g*lora per token: {path}."
                 )
             if settings.lora_kernels != "vllm":
-                where = "every BD layer" if settings.lora_kernels == "fused" else "packed BD layers (qkv, gate_up)"
-                lines.append(
-                    f"LoRA kernels ({settings.lora_kernels}): vllm-bdlora's shrink + fused expand in {where}, "
-                    "one launch each for all slices; vLLM's shrink/expand elsewhere."
-                )
+                from vllm.platforms import current_platform
+
+                if settings.lora_kernels == "fused" or current_platform.is_cuda():
+                    lines.append(
+                        f"LoRA kernels ({settings.lora_kernels}): vllm-bdlora's shrink + fused expand in every BD "
+                        "layer, one launch each for all slices of a packed layer."
+                    )
+                else:
+                    lines.append("LoRA kernels (auto): not on CUDA, so vLLM's own shrink/expand.")
             if is_first_tp_rank(self):
                 for line in lines:
                     logger.info(line)
