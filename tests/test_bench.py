@@ -79,7 +79,8 @@ def test_fused_mode_serves_bd_adapters_on_the_fused_kernels_and_is_compared():
     rows = [synthetic_row("bdlora", 128, 10.0, 100), synthetic_row("bdfused", 128, 8.0, 125),
             synthetic_row("nfs", 64, 10.6, 94)]  # fmt: skip
     (_, line) = report.speedups(report.index(rows)[(4, 1024, 128, 1, 1)])
-    assert "on the fused kernels: TPOT ×1.25 faster" in line and "throughput ×1.25" in line
+    assert "on the fused kernels: TPOT 1.25× faster" in line and "throughput ×1.25" in line
+    assert (report.speed(8.0, 10.0), report.speed(13.0, 10.0)) == ("1.25× faster", "1.30× slower")
     (alone,) = report.speedups(report.index(rows[:2])[(4, 1024, 128, 1, 1)])  # no standard-rank baseline needed
     assert alone == line
 

@@ -16,6 +16,8 @@ per-slice views are what vLLM sees.
                        the consumer sums them, so decode-sized batches still spread over many programs.
 * `fused_expand`       y = y + S·B[slot]ᵀ in place, or the DoRA compose of y and that delta, one pass over y;
                        base-model tokens are never touched.
+* `delta_then_gemm`    out = S·B[slot]ᵀ (+ bias) written by the expand, then cuBLAS accumulates X·Wᵀ onto it
+                       (beta = 1): the output is never re-read by a pass of its own.
 * `fused_lora_linear`  out = X·Wᵀ (+ bias) + S·B[slot]ᵀ in one GEMM whose accumulator also takes the LoRA
                        term: the output is written once (no expand pass re-reading and re-writing it).
 
@@ -26,9 +28,10 @@ count only, so they are CUDA-graph safe. `fused_lora_slices_` (custom op
 `additional_config {"bdlora": {"lora_kernels": "fused"}}`, or `"auto"` on CUDA; CPU tensors take the
 torch references.
 
-Measured on an H200 at Llama-3.1-8B TP=4 shapes (bench/results/kernels-h200/fused_lora.md): faster than
-vLLM's shrink + expand for packed layers (qkv 1.10-1.95×, gate_up mostly), slower for single-projection
-layers at ≥ 64 tokens; the split-graph GEMM loses to cuBLAS at prefill, so the layers do not use it.
+Measured on an H200 at Llama-3.1-8B TP=4 shapes (bench/results/kernels-h200-s4/fused_lora.md): the layer
+op is 1.09-2.06× faster than vLLM's GEMM + shrink + expand at 1-64 tokens in every layer kind, 1.46-1.70×
+(qkv), 1.14-1.25× (gate_up) and 0.99-1.05× (o, down) at 1024-8192 tokens. The split-graph Triton GEMM loses
+to cuBLAS at prefill, so the layers do not use it.
 """
 
 from __future__ import annotations
