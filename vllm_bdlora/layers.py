@@ -24,9 +24,9 @@ Fused kernels (`additional_config {"bdlora": {"lora_kernels": "fused"}}`, or "au
 where they measured faster than vLLM's in every layer, vLLM's elsewhere): all slices' A and B live in one
 buffer each (vLLM sees per-slice views), and one shrink and one fused expand
 (vllm_bdlora.kernels.fused_lora) add the LoRA delta, or form the DoRA compose, for the whole packed layer,
-routed by the token grouping vLLM's punica wrapper builds once per step. With an unquantized base the
-expand writes the delta first and cuBLAS accumulates the base GEMM onto it, so the output is not re-read
-and re-written by a separate pass.
+routed by the token grouping vLLM's punica wrapper builds once per step. With an unquantized base the op
+runs the base GEMM as well: for large batches of packed layers the expand writes the delta first and cuBLAS
+accumulates the GEMM onto it, so the output is not re-read by a pass of its own.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class BlockDiagonalLoRALayer:
 
     def _apply_fused(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """One shrink and one fused expand (LoRA add or DoRA compose) for all slices; for an unquantized
-        base the op runs the base GEMM too, accumulating it onto the LoRA delta (`delta_then_gemm`)."""
+        base the op runs the base GEMM too (before the expand, or after it: `delta_then_gemm`)."""
         weight = self._plain_weight(x.dtype)
         if weight is None:
             output = self._get_quant_method().apply(self.base_layer, x, bias)
@@ -210,11 +210,12 @@ class BlockDiagonalLoRALayer:
         return output
 
     def _plain_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The base weight when the base layer computes exactly x·Wᵀ (+ bias) with it: unquantized, and
-        the weight still the (out, in) matrix (vLLM's CPU backend swaps it for a packed one)."""
+        """The base weight when the base layer computes exactly x·Wᵀ (+ bias) with it: vLLM's own
+        unquantized method (not a subclass that may compute otherwise), and the weight still the (out, in)
+        matrix (vLLM's CPU backend swaps it for a packed one)."""
         weight = getattr(self.base_layer, "weight", None)
         if (
-            isinstance(self._get_quant_method(), UnquantizedLinearMethod)
+            type(self._get_quant_method()) is UnquantizedLinearMethod
             and weight is not None
             and weight.dtype == dtype
             and tuple(weight.shape) == (sum(self.output_slices), self.input_size)
