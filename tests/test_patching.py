@@ -115,6 +115,17 @@ def test_bd_classes_claim_nothing_outside_a_bd_manager():
         assert not cls.can_replace_layer(source_layer=object(), lora_config=None, packed_modules_list=[])
 
 
+def test_lora_kernels_setting_resolves_in_one_place():
+    """Layers and the start-up log share one rule: "fused" always, "auto" only on CUDA (this CPU run:
+    vLLM's kernels), "vllm" never."""
+    from vllm.platforms import current_platform
+
+    from vllm_bdlora.layers import uses_fused_kernels
+
+    assert uses_fused_kernels("fused") and not uses_fused_kernels("vllm")
+    assert uses_fused_kernels("auto") == current_platform.is_cuda()
+
+
 def test_upstream_contract_from_layer_walks_the_tuple():
     """`from_layer` must read `_all_lora_classes` at call time (we rebind the module global)."""
     import vllm.lora.utils as lora_utils

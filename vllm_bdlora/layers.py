@@ -57,6 +57,12 @@ _serving_dora = False
 _lora_kernels = "vllm"
 
 
+def uses_fused_kernels(lora_kernels: str) -> bool:
+    """Whether BD layers run vllm-bdlora's fused kernels under this `lora_kernels` setting: "fused" always,
+    "auto" on CUDA (elsewhere the op would run its torch reference, slower than vLLM's CPU LoRA ops)."""
+    return lora_kernels == "fused" or (lora_kernels == "auto" and current_platform.is_cuda())
+
+
 @contextmanager
 def selecting_bd_layers(dora: bool = False, lora_kernels: str = "vllm") -> Iterator[None]:
     global _selecting, _serving_dora, _lora_kernels
@@ -122,7 +128,7 @@ class BlockDiagonalLoRALayer:
         self.output_slices = heights
         # Where each output slice starts in the layer's (local) output columns.
         self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
-        self.fused_kernels = _lora_kernels == "fused" or (_lora_kernels == "auto" and current_platform.is_cuda())
+        self.fused_kernels = uses_fused_kernels(_lora_kernels)
         width = self.lora_width
         if self.fused_kernels:
             # One A and one B buffer for all slices, so one launch serves the packed layer; vLLM (and

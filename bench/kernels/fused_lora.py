@@ -142,11 +142,17 @@ def layer_op_path(layer):
 
 def candidate_configs(tokens, k, width, slices):
     """A few launch configurations around the defaults, for --tune: (shrinks, expands, linears)."""
-    from vllm_bdlora.kernels.fused_lora import LaunchConfig, expand_config, linear_config, shrink_config
+    from vllm_bdlora.kernels.fused_lora import (
+        LaunchConfig,
+        all_slices_block,
+        expand_config,
+        linear_config,
+        shrink_config,
+    )
 
     s, e = shrink_config(tokens, k, width, slices), expand_config(tokens, width, slices)
     lin = linear_config(tokens)
-    whole = min(128, 1 << (slices * width - 1).bit_length())  # one column block for all slices: X read once
+    whole = all_slices_block(width, slices)
     if tokens <= 64:
         shrinks = {s} | {LaunchConfig(16, bn, 128, split_k=sk, num_stages=2) for bn in (s.block_n, whole)
                          for sk in (4, 8, 16)}  # fmt: skip

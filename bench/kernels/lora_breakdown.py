@@ -13,6 +13,7 @@ bandwidth.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 import torch
 
@@ -63,6 +64,15 @@ def kernels(layer):
     return found
 
 
+def ranked(configs, launch, moved_bytes: int, rate_key: str) -> list[dict]:
+    """Each launch configuration timed (graph replays), fastest first, with the rate it moved `moved_bytes`."""
+    timed = []
+    for cfg in configs:
+        us = time_cuda(lambda cfg=cfg: launch(cfg), trials=50, graph_repeats=10)["median_ms"] * 1e3
+        timed.append({**asdict(cfg), "us": round(us, 2), rate_key: round(moved_bytes / (us * 1e-6) / 1e9, 1)})
+    return sorted(timed, key=lambda t: t["us"])
+
+
 def expand_configs(layer) -> list[dict]:
     """Our expand (writing the delta) under a grid of launch configurations: which tile shapes stream."""
     from vllm_bdlora.kernels.fused_lora import LaunchConfig, fused_expand, lora_shrink
@@ -70,48 +80,28 @@ def expand_configs(layer) -> list[dict]:
     x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
     y = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
     shrunk = lora_shrink(x, layer["lora_a"], groups, widths)
-    timed = []
-    for bm in (16, 32, 64, 128):
-        for bn in (64, 128, 256):
-            for warps in (4, 8):
-                for stages in (1, 2):
-                    cfg = LaunchConfig(bm, bn, 32, num_warps=warps, num_stages=stages)
+    configs = [LaunchConfig(bm, bn, 32, num_warps=warps, num_stages=stages)
+               for bm in (16, 32, 64, 128) for bn in (64, 128, 256)
+               for warps in (4, 8) for stages in (1, 2)]  # fmt: skip
 
-                    def run(cfg=cfg):
-                        return fused_expand(
-                            y, shrunk, layer["lora_b"], groups, widths, bounds, config=cfg, overwrite=True
-                        )
+    def launch(cfg):
+        return fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, config=cfg, overwrite=True)
 
-                    us = time_cuda(run, trials=50, graph_repeats=10)["median_ms"] * 1e3
-                    timed.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
-                                  "us": round(us, 2), "gbs": round(y.numel() * 2 / (us * 1e-6) / 1e9, 1)})  # fmt: skip
-    return sorted(timed, key=lambda t: t["us"])
+    return ranked(configs, launch, y.numel() * 2, "gbs")
 
 
 def shrink_configs(layer) -> list[dict]:
     """Our shrink under a grid of launch configurations (tile rows, one column block per slice or one for
     all slices, hidden-dimension split)."""
-    from vllm_bdlora.kernels.fused_lora import LaunchConfig, lora_shrink
+    from vllm_bdlora.kernels.fused_lora import LaunchConfig, all_slices_block, lora_shrink
 
     x, groups, widths = layer["x"], layer["groups"], layer["widths"]
-    total = layer["lora_a"].shape[1]
-    whole = min(128, 1 << (total - 1).bit_length())
-    timed = []
-    for bm in (16, 32, 64, 128):
-        for bn in sorted({min(whole, WIDTH), whole}):
-            for split in (1, 2, 4, 8, 16):
-                for bk in (64, 128):
-                    if x.shape[1] // split < bk:
-                        continue
-                    cfg = LaunchConfig(bm, bn, bk, split_k=split, num_warps=4, num_stages=3)
-
-                    def run(cfg=cfg):
-                        return lora_shrink(x, layer["lora_a"], groups, widths, config=cfg)
-
-                    us = time_cuda(run, trials=50, graph_repeats=10)["median_ms"] * 1e3
-                    timed.append({"block_m": bm, "block_n": bn, "split_k": split, "block_k": bk, "us": round(us, 2),
-                                  "x_gbs": round(x.numel() * 2 / (us * 1e-6) / 1e9, 1)})  # fmt: skip
-    return sorted(timed, key=lambda t: t["us"])
+    whole = all_slices_block(WIDTH, widths.shape[0])
+    configs = [LaunchConfig(bm, bn, bk, split_k=split, num_warps=4, num_stages=3)
+               for bm in (16, 32, 64, 128) for bn in sorted({min(whole, WIDTH), whole}) for split in (1, 2, 4, 8, 16)
+               for bk in (64, 128) if x.shape[1] // split >= bk]  # fmt: skip
+    return ranked(configs, lambda cfg: lora_shrink(x, layer["lora_a"], groups, widths, config=cfg), x.numel() * 2,
+                  "x_gbs")  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -80,6 +80,11 @@ class LaunchConfig:
 # bench/results/kernels-h200-s4).
 
 
+def all_slices_block(width: int, slices: int) -> int:
+    """The shrink's column block that covers every slice's ranks at once (up to 128 columns): X read once."""
+    return min(128, triton.next_power_of_2(width * slices))
+
+
 def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> LaunchConfig:
     """Decode-sized batches: a column block per slice and the hidden dimension cut into up to 16 parts, so
     the A reads spread over the SMs. Larger ones: one column block for all slices where they fit (X read
@@ -88,7 +93,7 @@ def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> Laun
         parts = max(1, min(16, hidden // 64))
         per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
         return LaunchConfig(16, per_slice, 128 if hidden // parts >= 128 else 64, split_k=parts)
-    whole = min(128, triton.next_power_of_2(width * slices))
+    whole = all_slices_block(width, slices)
     tiles = triton.cdiv(tokens, 64) * triton.cdiv(width * slices, whole)
     return LaunchConfig(64, whole, 128, split_k=max(1, min(8, hidden // 256, 256 // tiles)))
 

@@ -67,7 +67,7 @@ def patch_lora_manager() -> bool:
     """Build BD layers when `additional_config["bdlora"]` is on, and log how they shard adapters."""
     from vllm.lora.model_manager import LoRAModelManager
 
-    from vllm_bdlora.layers import describe_sharding, selecting_bd_layers
+    from vllm_bdlora.layers import describe_sharding, selecting_bd_layers, uses_fused_kernels
 
     require_parameters(LoRAModelManager.__init__, ("lora_config", "vllm_config"), "LoRAModelManager.__init__")
 
@@ -100,9 +100,7 @@ def patch_lora_manager() -> bool:
                     f"compose base + (g-1)(base - bias) + g*lora per token: {path}."
                 )
             if settings.lora_kernels != "vllm":
-                from vllm.platforms import current_platform
-
-                if settings.lora_kernels == "fused" or current_platform.is_cuda():
+                if uses_fused_kernels(settings.lora_kernels):
                     lines.append(
                         f"LoRA kernels ({settings.lora_kernels}): vllm-bdlora's shrink + fused expand in every BD "
                         "layer, one launch each for all slices of a packed layer."
