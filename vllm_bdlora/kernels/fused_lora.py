@@ -155,7 +155,7 @@ def _rows_dot(acc, x_ptr, m_ptr, rows, cols, k_lo, k_hi, stride_x, stride_m, BLO
 @triton.jit
 def _slices_delta(
     acc, s_ptr, b_ptr, widths_ptr, bounds_ptr, slot, rows, cols, n0, stride_split, stride_s, stride_bn, stride_w,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+    split_k, NUM_SLICES: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
 ):  # fmt: skip
     """acc += S_j[rows, :w]·B[slot, cols, :w]ᵀ for each slice j the column block [n0, n0 + BLOCK_N)
@@ -172,11 +172,11 @@ def _slices_delta(
                 s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
                 if EVEN_W:
                     s = tl.load(s_ptr + s_offs)
-                    for part in tl.static_range(1, SPLIT_K):
+                    for part in range(1, split_k):
                         s += tl.load(s_ptr + part * stride_split + s_offs)
                 else:
                     s = tl.load(s_ptr + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
-                    for part in tl.static_range(1, SPLIT_K):
+                    for part in range(1, split_k):
                         s += tl.load(s_ptr + part * stride_split + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
                 s = tl.where((ks < w)[None, :], s, 0.0)
                 b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
@@ -216,11 +216,13 @@ def _store_delta(out_ptr, delta, rows, row_ok, cols, col_ok, stride_out, bias_pt
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], delta.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Token-count dependent integers are not specialised on, so serving compiles each kernel once per launch
+# configuration, not again for every new batch size (first-use compiles stall serving for seconds).
+@triton.jit(do_not_specialize=["k_per_split", "stride_split", "split_k"])
 def _lora_shrink_kernel(
     x_ptr, a_ptr, s_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
     hidden, total_width, width, k_per_split, stride_x, stride_al, stride_ar, stride_split, stride_s, stride_w,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    split_k, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
     group = tl.program_id(1)
@@ -228,8 +230,8 @@ def _lora_shrink_kernel(
                                             group, m_block, BLOCK_M)  # fmt: skip
     if (slot < 0) | (m_block * BLOCK_M >= count):
         return
-    r_block = tl.program_id(2) // SPLIT_K
-    part = tl.program_id(2) % SPLIT_K
+    r_block = tl.program_id(2) // split_k
+    part = tl.program_id(2) % split_k
     rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rs < total_width
     slot_width = tl.load(widths_ptr + (rs // width) * stride_w + slot, mask=in_range, other=0)
@@ -244,12 +246,12 @@ def _lora_shrink_kernel(
     tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "stride_split", "split_k"])
 def _fused_expand_kernel(
     y_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
     bounds_ptr, scale_ptr, g_ptr, bias_ptr, n_rows, n_cols, n_groups,
     stride_y, stride_split, stride_s, stride_bl, stride_bn, stride_w, stride_g,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
+    split_k, NUM_SLICES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, OVERWRITE: tl.constexpr, MAX_GROUPS: tl.constexpr, WIDTH: tl.constexpr,
     EVEN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -282,7 +284,7 @@ def _fused_expand_kernel(
     valid_cols = cols % n_cols  # lanes past the last column read a real one; only the store is masked
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, valid_cols, n0,
-                          stride_split, stride_s, stride_bn, stride_w, NUM_SLICES, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K,
+                          stride_split, stride_s, stride_bn, stride_w, split_k, NUM_SLICES, WIDTH, BLOCK_N, BLOCK_K,
                           EVEN_W)  # fmt: skip
     if HAS_SCALE:
         delta = delta * tl.load(scale_ptr + slot)
@@ -294,12 +296,12 @@ def _fused_expand_kernel(
                        HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_split", "split_k"])
 def _fused_lora_linear_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
     widths_ptr, bounds_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols,
     stride_x, stride_w, stride_out, stride_split, stride_s, stride_bl, stride_bn, stride_wt, stride_g,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
+    split_k, NUM_SLICES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr, EVEN_W: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
@@ -319,7 +321,7 @@ def _fused_lora_linear_kernel(
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if slot >= 0:
         delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows,
-                              valid_cols, n0, stride_split, stride_s, stride_bn, stride_wt, NUM_SLICES, SPLIT_K,
+                              valid_cols, n0, stride_split, stride_s, stride_bn, stride_wt, split_k, NUM_SLICES,
                               WIDTH, BLOCK_N, BLOCK_R, EVEN_W)  # fmt: skip
         if HAS_SCALE:
             delta = delta * tl.load(scale_ptr + slot)
@@ -351,7 +353,7 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
         x, lora_a, out, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, slot_widths,
         x.shape[1], total_width, total_width // slices, k_per_split, x.stride(0), lora_a.stride(0),
         lora_a.stride(1), out.stride(0), out.stride(1), slot_widths.stride(0),
-        SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_n, BLOCK_K=cfg.block_k,
+        cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=x.shape[1] % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -386,7 +388,7 @@ def fused_expand(
         _optional(bias, slice_bounds), y.shape[0], y.shape[1], n_groups, y.stride(0), shrunk.stride(0),
         shrunk.stride(1), lora_b.stride(0), lora_b.stride(1), slot_widths.stride(0),
         scale_table.stride(0) if scale_table is not None else 0,
-        NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
+        shrunk.shape[0], NUM_SLICES=slot_widths.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, OVERWRITE=overwrite,
         MAX_GROUPS=triton.next_power_of_2(n_groups), WIDTH=width, EVEN_W=width % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -429,7 +431,7 @@ def fused_lora_linear(
         _optional(scale_table, slice_bounds), _optional(bias, slice_bounds), x.shape[1], weight.shape[0],
         x.stride(0), weight.stride(0), out.stride(0), shrunk.stride(0), shrunk.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0), scale_table.stride(0) if scale_table is not None else 0,
-        NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
+        shrunk.shape[0], NUM_SLICES=slot_widths.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, WIDTH=width, EVEN_W=width % block_r == 0,
         EVEN_K=x.shape[1] % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=block_r,
