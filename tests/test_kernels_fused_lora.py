@@ -210,16 +210,39 @@ def test_triton_kernels_match_references_on_gpu(dtype):
 def test_layer_op_given_the_base_weight_computes_the_whole_layer(dora):
     """The op as BD layers call it over an unquantized base (CPU path): output's prior contents are
     ignored; out = X·Wᵀ + bias + delta, or the DoRA compose; with vLLM's no-LoRA flag, the base layer alone."""
-    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_
+    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
 
     b = mixed_batch()
     b["scales"] = torch.ones_like(b["scales"])  # vLLM folds the scaling into B
     table = b["g"] if dora else None
     for no_lora, want in ((False, reference_by_slice(b, dora, False)), (True, b["x"] @ b["weight"].T + b["bias"])):
         out = torch.full_like(want, float("nan"))
-        fused_lora_slices_(out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"],
-                           None, None, None, None, torch.tensor([no_lora]), table, b["bias"], b["weight"])  # fmt: skip
+        torch.ops.vllm_bdlora.fused_lora_slices_(
+            out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"],
+            None, None, None, None, torch.tensor([no_lora]), table, b["bias"], b["weight"],
+        )  # fmt: skip
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_op_traces_under_torch_compile():
+    """vLLM compiles the model with the op inside: its schema (output mutated in place) and fake
+    implementation must let torch.compile trace it whole, and the compiled call computes what eager does."""
+    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
+
+    b = mixed_batch()
+    b["scales"] = torch.ones_like(b["scales"])
+
+    def layer(x):
+        out = torch.empty(x.shape[0], b["weight"].shape[0], dtype=x.dtype)
+        torch.ops.vllm_bdlora.fused_lora_slices_(
+            out, x, b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"],
+            None, None, None, None, None, None, b["bias"], b["weight"],
+        )  # fmt: skip
+        return out * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(b["x"]), 2 * reference_by_slice(b, False, False), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -232,7 +255,7 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora,
     the first rows (the rest is graph padding). base_weight: the op runs the base GEMM too, first or (at
     any batch size, for the test) after writing the delta."""
     from vllm_bdlora.kernels import fused_lora
-    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_, group_tokens
+    from vllm_bdlora.kernels.fused_lora import group_tokens
 
     monkeypatch.setattr(fused_lora, "DELTA_FIRST_MIN_TOKENS", 0 if delta_first else 1 << 30)
 
@@ -248,8 +271,10 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora,
     no_lora = torch.tensor([False])
 
     def step():
-        fused_lora_slices_(out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *persistent,
-                           no_lora, table, b["bias"], weight)  # fmt: skip
+        torch.ops.vllm_bdlora.fused_lora_slices_(
+            out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *persistent,
+            no_lora, table, b["bias"], weight,
+        )  # fmt: skip
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

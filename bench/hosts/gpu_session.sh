@@ -2,7 +2,7 @@
 # One lent-GPU session, step by step (one `run` call per step, back to back; files under /root persist
 # between calls while the host stays warm). See bench/hosts/README.md for the bundle copy steps before these.
 #   bash bench/hosts/gpu_session.sh install            # vLLM 0.26 bundle (parts in /root/pkg) + our wheel
-#   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + fused LoRA benchmark -> $OUT/kernels
+#   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
 #   bash bench/hosts/gpu_session.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
 #   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES  # serving sweep (resumable) -> $OUT/tp$TP-8b.tgz
 set -uo pipefail
@@ -20,6 +20,8 @@ kernels)
   mkdir -p "$OUT/kernels"
   python3 -m pytest tests/test_kernels_dora_compose.py tests/test_kernels_fused_lora.py -q -p no:cacheprovider 2>&1 \
     | tail -15 | tee "$OUT/kernels/pytest.txt"
+  python3 -m bench.kernels.launch_overhead --out "$OUT/kernels" 2>&1 | cut -c1-400 | tail -6
+  python3 -m bench.kernels.lora_breakdown --out "$OUT/kernels" 2>&1 | cut -c1-300 | tail -3
   python3 -m bench.kernels.fused_lora --out "$OUT/kernels" 2>&1 | cut -c1-300 | tail -60 ;;  # baseline needs vLLM
 tune)  # launch configurations of the fused kernels around the defaults (compiles many variants: minutes)
   python3 -m bench.kernels.fused_lora --out "$OUT/kernels-tune" --tune --adapters 1 --tokens 1,16,64,1024,4096,8192 \

@@ -126,15 +126,17 @@ PATHS = ("fused_expand", "delta_first", "fused_linear")
 def layer_op_path(layer):
     """Exactly what a BD layer runs with lora_kernels fused/auto over an unquantized base: the custom op
     given the base weight (it picks delta first or GEMM first by token count, and its launch configurations)."""
-    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_
+    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
 
     x, groups = layer["x"], layer["groups"]
     out = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
 
     def run():
-        fused_lora_slices_(out, x, layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"], layer["slots"],
-                           groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, None, None,
-                           None, layer["weight"])  # fmt: skip
+        torch.ops.vllm_bdlora.fused_lora_slices_(
+            out, x, layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"], layer["slots"],
+            groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, None, None, None,
+            layer["weight"],
+        )  # fmt: skip
         return out
 
     return run

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_bdlora.kernels.op_library import define_op
 from vllm_bdlora.kernels.reference import dora_compose_reference
 
 
@@ -124,7 +125,6 @@ def _check_layout(base, lora, out, scale_table, token_slots, bias) -> None:
         raise ValueError(f"dora_compose: bias {tuple(bias.shape)} for {n_cols} columns")
 
 
-@torch.library.custom_op("vllm_bdlora::dora_compose_", mutates_args=("base",))
 def dora_compose_(
     base: torch.Tensor,
     lora: torch.Tensor,
@@ -139,6 +139,8 @@ def dora_compose_(
         base.copy_(dora_compose_reference(base, lora, scale_table, token_slots[: base.shape[0]], bias))
 
 
-@dora_compose_.register_fake
-def _(base, lora, scale_table, token_slots, bias=None) -> None:
+def _dora_compose_fake(base, lora, scale_table, token_slots, bias=None) -> None:
     return None
+
+
+define_op("dora_compose_", dora_compose_, mutates_args=("base",), fake=_dora_compose_fake)

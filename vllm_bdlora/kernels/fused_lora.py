@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_bdlora.kernels.op_library import define_op
+
 
 @dataclass(frozen=True)
 class TokenGroups:
@@ -440,7 +442,6 @@ def fused_lora_linear(
     return out
 
 
-@torch.library.custom_op("vllm_bdlora::fused_lora_slices_", mutates_args=("output",))
 def fused_lora_slices_(
     output: torch.Tensor,
     x: torch.Tensor,
@@ -489,7 +490,10 @@ def fused_lora_slices_(
                                              token_slots[:tokens], None, scale_table, bias))  # fmt: skip
 
 
-@fused_lora_slices_.register_fake
-def _(output, x, lora_a, lora_b, slot_widths, slice_bounds, token_slots, sorted_ids=None, group_slot=None,
-      group_count=None, group_start=None, no_lora=None, scale_table=None, bias=None, weight=None) -> None:  # fmt: skip
+def _fused_lora_slices_fake(output, x, lora_a, lora_b, slot_widths, slice_bounds, token_slots, sorted_ids=None,
+                            group_slot=None, group_count=None, group_start=None, no_lora=None, scale_table=None,
+                            bias=None, weight=None) -> None:  # fmt: skip
     return None
+
+
+define_op("fused_lora_slices_", fused_lora_slices_, mutates_args=("output",), fake=_fused_lora_slices_fake)

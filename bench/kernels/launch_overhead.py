@@ -1,0 +1,117 @@
+"""Host time per call of the LoRA layer's pieces: what prefill pays outside CUDA graphs (vLLM replays
+graphs for decode-sized batches only; larger batches launch every kernel from Python on every layer).
+
+    python -m bench.kernels.launch_overhead --out bench/results/kernels-h200
+
+Each piece is called back to back many times on a 1-token batch (GPU work of a few µs, so the host is the
+bottleneck) and timed with the wall clock between two synchronisations: µs per call. Pieces: op dispatch
+alone (torch.ops with vLLM's no-LoRA flag set, so it returns at once; as registered now, and as
+torch.library.custom_op would register it), our shrink and expand launches, the whole layer op with and
+without the base GEMM, and vLLM's shrink and expand ops (when vLLM is installed) beside a bare cuBLAS GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+
+from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer
+from bench.kernels.harness import write_results
+
+CALLS = 2000
+
+
+def host_us(fn, calls: int = CALLS) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+@functools.cache
+def custom_op_twin():
+    """A no-op with the layer op's signature registered through torch.library.custom_op, for comparison."""
+
+    def twin(
+        output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot_widths: torch.Tensor,
+        slice_bounds: torch.Tensor, token_slots: torch.Tensor, sorted_ids: torch.Tensor | None = None,
+        group_slot: torch.Tensor | None = None, group_count: torch.Tensor | None = None,
+        group_start: torch.Tensor | None = None, no_lora: torch.Tensor | None = None,
+        scale_table: torch.Tensor | None = None, bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        return None
+
+    return torch.library.custom_op("vllm_bdlora_bench::custom_op_twin_", mutates_args=("output",))(twin)
+
+
+def pieces(layer):
+    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
+    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
+
+    x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
+    op = torch.ops.vllm_bdlora.fused_lora_slices_
+    y = x @ w.T
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths)
+    grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
+    common = (y, x, layer["lora_a"], layer["lora_b"], widths, bounds, layer["slots"], *grouped)
+    skip, run = torch.tensor([True]), torch.tensor([False])
+    twin = custom_op_twin()
+    found = {
+        "cublas_gemm": lambda: torch.mm(x, w.t(), out=y),
+        "op_dispatch_only": lambda: op(*common, skip, None, None, None),
+        "custom_op_dispatch_only": lambda: twin(*common, skip, None, None, None),
+        "our_shrink": lambda: lora_shrink(x, layer["lora_a"], groups, widths),
+        "our_expand": lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds),
+        "layer_op_lora_only": lambda: op(*common, run, None, None, None),
+        "layer_op_with_gemm": lambda: op(*common, run, None, None, w),
+    }
+    try:
+        import vllm.lora.ops.triton_ops  # noqa: F401
+        from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
+    except Exception as e:  # not installed here: report, do not fake
+        print(f"vLLM LoRA ops unavailable: {e}")
+        return found
+    from vllm_bdlora.kernels.reference import slice_views
+
+    views = slice_views(layer["lora_a"], layer["lora_b"], widths, bounds)
+    lora_a, lora_b = [a.contiguous() for a, _ in views], [b.contiguous() for _, b in views]
+    meta = LoRAKernelMeta.make(layer["lora_a"].shape[0], x.shape[0], x.device)
+    meta.prepare_tensors(layer["slots"].int())
+    args = meta.meta_args(x.shape[0], False)
+    buffer = torch.empty(len(lora_a), x.shape[0], WIDTH, dtype=torch.float32, device=x.device)
+    found["vllm_shrink"] = lambda: torch.ops.vllm.lora_shrink(x, lora_a, buffer, *args, 1.0)
+    found["vllm_expand"] = lambda: torch.ops.vllm.lora_expand(buffer, lora_b, y, *args, offset_start=0,
+                                                              add_inputs=True)  # fmt: skip
+
+    def vllm_layer():
+        torch.mm(x, w.t(), out=y)
+        torch.ops.vllm.lora_shrink(x, lora_a, buffer, *args, 1.0)
+        torch.ops.vllm.lora_expand(buffer, lora_b, y, *args, offset_start=0, add_inputs=True)
+
+    found["vllm_layer"] = vllm_layer
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for launch_overhead.json")
+    args = parser.parse_args()
+    rows = []
+    for name, k, heights in LAYERS:
+        row = {"layer": name, "tokens": 1}
+        for piece, fn in pieces(make_layer(k, heights, 1, 1, WIDTH)).items():
+            row[f"{piece}_us"] = round(host_us(fn), 1)
+        print(row, flush=True)
+        rows.append(row)
+    print(write_results(args.out, "launch_overhead", rows, {"calls": CALLS}))
+
+
+if __name__ == "__main__":
+    main()
