@@ -295,3 +295,53 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora,
         torch.cuda.synchronize()
         want = reference_by_slice(b, dora, False)
         torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("hidden,width,slices", [(4096, 32, 3), (1024, 32, 1), (4096, 64, 2), (3584, 8, 1)])
+def test_launch_variants_cover_every_batch_size(hidden, width, slices):
+    """warm_up compiles what launch_variants lists: it must hold the launch of every token count (checked
+    one by one), or a batch of that size would compile while serving."""
+    from vllm_bdlora.kernels.fused_lora import DELTA_FIRST_MIN_TOKENS, expand_config, launch_variants, shrink_config
+
+    shrinks, expands = launch_variants(hidden, width, slices, delta_first=slices > 1, max_tokens=20000)
+    assert len(shrinks) <= 6 and len(expands) <= 12  # few variants: start-up compiles stay short
+    for tokens in range(1, 20001):
+        shrink = shrink_config(tokens, hidden, width, slices)
+        overwrite = slices > 1 and tokens >= DELTA_FIRST_MIN_TOKENS
+        assert shrink in shrinks, tokens
+        assert (expand_config(tokens, width, slices), shrink.split_k, overwrite) in expands, tokens
+
+
+def compiled_variants(kernel) -> int | None:
+    """How many variants Triton's JIT cache holds for a kernel (None where this Triton keeps them elsewhere)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches:
+        return sum(len(entry[0]) for entry in caches.values())
+    cache = getattr(kernel, "cache", None)
+    return sum(len(c) for c in cache.values()) if isinstance(cache, dict) else None
+
+
+@pytest.mark.gpu
+def test_after_warm_up_no_batch_size_compiles_a_kernel():
+    """The layer op's first call compiles every variant; later batches of any size compile nothing."""
+    from vllm_bdlora.kernels import fused_lora
+
+    b = mixed_batch(tokens=4500, hidden=256, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(4500, sum(HEIGHTS), dtype=torch.bfloat16, device="cuda")
+
+    def call(tokens):
+        groups = fused_lora.group_tokens(b["slots"][:tokens], len(SLOT_WIDTHS[0]))
+        grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
+        torch.ops.vllm_bdlora.fused_lora_slices_(
+            out[:tokens], b["x"][:tokens], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *grouped,
+            torch.tensor([False]), None, b["bias"], b["weight"],
+        )  # fmt: skip
+
+    call(1)
+    kernels = (fused_lora._lora_shrink_kernel, fused_lora._fused_expand_kernel)
+    before = [compiled_variants(k) for k in kernels]
+    if None in before:
+        pytest.skip("this Triton keeps its JIT cache where the test cannot count it")
+    for tokens in (2, 16, 63, 64, 65, 100, 1000, 2047, 2048, 3001, 4095, 4096, 4500):
+        call(tokens)
+    assert [compiled_variants(k) for k in kernels] == before

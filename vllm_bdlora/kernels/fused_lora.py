@@ -90,14 +90,16 @@ def all_slices_block(width: int, slices: int) -> int:
 def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> LaunchConfig:
     """Decode-sized batches: a column block per slice and the hidden dimension cut into up to 16 parts, so
     the A reads spread over the SMs. Larger ones: one column block for all slices where they fit (X read
-    once), the hidden dimension cut until the grid has some 256 programs."""
+    once), the hidden dimension cut until the grid has some 256 programs (a power of two parts, so few
+    kernel variants exist to compile)."""
     if tokens <= 64:
         parts = max(1, min(16, hidden // 64))
         per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
         return LaunchConfig(16, per_slice, 128 if hidden // parts >= 128 else 64, split_k=parts)
     whole = all_slices_block(width, slices)
     tiles = triton.cdiv(tokens, 64) * triton.cdiv(width * slices, whole)
-    return LaunchConfig(64, whole, 128, split_k=max(1, min(8, hidden // 256, 256 // tiles)))
+    parts = max(1, min(8, hidden // 256, 256 // tiles))
+    return LaunchConfig(64, whole, 128, split_k=1 << (parts.bit_length() - 1))
 
 
 def expand_config(tokens: int, width: int, slices: int = 1) -> LaunchConfig:
@@ -120,6 +122,49 @@ def linear_config(tokens: int) -> LaunchConfig:
     if tokens <= 64:
         return LaunchConfig(16, 32, 128, num_stages=4)
     return LaunchConfig(64 if tokens < 1024 else 128, 128, 64, num_warps=8, num_stages=3)
+
+
+def launch_variants(hidden: int, width: int, slices: int, delta_first: bool, max_tokens: int = 1 << 16):
+    """Every launch the layer op can make for 1..max_tokens tokens: (shrink configuration) and (expand
+    configuration, shrink's split_k, overwrite) sets. The configurations are constant between multiples of
+    64 tokens except at the thresholds, which are multiples of 64 too, so 1..64 and 64k, 64k + 1 cover all."""
+    counts = [*range(1, 65), *(t + d for t in range(128, max_tokens + 1, 64) for d in (-63, 0))]
+    shrinks, expands = set(), set()
+    for tokens in counts:
+        shrink = shrink_config(tokens, hidden, width, slices)
+        shrinks.add(shrink)
+        overwrite = delta_first and tokens >= DELTA_FIRST_MIN_TOKENS
+        expands.add((expand_config(tokens, width, slices), shrink.split_k, overwrite))
+    return shrinks, expands
+
+
+_warmed_up: set[int] = set()
+
+
+def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias, delta_first) -> int:
+    """Compile every kernel variant a layer of this shape can launch, on a few rows of scratch data, so
+    that no batch size compiles one while serving (a compile stalls every request in the batch for about
+    a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
+    are shared by layers of equal shape and cached on disk by Triton. Returns the launches made."""
+    if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
+        return 0
+    _warmed_up.add(lora_a.data_ptr())
+    rows = 16  # a multiple of 16 like most batches: the same integer specialisation as theirs
+    slices, width = slot_widths.shape[0], lora_b.shape[2]
+    scratch_x = x.new_zeros(rows, x.shape[1])
+    scratch_y = x.new_zeros(rows, lora_b.shape[1])
+    groups = group_tokens(torch.full((rows,), -1, dtype=torch.int32, device=x.device), n_groups - 1)
+    shrinks, expands = launch_variants(x.shape[1], width, slices, delta_first)
+    shrunk_by_split = {}
+    for config in shrinks:
+        shrunk_by_split[config.split_k] = lora_shrink(scratch_x, lora_a, groups, slot_widths, config)
+    for config, split_k, overwrite in expands:
+        shrunk = shrunk_by_split.get(split_k)
+        if shrunk is None:
+            shrunk = x.new_zeros(split_k, rows, lora_a.shape[1], dtype=torch.float32)
+        fused_expand(scratch_y, shrunk, lora_b, groups, slot_widths, slice_bounds, None, scale_table, bias, config,
+                     overwrite)  # fmt: skip
+    return len(shrinks) + len(expands)
 
 
 @triton.jit
@@ -157,7 +202,7 @@ def _rows_dot(acc, x_ptr, m_ptr, rows, cols, k_lo, k_hi, stride_x, stride_m, BLO
 @triton.jit
 def _slices_delta(
     acc, s_ptr, b_ptr, widths_ptr, bounds_ptr, slot, rows, cols, n0, stride_split, stride_s, stride_bn, stride_w,
-    split_k, NUM_SLICES: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
 ):  # fmt: skip
     """acc += S_j[rows, :w]·B[slot, cols, :w]ᵀ for each slice j the column block [n0, n0 + BLOCK_N)
@@ -174,11 +219,11 @@ def _slices_delta(
                 s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
                 if EVEN_W:
                     s = tl.load(s_ptr + s_offs)
-                    for part in range(1, split_k):
+                    for part in tl.static_range(1, SPLIT_K):
                         s += tl.load(s_ptr + part * stride_split + s_offs)
                 else:
                     s = tl.load(s_ptr + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
-                    for part in range(1, split_k):
+                    for part in tl.static_range(1, SPLIT_K):
                         s += tl.load(s_ptr + part * stride_split + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
                 s = tl.where((ks < w)[None, :], s, 0.0)
                 b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
@@ -218,13 +263,11 @@ def _store_delta(out_ptr, delta, rows, row_ok, cols, col_ok, stride_out, bias_pt
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], delta.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Token-count dependent integers are not specialised on, so serving compiles each kernel once per launch
-# configuration, not again for every new batch size (first-use compiles stall serving for seconds).
-@triton.jit(do_not_specialize=["k_per_split", "stride_split", "split_k"])
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, s_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
     hidden, total_width, width, k_per_split, stride_x, stride_al, stride_ar, stride_split, stride_s, stride_w,
-    split_k, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
     group = tl.program_id(1)
@@ -232,8 +275,8 @@ def _lora_shrink_kernel(
                                             group, m_block, BLOCK_M)  # fmt: skip
     if (slot < 0) | (m_block * BLOCK_M >= count):
         return
-    r_block = tl.program_id(2) // split_k
-    part = tl.program_id(2) % split_k
+    r_block = tl.program_id(2) // SPLIT_K
+    part = tl.program_id(2) % SPLIT_K
     rs = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rs < total_width
     slot_width = tl.load(widths_ptr + (rs // width) * stride_w + slot, mask=in_range, other=0)
@@ -248,12 +291,15 @@ def _lora_shrink_kernel(
     tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows", "stride_split", "split_k"])
+# n_rows (the batch's token count) only bounds masks: not specialised on, so a new batch size never compiles
+# a new variant (token-count dependent ints that address memory stay specialised: Triton's alignment hints
+# keep the loads vectorised; launch configurations and split_k are constexpr, compiled by `warm_up`).
+@triton.jit(do_not_specialize=["n_rows"])
 def _fused_expand_kernel(
     y_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
     bounds_ptr, scale_ptr, g_ptr, bias_ptr, n_rows, n_cols, n_groups,
     stride_y, stride_split, stride_s, stride_bl, stride_bn, stride_w, stride_g,
-    split_k, NUM_SLICES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, OVERWRITE: tl.constexpr, MAX_GROUPS: tl.constexpr, WIDTH: tl.constexpr,
     EVEN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -286,7 +332,7 @@ def _fused_expand_kernel(
     valid_cols = cols % n_cols  # lanes past the last column read a real one; only the store is masked
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, valid_cols, n0,
-                          stride_split, stride_s, stride_bn, stride_w, split_k, NUM_SLICES, WIDTH, BLOCK_N, BLOCK_K,
+                          stride_split, stride_s, stride_bn, stride_w, NUM_SLICES, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K,
                           EVEN_W)  # fmt: skip
     if HAS_SCALE:
         delta = delta * tl.load(scale_ptr + slot)
@@ -298,12 +344,12 @@ def _fused_expand_kernel(
                        HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_split", "split_k"])
+@triton.jit
 def _fused_lora_linear_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
     widths_ptr, bounds_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols,
     stride_x, stride_w, stride_out, stride_split, stride_s, stride_bl, stride_bn, stride_wt, stride_g,
-    split_k, NUM_SLICES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr, EVEN_W: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
@@ -323,7 +369,7 @@ def _fused_lora_linear_kernel(
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if slot >= 0:
         delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows,
-                              valid_cols, n0, stride_split, stride_s, stride_bn, stride_wt, split_k, NUM_SLICES,
+                              valid_cols, n0, stride_split, stride_s, stride_bn, stride_wt, NUM_SLICES, SPLIT_K,
                               WIDTH, BLOCK_N, BLOCK_R, EVEN_W)  # fmt: skip
         if HAS_SCALE:
             delta = delta * tl.load(scale_ptr + slot)
@@ -355,7 +401,7 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
         x, lora_a, out, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, slot_widths,
         x.shape[1], total_width, total_width // slices, k_per_split, x.stride(0), lora_a.stride(0),
         lora_a.stride(1), out.stride(0), out.stride(1), slot_widths.stride(0),
-        cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=x.shape[1] % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -390,7 +436,7 @@ def fused_expand(
         _optional(bias, slice_bounds), y.shape[0], y.shape[1], n_groups, y.stride(0), shrunk.stride(0),
         shrunk.stride(1), lora_b.stride(0), lora_b.stride(1), slot_widths.stride(0),
         scale_table.stride(0) if scale_table is not None else 0,
-        shrunk.shape[0], NUM_SLICES=slot_widths.shape[0], HAS_SCALE=slot_scales is not None,
+        NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, OVERWRITE=overwrite,
         MAX_GROUPS=triton.next_power_of_2(n_groups), WIDTH=width, EVEN_W=width % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -433,7 +479,7 @@ def fused_lora_linear(
         _optional(scale_table, slice_bounds), _optional(bias, slice_bounds), x.shape[1], weight.shape[0],
         x.stride(0), weight.stride(0), out.stride(0), shrunk.stride(0), shrunk.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0), scale_table.stride(0) if scale_table is not None else 0,
-        shrunk.shape[0], NUM_SLICES=slot_widths.shape[0], HAS_SCALE=slot_scales is not None,
+        NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, WIDTH=width, EVEN_W=width % block_r == 0,
         EVEN_K=x.shape[1] % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=block_r,
@@ -469,8 +515,11 @@ def fused_lora_slices_(
     output = X·Wᵀ + bias + delta, in `delta_then_gemm` order for packed layers from DELTA_FIRST_MIN_TOKENS
     tokens (not for the DoRA compose, which needs the base output), else the GEMM first."""
     tokens = x.shape[0]
+    delta_first_layer = x.is_cuda and scale_table is None and slot_widths.shape[0] > 1 and weight is not None
+    if x.is_cuda and group_slot is not None:
+        warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, group_slot.shape[0], scale_table, bias, delta_first_layer)
     skip_lora = no_lora is not None and bool(no_lora[0])
-    delta_first = x.is_cuda and scale_table is None and tokens >= DELTA_FIRST_MIN_TOKENS and slot_widths.shape[0] > 1
+    delta_first = delta_first_layer and tokens >= DELTA_FIRST_MIN_TOKENS
     if weight is not None and (skip_lora or not delta_first):
         torch.addmm(bias, x, weight.t(), out=output) if bias is not None else torch.mm(x, weight.t(), out=output)
         weight = None
