@@ -338,7 +338,7 @@ def test_after_warm_up_no_batch_size_compiles_a_kernel():
         )  # fmt: skip
 
     call(1)
-    kernels = (fused_lora._lora_shrink_kernel, fused_lora._fused_expand_kernel)
+    kernels = (fused_lora._routed_shrink_kernel, fused_lora._fused_expand_kernel)
     before = [compiled_variants(k) for k in kernels]
     if None in before:
         pytest.skip("this Triton keeps its JIT cache where the test cannot count it")

@@ -27,9 +27,10 @@ class BdLoraSettings:
     dora: bool = False
     # "vllm": vLLM's own shrink/expand kernels. "fused": vllm_bdlora's routed shrink + fused expand
     # (DoRA compose folded into the expand's output write) in every BD layer. "auto": the fused kernels
-    # on CUDA, where an H200 measured them as fast as or faster than vLLM's in every layer
-    # (bench/results/kernels-h200-s4), and vLLM's kernels elsewhere (the fused op's CPU path is a
-    # torch reference, slower than vLLM's CPU LoRA ops).
+    # on CUDA, where an H200 measured them faster than vLLM's end to end at TP=1 and TP=2
+    # (bench/results/tp{1,2}-8b-h200-s5), and vLLM's kernels elsewhere (the fused op's CPU path is a
+    # torch reference, slower than vLLM's CPU LoRA ops). The default stays "vllm" until the fused path
+    # is re-measured at TP=4 and its start-up cost there is understood.
     lora_kernels: str = "vllm"
 
     @classmethod

@@ -28,14 +28,19 @@ count only, so they are CUDA-graph safe. `fused_lora_slices_` (custom op
 `additional_config {"bdlora": {"lora_kernels": "fused"}}`, or `"auto"` on CUDA; CPU tensors take the
 torch references.
 
-Measured on an H200 at Llama-3.1-8B TP=4 shapes (bench/results/kernels-h200-s4/fused_lora.md): the layer
-op is 1.09-2.06× faster than vLLM's GEMM + shrink + expand at 1-64 tokens in every layer kind, 1.46-1.70×
-(qkv), 1.14-1.25× (gate_up) and 0.99-1.05× (o, down) at 1024-8192 tokens. The split-graph Triton GEMM loses
+Measured on an H200 at Llama-3.1-8B TP=4 shapes (bench/results/kernels-h200-s5/fused_lora.md): the layer
+op is 1.10-2.07× faster than vLLM's GEMM + shrink + expand at 1-64 tokens in every layer kind, 1.47-1.68×
+(qkv), 1.13-1.21× (gate_up) and 0.97-1.07× (o, down) at 1024-8192 tokens. The split-graph Triton GEMM loses
 to cuBLAS at prefill, so the layers do not use it.
+
+Every launch configuration and split_k is a constexpr: `warm_up` compiles each variant a layer can launch on
+its first call, so serving never compiles one for a new batch size.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +48,8 @@ import triton
 import triton.language as tl
 
 from vllm_bdlora.kernels.op_library import define_op
+
+logger = logging.getLogger("vllm.bdlora")
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,7 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())
+    started = time.perf_counter()
     rows = 16  # a multiple of 16 like most batches: the same integer specialisation as theirs
     slices, width = slot_widths.shape[0], lora_b.shape[2]
     scratch_x = x.new_zeros(rows, x.shape[1])
@@ -164,6 +172,13 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
             shrunk = x.new_zeros(split_k, rows, lora_a.shape[1], dtype=torch.float32)
         fused_expand(scratch_y, shrunk, lora_b, groups, slot_widths, slice_bounds, None, scale_table, bias, config,
                      overwrite)  # fmt: skip
+    seconds = time.perf_counter() - started
+    if seconds > 1.0:  # compiled rather than found in Triton's caches: say where start-up time went
+        logger.info(
+            "vllm-bdlora: compiled the fused LoRA kernels for layers of %d slice(s), LoRA width %d, input %d "
+            "(%d variants, %.1f s); Triton caches them on disk for the next start.",
+            slices, width, x.shape[1], len(shrinks) + len(expands), seconds,
+        )  # fmt: skip
     return len(shrinks) + len(expands)
 
 
@@ -264,7 +279,7 @@ def _store_delta(out_ptr, delta, rows, row_ok, cols, col_ok, stride_out, bias_pt
 
 
 @triton.jit
-def _lora_shrink_kernel(
+def _routed_shrink_kernel(
     x_ptr, a_ptr, s_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
     hidden, total_width, width, k_per_split, stride_x, stride_al, stride_ar, stride_split, stride_s, stride_w,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -397,7 +412,7 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
     k_per_split = triton.cdiv(triton.cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
     out = torch.empty(cfg.split_k, x.shape[0], total_width, dtype=torch.float32, device=x.device)
     grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(total_width, cfg.block_n) * cfg.split_k)
-    _lora_shrink_kernel[grid](
+    _routed_shrink_kernel[grid](
         x, lora_a, out, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, slot_widths,
         x.shape[1], total_width, total_width // slices, k_per_split, x.stride(0), lora_a.stride(0),
         lora_a.stride(1), out.stride(0), out.stride(1), slot_widths.stride(0),
