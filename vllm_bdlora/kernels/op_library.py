@@ -1,10 +1,10 @@
 """Registers the kernels' in-place ops as `torch.ops.vllm_bdlora.<name>`.
 
 The ops are defined on a `torch.library.Library` with one implementation per device key, as vLLM registers
-its own ops, rather than with `torch.library.custom_op`: the latter's Python wrapper costs 20-100 µs per
-call (measured 98 µs against 4.6 µs on a CI machine, bench note in bench/results/README.md), and layers
-outside CUDA graphs (prefill) pay it on every call. torch.compile sees the same schema and the fake
-implementation either way.
+its own ops, rather than with `torch.library.custom_op`, whose Python wrapper costs more per call: 21-29 µs
+against 7-10 µs on an H200 host (bench/results/kernels-h200-s5/launch_overhead.json), 98 µs against 4.6 µs
+on a CI machine. Layers outside CUDA graphs (prefill) pay it on every call. torch.compile sees the same
+schema and fake implementation either way.
 """
 
 from __future__ import annotations
