@@ -107,14 +107,18 @@ class BlockDiagonalLoRALayer:
         itself when the layer keeps it as a plain matrix, else read through the layer's own GEMM."""
         offset = self.slice_offsets[slice_index]
         rows = slice(offset, offset + self.output_slices[slice_index])
-        weight = getattr(self.base_layer, "weight", None)
-        if (
-            weight is not None
-            and weight.is_floating_point()
-            and tuple(weight.shape) == (sum(self.output_slices), self.input_size)
-        ):
+        weight = self._base_weight_matrix()
+        if weight is not None and weight.is_floating_point():
             return weight[rows]
         return ProbedWeight(self.base_layer, self.input_size, rows, self.device)
+
+    def _base_weight_matrix(self) -> torch.Tensor | None:
+        """The base layer's `weight` if it is still this rank's (out, in) matrix (vLLM's CPU backend and
+        some quantization methods replace it with a packed form)."""
+        weight = getattr(self.base_layer, "weight", None)
+        if weight is not None and tuple(weight.shape) == (sum(self.output_slices), self.input_size):
+            return weight
+        return None
 
     # --- buffers -------------------------------------------------------------------------------------
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
@@ -218,13 +222,12 @@ class BlockDiagonalLoRALayer:
     def _plain_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The base weight when the base layer computes exactly x·Wᵀ (+ bias) with it: vLLM's own
         unquantized method (not a subclass that may compute otherwise), and the weight still the (out, in)
-        matrix (vLLM's CPU backend swaps it for a packed one)."""
-        weight = getattr(self.base_layer, "weight", None)
+        matrix in the activations' dtype, rows contiguous."""
+        weight = self._base_weight_matrix()
         if (
             type(self._get_quant_method()) is UnquantizedLinearMethod
             and weight is not None
             and weight.dtype == dtype
-            and tuple(weight.shape) == (sum(self.output_slices), self.input_size)
             and weight.stride(-1) == 1
         ):
             return weight

@@ -166,12 +166,9 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     shrunk_by_split = {}
     for config in shrinks:
         shrunk_by_split[config.split_k] = lora_shrink(scratch_x, lora_a, groups, slot_widths, config)
-    for config, split_k, overwrite in expands:
-        shrunk = shrunk_by_split.get(split_k)
-        if shrunk is None:
-            shrunk = x.new_zeros(split_k, rows, lora_a.shape[1], dtype=torch.float32)
-        fused_expand(scratch_y, shrunk, lora_b, groups, slot_widths, slice_bounds, None, scale_table, bias, config,
-                     overwrite)  # fmt: skip
+    for config, split_k, overwrite in expands:  # every split_k is one of the shrinks' (launch_variants)
+        fused_expand(scratch_y, shrunk_by_split[split_k], lora_b, groups, slot_widths, slice_bounds, None,
+                     scale_table, bias, config, overwrite)  # fmt: skip
     seconds = time.perf_counter() - started
     if seconds > 1.0:  # compiled rather than found in Triton's caches: say where start-up time went
         logger.info(
