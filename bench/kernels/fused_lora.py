@@ -68,8 +68,10 @@ def reference(layer):
     return torch.cat(pieces, dim=1)
 
 
-def vllm_path(layer):
-    """vLLM's punica GPU path for one packed layer (None if vLLM's LoRA ops are unavailable)."""
+def vllm_lora_inputs(layer):
+    """What vLLM's GPU punica wrapper hands torch.ops.vllm.lora_shrink/lora_expand for this layer's batch:
+    per-slice A and B buffers and the kernel-metadata arguments; None (reason printed) where vLLM's LoRA
+    ops cannot be imported."""
     try:
         import vllm.lora.ops.triton_ops  # noqa: F401  (registers torch.ops.vllm.lora_shrink/expand)
         from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
@@ -78,14 +80,22 @@ def vllm_path(layer):
         return None
     from vllm_bdlora.kernels.reference import slice_views
 
-    x, adapters = layer["x"], layer["lora_a"].shape[0]
+    x = layer["x"]
     views = slice_views(layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"])
     lora_a = [a.contiguous() for a, _ in views]  # vLLM keeps one contiguous buffer per slice
     lora_b = [b.contiguous() for _, b in views]
-    width = lora_b[0].shape[-1]
-    meta = LoRAKernelMeta.make(adapters, x.shape[0], x.device)
+    meta = LoRAKernelMeta.make(layer["lora_a"].shape[0], x.shape[0], x.device)
     meta.prepare_tensors(layer["slots"].int())
-    args = meta.meta_args(x.shape[0], False)
+    return lora_a, lora_b, meta.meta_args(x.shape[0], False)
+
+
+def vllm_path(layer):
+    """vLLM's punica GPU path for one packed layer (None if vLLM's LoRA ops are unavailable)."""
+    inputs = vllm_lora_inputs(layer)
+    if inputs is None:
+        return None
+    lora_a, lora_b, args = inputs
+    x, width = layer["x"], lora_b[0].shape[-1]
 
     def run():
         y = x @ layer["weight"].T

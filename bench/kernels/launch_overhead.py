@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer
+from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer, vllm_lora_inputs
 from bench.kernels.harness import write_results
 
 CALLS = 2000
@@ -38,14 +38,10 @@ def host_us(fn, calls: int = CALLS) -> float:
 @functools.cache
 def custom_op_twin():
     """A no-op with the layer op's signature registered through torch.library.custom_op, for comparison."""
+    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_
 
-    def twin(
-        output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slot_widths: torch.Tensor,
-        slice_bounds: torch.Tensor, token_slots: torch.Tensor, sorted_ids: torch.Tensor | None = None,
-        group_slot: torch.Tensor | None = None, group_count: torch.Tensor | None = None,
-        group_start: torch.Tensor | None = None, no_lora: torch.Tensor | None = None,
-        scale_table: torch.Tensor | None = None, bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
+    @functools.wraps(fused_lora_slices_)  # the schema is inferred from the wrapped function's signature
+    def twin(*args, **kwargs) -> None:
         return None
 
     return torch.library.custom_op("vllm_bdlora_bench::custom_op_twin_", mutates_args=("output",))(twin)
@@ -72,19 +68,10 @@ def pieces(layer):
         "layer_op_lora_only": lambda: op(*common, run, None, None, None),
         "layer_op_with_gemm": lambda: op(*common, run, None, None, w),
     }
-    try:
-        import vllm.lora.ops.triton_ops  # noqa: F401
-        from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
-    except Exception as e:  # not installed here: report, do not fake
-        print(f"vLLM LoRA ops unavailable: {e}")
+    inputs = vllm_lora_inputs(layer)
+    if inputs is None:
         return found
-    from vllm_bdlora.kernels.reference import slice_views
-
-    views = slice_views(layer["lora_a"], layer["lora_b"], widths, bounds)
-    lora_a, lora_b = [a.contiguous() for a, _ in views], [b.contiguous() for _, b in views]
-    meta = LoRAKernelMeta.make(layer["lora_a"].shape[0], x.shape[0], x.device)
-    meta.prepare_tensors(layer["slots"].int())
-    args = meta.meta_args(x.shape[0], False)
+    lora_a, lora_b, args = inputs
     buffer = torch.empty(len(lora_a), x.shape[0], WIDTH, dtype=torch.float32, device=x.device)
     found["vllm_shrink"] = lambda: torch.ops.vllm.lora_shrink(x, lora_a, buffer, *args, 1.0)
     found["vllm_expand"] = lambda: torch.ops.vllm.lora_expand(buffer, lora_b, y, *args, offset_start=0,

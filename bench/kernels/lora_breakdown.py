@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import torch
 
-from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer
+from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer, vllm_lora_inputs
 from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
 
 TOKENS = (16, 1024, 8192)
@@ -41,20 +41,10 @@ def kernels(layer):
         ("our_expand_write", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, overwrite=True),
          out_bytes),
     ]  # fmt: skip
-    try:
-        import vllm.lora.ops.triton_ops  # noqa: F401
-        from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
-    except Exception as e:
-        print(f"vLLM LoRA ops unavailable: {e}")
+    inputs = vllm_lora_inputs(layer)
+    if inputs is None:
         return found
-    from vllm_bdlora.kernels.reference import slice_views
-
-    views = slice_views(layer["lora_a"], layer["lora_b"], widths, bounds)
-    lora_a = [a.contiguous() for a, _ in views]
-    lora_b = [b.contiguous() for _, b in views]
-    meta = LoRAKernelMeta.make(lora_a[0].shape[0], tokens, x.device)
-    meta.prepare_tensors(layer["slots"].int())
-    args = meta.meta_args(tokens, False)
+    lora_a, lora_b, args = inputs
     buffer = torch.empty(len(lora_a), tokens, lora_b[0].shape[-1], dtype=torch.float32, device=x.device)
     found += [
         ("vllm_shrink", lambda: torch.ops.vllm.lora_shrink(x, lora_a, buffer, *args, 1.0), 2 * x.numel()),
