@@ -5,7 +5,6 @@
 #   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
 #   bash bench/hosts/gpu_session.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
 #   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES  # serving sweep (resumable) -> $OUT/tp$TP-8b.tgz
-#     DUMP_STACKS_S=N before it: Python stacks of every process in the server logs every N s, for 5 minutes
 set -uo pipefail
 OUT=${OUT:-/root/out}
 STEP=${1:?step}
@@ -29,10 +28,8 @@ tune)  # launch configurations of the fused kernels around the defaults (compile
     2>&1 | cut -c1-300 | tail -40 ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
-  if [ -n "${DUMP_STACKS_S:-}" ]; then
-    export PYTHONPATH="$PWD/bench/hosts/stack_dumps${PYTHONPATH:+:$PYTHONPATH}" BENCH_DUMP_STACKS_EVERY_S=$DUMP_STACKS_S
-    export BENCH_DUMP_STACKS_UNTIL=$(( $(date +%s) + 300 ))
-  fi
+  # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
+  # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
   python3 -m bench.sweep --model-shape llama-3.1-8b --tp "$TP" --workdir /root/bench --out "/root/results/tp$TP-8b" \
     --modes "$MODES" --ranks "$RANKS" --io 1024/128 --concurrency 1,16,64 --adapters 1 --max-model-len 2048 \
