@@ -68,6 +68,28 @@ def test_targets_are_judged_from_the_numbers():
     assert slow.endswith("MISSED")
 
 
+def test_targets_are_judged_again_for_the_fused_kernels_when_they_ran():
+    rows = [
+        synthetic_row("base", 0, 10.0, 100),
+        synthetic_row("bdlora", 128, 12.0, 80),  # 1.2x base; S-LoRA only 1.25x slower
+        synthetic_row("bdfused", 128, 10.2, 98),  # within 5% of base; S-LoRA 1.47x slower
+        synthetic_row("slora", 64, 15.0, 66),
+        synthetic_row("bdlora", 128, 20.0, 500, concurrency=64),
+        synthetic_row("bdfused", 128, 21.0, 450, concurrency=64),
+        synthetic_row("slora", 64, 25.0, 470, concurrency=64),
+    ]
+    verdicts = report.targets(report.index(rows))
+    assert len(verdicts) == 9
+    assert "vLLM's LoRA kernels" in verdicts[0] and verdicts[0].endswith("MISSED")
+    assert verdicts[1].endswith("MISSED")
+    assert verdicts[3].endswith("met (measured at r=64; not at r=16, 256)")
+    fused = verdicts[5:]
+    assert all("fused kernels" in line for line in fused)
+    assert fused[0].endswith("met") and fused[1].endswith("met")
+    assert fused[2].endswith("not measured")  # no NFS point
+    assert fused[3].endswith("MISSED (measured at r=64; not at r=16, 256)")  # 450 < S-LoRA's 470
+
+
 def test_fused_mode_serves_bd_adapters_on_the_fused_kernels_and_is_compared():
     from bench.sweep import ServerConfig, parse_args, serve_command
 
