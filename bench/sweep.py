@@ -10,7 +10,8 @@ output), `logs/`, then `summary.md` and `plots/` (bench/report.py, also runnable
 
 Modes: base (no LoRA) · nfs (vLLM's default LoRA) · slora (--fully-sharded-loras) · bdlora (--enable-bdlora)
 · bddora (the bdlora adapters plus DoRA magnitude vectors, served with --enable-dora) · bdfused (bdlora on
-vllm-bdlora's fused LoRA kernels, additional_config {"bdlora": {"lora_kernels": "fused"}}).
+vllm-bdlora's fused LoRA kernels). bdlora and bddora name {"lora_kernels": "vllm"} and bdfused "fused" in
+--additional-config, whatever the plugin's default.
 Ranks are parameter-matched pairs: standard r for nfs/slora, BD r' for bdlora/bddora (bench/adapters.py).
 """
 
@@ -35,7 +36,8 @@ from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait
 
 MODES = ("base", "nfs", "slora", "bdlora", "bddora", "bdfused")
 BD_MODES = ("bdlora", "bddora", "bdfused")
-FUSED_KERNELS = json.dumps({"bdlora": {"lora_kernels": "fused"}})
+# Each BD mode names its LoRA kernels, so a mode means the same whatever the plugin's default.
+BD_KERNELS = {"bdlora": "vllm", "bddora": "vllm", "bdfused": "fused"}
 COLUMNS = (
     "mode", "tp", "rank", "trainable_params", "input_len", "output_len", "concurrency", "num_adapters",
     "median_tpot_ms", "median_ttft_ms", "median_e2el_ms", "output_throughput",
@@ -169,8 +171,8 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
                     "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]  # fmt: skip
         if config.mode == "slora":
             command.append("--fully-sharded-loras")
-        if config.mode == "bdfused":
-            command += ["--additional-config", FUSED_KERNELS]
+        if config.mode in BD_KERNELS:
+            command += ["--additional-config", json.dumps({"bdlora": {"lora_kernels": BD_KERNELS[config.mode]}})]
     return command + shlex.split(args.extra_server_args)
 
 

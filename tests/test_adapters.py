@@ -82,6 +82,7 @@ def test_dora_and_kernel_settings():
     settings = BdLoraSettings.from_additional_config({"bdlora": {"dora": True, "lora_kernels": "fused"}})
     assert (settings.enabled, settings.dora, settings.lora_kernels) == (True, True, "fused")
     assert BdLoraSettings.from_additional_config({"bdlora": {"enabled": False, "dora": True}}).dora is False
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).lora_kernels == "auto"  # fused on CUDA only
 
 
 def test_enabling_keeps_other_sections():

@@ -98,6 +98,9 @@ def test_fused_mode_serves_bd_adapters_on_the_fused_kernels_and_is_compared():
     assert "--enable-bdlora" in command and "--enable-lora" not in command
     config = json.loads(command[command.index("--additional-config") + 1])
     assert config == {"bdlora": {"lora_kernels": "fused"}}
+    for mode in ("bdlora", "bddora"):  # named, not left to the plugin's default ("auto": fused on CUDA)
+        command = serve_command(args, ServerConfig(mode, 4, 128, 1), "m", {"a0": "/adapter"}, 8000)
+        assert json.loads(command[command.index("--additional-config") + 1]) == {"bdlora": {"lora_kernels": "vllm"}}
     rows = [synthetic_row("bdlora", 128, 10.0, 100), synthetic_row("bdfused", 128, 8.0, 125),
             synthetic_row("nfs", 64, 10.6, 94)]  # fmt: skip
     (_, line) = report.speedups(report.index(rows)[(4, 1024, 128, 1, 1)])

@@ -26,12 +26,12 @@ class BdLoraSettings:
     # (CUDA graphs fix the layer's code path at start-up), so it is opt-in.
     dora: bool = False
     # "vllm": vLLM's own shrink/expand kernels. "fused": vllm_bdlora's routed shrink + fused expand
-    # (DoRA compose folded into the expand's output write) in every BD layer. "auto": the fused kernels
-    # on CUDA, where an H200 measured them faster than vLLM's end to end at TP=1 and TP=2
-    # (bench/results/tp{1,2}-8b-h200-s5), and vLLM's kernels elsewhere (the fused op's CPU path is a
-    # torch reference, slower than vLLM's CPU LoRA ops). The default stays "vllm" until the fused path
-    # is re-measured at TP=4 and its start-up cost there is understood.
-    lora_kernels: str = "vllm"
+    # (DoRA compose folded into the expand's output write) in every BD layer. "auto" (default): the fused
+    # kernels on CUDA, vLLM's elsewhere (the fused op's CPU path is a torch reference, slower than vLLM's CPU
+    # LoRA ops). On H200s the fused kernels decode 1.08-1.21x faster than vLLM's at TP=1, 2 and 4 and
+    # raise throughput x1.13-1.52, except TP=4 at 64 concurrent requests (x0.94, TTFT slower; not yet
+    # understood): bench/results/tp{1,2}-8b-h200-s5, tp4-8b-h200-s6. "vllm" is the way back.
+    lora_kernels: str = "auto"
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -52,7 +52,7 @@ class BdLoraSettings:
         for key, value in values.items():
             if not isinstance(value, bool):
                 raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be true or false, got {value!r}.')
-        kernels = section.get("lora_kernels", "vllm")
+        kernels = section.get("lora_kernels", cls.lora_kernels)
         if kernels not in LORA_KERNELS:
             raise ValueError(
                 f'additional_config["{CONFIG_KEY}"]["lora_kernels"] must be one of {list(LORA_KERNELS)}, '

@@ -20,8 +20,8 @@ channel (1 for plain LoRA adapters and empty slots). The LoRA product then goes 
 token's slot (vllm_bdlora.kernels.dora_compose). The compose is linear in (base, lora), so row-parallel
 layers apply it to their partial sums before the all-reduce: still no added collective per token.
 
-Fused kernels (`additional_config {"bdlora": {"lora_kernels": "fused"}}`, or "auto": fused on CUDA,
-where they measured faster than vLLM's in every layer, vLLM's elsewhere): all slices' A and B live in one
+Fused kernels (`lora_kernels` "auto", the default: on CUDA; "fused": everywhere, the CPU through the torch
+reference; "vllm": never): all slices' A and B live in one
 buffer each (vLLM sees per-slice views), and one shrink and one fused expand
 (vllm_bdlora.kernels.fused_lora) add the LoRA delta, or form the DoRA compose, for the whole packed layer,
 routed by the token grouping vLLM's punica wrapper builds once per step. With an unquantized base the op

@@ -17,7 +17,9 @@ FLAG_HELP = (
     "beyond the base model's own (vllm-bdlora plugin). Implies --enable-lora. Each GPU's LoRA buffers are "
     "--max-lora-rank / --tensor-parallel-size wide: a BD adapter of rank r needs --max-lora-rank >= r, a "
     "standard LoRA adapter of rank r needs --max-lora-rank >= r * TP. Same as "
-    '--additional-config \'{"bdlora": {"enabled": true}}\'. Not compatible with --fully-sharded-loras.'
+    '--additional-config \'{"bdlora": {"enabled": true}}\'. Not compatible with --fully-sharded-loras. On CUDA '
+    "BD layers run vllm-bdlora's fused LoRA kernels; "
+    '--additional-config \'{"bdlora": {"lora_kernels": "vllm"}}\' selects vLLM\'s own.'
 )
 
 DORA_FLAG = "--enable-dora"

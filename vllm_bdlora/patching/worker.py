@@ -99,14 +99,16 @@ def patch_lora_manager() -> bool:
                     "DoRA on: each BD layer keeps a float32 magnitude scale per LoRA slot and output channel; "
                     f"compose base + (g-1)(base - bias) + g*lora per token: {path}."
                 )
-            if settings.lora_kernels != "vllm":
-                if uses_fused_kernels(settings.lora_kernels):
-                    lines.append(
-                        f"LoRA kernels ({settings.lora_kernels}): vllm-bdlora's shrink + fused expand in every BD "
-                        "layer, one launch each for all slices of a packed layer."
-                    )
-                else:
-                    lines.append("LoRA kernels (auto): not on CUDA, so vLLM's own shrink/expand.")
+            kernels = settings.lora_kernels
+            if uses_fused_kernels(kernels):
+                lines.append(
+                    f"LoRA kernels ({kernels}): vllm-bdlora's shrink + fused expand in every BD layer, one launch "
+                    'each for all slices of a packed layer ("lora_kernels": "vllm" in the bdlora section of '
+                    "--additional-config selects vLLM's)."
+                )
+            else:
+                why = "not on CUDA" if kernels == "auto" else "as configured"
+                lines.append(f"LoRA kernels ({kernels}): vLLM's own shrink/expand ({why}).")
             if is_first_tp_rank(self):
                 for line in lines:
                     logger.info(line)
