@@ -124,6 +124,13 @@ def expand_config(tokens: int, width: int, slices: int = 1) -> LaunchConfig:
 DELTA_FIRST_MIN_TOKENS = 2048
 
 
+def writes_delta_first(delta_first_layer: bool, tokens: int) -> bool:
+    """Whether the layer op runs `delta_then_gemm` for a batch of `tokens`: packed, non-DoRA layers over an
+    unquantized base (`delta_first_layer`) from DELTA_FIRST_MIN_TOKENS tokens. The op and the warm-up's
+    launch list both ask here, so the warm-up compiles exactly the expand variants the op will launch."""
+    return delta_first_layer and tokens >= DELTA_FIRST_MIN_TOKENS
+
+
 def linear_config(tokens: int) -> LaunchConfig:
     if tokens <= 64:
         return LaunchConfig(16, 32, 128, num_stages=4)
@@ -139,7 +146,7 @@ def launch_variants(hidden: int, width: int, slices: int, delta_first: bool, max
     for tokens in counts:
         shrink = shrink_config(tokens, hidden, width, slices)
         shrinks.add(shrink)
-        overwrite = delta_first and tokens >= DELTA_FIRST_MIN_TOKENS
+        overwrite = writes_delta_first(delta_first, tokens)
         expands.add((expand_config(tokens, width, slices), shrink.split_k, overwrite))
     return shrinks, expands
 
@@ -530,7 +537,7 @@ def fused_lora_slices_(
     if x.is_cuda and group_slot is not None:
         warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, group_slot.shape[0], scale_table, bias, delta_first_layer)
     skip_lora = no_lora is not None and bool(no_lora[0])
-    delta_first = delta_first_layer and tokens >= DELTA_FIRST_MIN_TOKENS
+    delta_first = writes_delta_first(delta_first_layer, tokens)
     if weight is not None and (skip_lora or not delta_first):
         torch.addmm(bias, x, weight.t(), out=output) if bias is not None else torch.mm(x, weight.t(), out=output)
         weight = None
