@@ -1,7 +1,9 @@
 """Where a LoRA-adapted layer's time goes, kernel by kernel (the whole-layer benchmark, fused_lora.py, only
 shows sums): the base GEMM as cuBLAS runs it alone and accumulating onto an existing output (beta = 1), our
 shrink and expand (in place, and writing the delta), and vLLM's shrink and expand, at Llama-3.1-8B TP=4
-per-GPU shapes, one adapter, bf16.
+per-GPU shapes, one adapter, bf16. Also a prototype not used by the layers, the K-augmented layer (`kaug_*`:
+one cuBLAS GEMM over [X | S]·[W | B]ᵀ, `k_augmented_operands`), with its error against the torch reference
+and its speed-up over vLLM's GEMM + shrink + expand.
 
     python -m bench.kernels.lora_breakdown --out bench/results/kernels-h200
 
@@ -17,10 +19,28 @@ from dataclasses import asdict
 
 import torch
 
-from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer, vllm_lora_inputs
+from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer, reference, vllm_lora_inputs
 from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
 
 TOKENS = (16, 1024, 8192)
+
+
+def k_augmented_operands(x, weight, lora_b, slice_bounds):
+    """Operands of the K-augmented layer for one adapter: out = [X | S]·[W | B']ᵀ, a single cuBLAS GEMM whose
+    reduction dimension carries the LoRA rank too (S = X·Aᵀ from the shrink, slices side by side; B' holds
+    slice j's B in slice j's output rows and S columns, zeros elsewhere). No output re-read, no expand; costs
+    an X copy into the wider buffer and slices·width/K more FLOPs. A serving version would keep W as a view
+    into B''s buffer (no weight copy) and have the shrink write S into the buffer's tail."""
+    hidden, width = x.shape[1], lora_b.shape[2]
+    bounds = [int(b) for b in slice_bounds]
+    slices = len(bounds) - 1
+    augmented = torch.zeros(weight.shape[0], hidden + slices * width, dtype=weight.dtype, device=weight.device)
+    augmented[:, :hidden] = weight
+    for j in range(slices):
+        rows = slice(bounds[j], bounds[j + 1])
+        augmented[rows, hidden + j * width : hidden + (j + 1) * width] = lora_b[0, rows]
+    buffer = torch.empty(x.shape[0], hidden + slices * width, dtype=x.dtype, device=x.device)
+    return buffer, augmented
 
 
 def kernels(layer):
@@ -41,6 +61,20 @@ def kernels(layer):
         ("our_expand_write", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, overwrite=True),
          out_bytes),
     ]  # fmt: skip
+    if layer["lora_b"].shape[0] == 1:
+        x_aug, w_aug = k_augmented_operands(x, w, layer["lora_b"], bounds.tolist())
+        hidden = x.shape[1]
+
+        def k_augmented_layer():  # S through a copy: the shrink does not yet write into the buffer's tail
+            x_aug[:, :hidden].copy_(x)
+            x_aug[:, hidden:].copy_(lora_shrink(x, layer["lora_a"], groups, widths).sum(0))
+            return x_aug @ w_aug.T
+
+        found += [
+            ("kaug_copy_x", lambda: x_aug[:, :hidden].copy_(x), 2 * x.numel() * 2),
+            ("kaug_gemm", lambda: x_aug @ w_aug.T, None),
+            ("kaug_layer", k_augmented_layer, None),
+        ]
     inputs = vllm_lora_inputs(layer)
     if inputs is None:
         return found
@@ -111,6 +145,14 @@ def main(argv=None) -> int:
                 row[f"{kernel}_us"] = round(us, 2)
                 if moved:
                     row[f"{kernel}_gbs"] = round(moved / (us * 1e-6) / 1e9, 1)
+            if "kaug_layer_us" in row:  # the prototype must compute the layer before its time means anything
+                found = {name: fn for name, fn, _ in kernels(layer)}
+                expected = reference(layer).float()
+                error = (found["kaug_layer"]().float() - expected).abs().max() / expected.abs().max()
+                row["kaug_rel_error"] = round(float(error), 5)
+                if "vllm_expand_us" in row:
+                    vllm_us = row["cublas_gemm_us"] + row["vllm_shrink_us"] + row["vllm_expand_us"]
+                    row["kaug_speedup_vs_vllm"] = round(vllm_us / row["kaug_layer_us"], 3)
             if args.configs:
                 for kernel, ranked in (("expand_write", expand_configs(layer)), ("shrink", shrink_configs(layer))):
                     row[f"{kernel}_top5"], row[f"{kernel}_worst"] = ranked[:5], ranked[-1]
