@@ -73,13 +73,18 @@ def normalise(generator: str, raw: dict) -> dict:
     raise ValueError(f"unknown load generator {generator!r}; choose from {GENERATORS}")
 
 
-def run_point(args, model, adapters, url, io, concurrency, raw_path, log_path) -> tuple[int, dict | None]:
-    """Run one load point; returns (exit code, the generator's result JSON, also saved at raw_path)."""
-    prompts = num_prompts(args.prompts_per_concurrency, concurrency)
+def run_point(
+    args, model, adapters, url, io, concurrency, raw_path, log_path, profile: bool = False
+) -> tuple[int, dict | None]:
+    """Run one load point; returns (exit code, the generator's result JSON, also saved at raw_path). With
+    `profile`, one wave of requests (`concurrency` of them) with vLLM's profiler on (`vllm bench serve --profile`;
+    the server needs --profiler-config)."""
+    prompts = concurrency if profile else num_prompts(args.prompts_per_concurrency, concurrency)
     env = dict(os.environ)
     if args.load_generator == "vllm":
         raw_dir, raw_name = os.path.split(raw_path)
         command = vllm_bench_command(url, model, adapters, io, concurrency, prompts, raw_dir, raw_name)
+        command += ["--profile"] if profile else []
     else:
         work = raw_path + ".llmperf"
         os.makedirs(work, exist_ok=True)

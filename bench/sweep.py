@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import json
 import os
 import platform
@@ -95,8 +96,18 @@ def parse_args(argv=None):
     )
     p.add_argument("--llmperf-dir", help="an LLMPerf checkout (with token_benchmark_ray.py)")
     p.add_argument("--llmperf-python", default="python", help="the interpreter of LLMPerf's own virtual environment")
+    p.add_argument(
+        "--profile-concurrency",
+        default="",
+        help="after a server's measured points, one more run per listed concurrency (one wave of requests) "
+        "under vLLM's torch profiler: a kernel-time table per rank in <out>/profiles/<server>/*profiler_out*.txt "
+        "(and traces beside them); never in points.csv, the profiler slows what it watches",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
     args = p.parse_args(argv)
+    if args.profile_concurrency and args.load_generator != "vllm":
+        p.error("--profile-concurrency drives vLLM's profiler through `vllm bench serve --profile`: "
+                "use --load-generator vllm")  # fmt: skip
     if args.load_generator == "llmperf":
         if not args.llmperf_dir or not os.path.exists(os.path.join(args.llmperf_dir, "token_benchmark_ray.py")):
             p.error(
@@ -173,7 +184,23 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
             command.append("--fully-sharded-loras")
         if config.mode in BD_KERNELS:
             command += ["--additional-config", json.dumps({"bdlora": {"lora_kernels": BD_KERNELS[config.mode]}})]
+    if args.profile_concurrency:
+        command += ["--profiler-config", profiler_config(args, config)]
     return command + shlex.split(args.extra_server_args)
+
+
+# Engine steps the profiler records once started: a wave of 64 requests of 1024 tokens prefills in 8 steps
+# of 8192 tokens, then decodes; 40 steps cover the prefill burst and the first decode steps after it.
+PROFILED_STEPS = 40
+
+
+def profile_dir(args, config: ServerConfig) -> str:
+    return os.path.abspath(os.path.join(args.out, "profiles", config.label))
+
+
+def profiler_config(args, config: ServerConfig) -> str:
+    return json.dumps({"profiler": "torch", "torch_profiler_dir": profile_dir(args, config),
+                       "torch_profiler_with_stack": False, "max_iterations": PROFILED_STEPS})  # fmt: skip
 
 
 def row_from_result(config, args, io, concurrency, raw_path, result: dict) -> dict:
@@ -210,6 +237,21 @@ def environment() -> dict:
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(shlex.quote(a) for a in sys.argv),
     }
+
+
+def profile_once(args, config, model, adapters, url, io, concurrency) -> None:
+    """One wave of `concurrency` requests under vLLM's profiler, unless this server's profile exists."""
+    folder = profile_dir(args, config)
+    name = f"io{io[0]}-{io[1]}_bs{concurrency}"
+    if os.path.exists(os.path.join(folder, f"bench_{name}.json")):
+        return
+    os.makedirs(folder, exist_ok=True)
+    rc, _ = run_point(args, model, adapters, url, io, concurrency, os.path.join(folder, f"bench_{name}.json"),
+                      os.path.join(folder, f"bench_{name}.log"), profile=True)  # fmt: skip
+    # vLLM 0.26 names them profiler_out_<rank>.txt, 0.32 rank<rank>.profiler_out.txt
+    tables = sorted(glob.glob(os.path.join(folder, "*profiler_out*.txt")))
+    print(f"[sweep] profiled {config.label} io={io[0]}/{io[1]} bs={concurrency}: rc={rc}, "
+          f"{len(tables)} rank table(s) in {folder}", flush=True)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -278,6 +320,9 @@ def main(argv=None) -> int:
                         print(f"[sweep] {done}/{total} {config.label} io={io[0]}/{io[1]} bs={concurrency}: "
                               f"tpot {row['median_tpot_ms']:.2f} ms, ttft {row['median_ttft_ms']:.1f} ms, "
                               f"{row['output_throughput']:.1f} tok/s (eta {eta / 60:.0f} min)", flush=True)  # fmt: skip
+                for io in ios:
+                    for concurrency in csv_ints(args.profile_concurrency) if args.profile_concurrency else []:
+                        profile_once(args, config, model, adapters, url, io, concurrency)
             except (RuntimeError, TimeoutError) as e:
                 failures.append(f"{config.label}: server did not start: {str(e).splitlines()[0]}")
                 print(f"[sweep] server {config.label} failed:\n{e}", flush=True)

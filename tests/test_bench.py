@@ -110,6 +110,20 @@ def test_fused_mode_serves_bd_adapters_on_the_fused_kernels_and_is_compared():
     assert alone == line
 
 
+def test_profiled_servers_write_their_tables_beside_the_results(tmp_path):
+    from bench.sweep import ServerConfig, parse_args, serve_command
+
+    args = parse_args(["--out", str(tmp_path), "--profile-concurrency", "64"])
+    command = serve_command(args, ServerConfig("bdfused", 4, 128, 1), "m", {"a0": "/adapter"}, 8000)
+    profiler = json.loads(command[command.index("--profiler-config") + 1])
+    assert profiler["profiler"] == "torch" and profiler["max_iterations"] > 0
+    assert profiler["torch_profiler_dir"] == str(tmp_path / "profiles" / "bdfused-tp4-r128-a1")
+    unprofiled = serve_command(parse_args(["--out", "x"]), ServerConfig("bdfused", 4, 128, 1), "m", {}, 8000)
+    assert "--profiler-config" not in unprofiled
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--profile-concurrency", "64", "--load-generator", "llmperf"])
+
+
 @pytest.mark.engine
 def test_small_sweep_end_to_end_on_cpu(tmp_path):
     from bench.sweep import COLUMNS, main

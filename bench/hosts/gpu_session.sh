@@ -4,7 +4,9 @@
 #   bash bench/hosts/gpu_session.sh install            # vLLM 0.26 bundle (parts in /root/pkg) + our wheel
 #   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
 #   bash bench/hosts/gpu_session.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
-#   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES  # serving sweep (resumable) -> $OUT/tp$TP-8b.tgz
+#   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
+#     -> $OUT/tp$TP-8b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
+#     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
 set -uo pipefail
 OUT=${OUT:-/root/out}
 STEP=${1:?step}
@@ -33,8 +35,9 @@ sweep)
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
   python3 -m bench.sweep --model-shape llama-3.1-8b --tp "$TP" --workdir /root/bench --out "/root/results/tp$TP-8b" \
     --modes "$MODES" --ranks "$RANKS" --io 1024/128 --concurrency 1,16,64 --adapters 1 --max-model-len 2048 \
-    --start-timeout 420 --stop-after-minutes "$MINUTES" --extra-server-args "$GRAPH_ARGS" 2>&1 | grep -v "^\s*$" | tail -40
+    --start-timeout 420 --stop-after-minutes "$MINUTES" --extra-server-args "$GRAPH_ARGS" "${@:6}" 2>&1 \
+    | grep -v "^\s*$" | tail -40
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches after"
-  mkdir -p "$OUT" && tar czf "$OUT/tp$TP-8b.tgz" -C /root/results "tp$TP-8b" ;;
+  mkdir -p "$OUT" && tar czf "$OUT/tp$TP-8b.tgz" --exclude='*.pt.trace.json*' -C /root/results "tp$TP-8b" ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
