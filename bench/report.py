@@ -180,7 +180,10 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
     failures = open(failures_path).read().strip() if os.path.exists(failures_path) else ""
     out = [f"# Serving sweep: {os.path.basename(os.path.abspath(results_dir))}", ""]
     out += [f"- {k}: `{v}`" for k, v in env.items()]
-    out += ["", f"{len(rows)} points; load generator `vllm bench serve` (random tokens, ignore-eos).", ""]
+    from bench.load_generators import LABELS
+
+    generators = ", ".join(f"`{LABELS.get(g, g)}`" for g in sorted({r.get("load_generator") or "vllm" for r in rows}))
+    out += ["", f"{len(rows)} points; load generator {generators} (random tokens, ignore-eos).", ""]
     out += ["## Targets (issues 3 and 4)", "", *targets(table), ""]
     if failures:
         out += ["## Failed points", "", "```", failures, "```", ""]
@@ -188,11 +191,13 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
         tp, i, o, n, bs = key
         points = table[key]
         out += [f"## TP={tp}, {i}/{o} tokens, {n} adapter(s), concurrency {bs}", ""]
-        out += ["| mode | rank | params (M) | TPOT ms | TTFT ms | E2E ms | tokens/s |", "|---|---|---|---|---|---|---|"]
+        out += ["| mode | rank | params (M) | TPOT ms | TTFT ms | p99 TTFT ms | E2E ms | tokens/s |",
+                "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for (mode, rank), row in sorted(points.items(), key=lambda kv: (list(MODE_STYLE).index(kv[0][0]), kv[0][1])):
+            p99 = f"{row['p99_ttft_ms']:.0f}" if row.get("p99_ttft_ms") is not None else "-"
             out.append(
                 f"| {mode} | {rank} | {row['trainable_params'] / 1e6:.3g} | {row['median_tpot_ms']:.2f} | "
-                f"{row['median_ttft_ms']:.1f} | {row['median_e2el_ms']:.0f} | {row['output_throughput']:.1f} |"
+                f"{row['median_ttft_ms']:.1f} | {p99} | {row['median_e2el_ms']:.0f} | {row['output_throughput']:.1f} |"
             )
         out += ["", *[f"- {line}" for line in speedups(points)], ""]
     text = "\n".join(out) + "\n"

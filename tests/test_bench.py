@@ -194,6 +194,13 @@ def test_llmperf_results_are_normalised_to_the_sweep_schema(tmp_path, monkeypatc
     assert row["median_e2el_ms"] == pytest.approx(570.0) and row["output_throughput"] == 210.5
 
 
+def test_summary_names_the_load_generator_that_ran(tmp_path):
+    rows = [{**synthetic_row("bdlora", 128, 10.0, 100), "load_generator": "llmperf", "p99_ttft_ms": None}]
+    text = report.write_summary(str(tmp_path), rows, report.index(rows))
+    assert "load generator `llmperf token_benchmark_ray`" in text and "vllm bench serve" not in text
+    assert "| bdlora | 128 | 128 | 10.00 | 50.0 | - |" in text  # no p99 reported: a dash, not a crash
+
+
 def test_llmperf_is_refused_for_many_adapter_points(tmp_path):
     from bench.sweep import parse_args
 
