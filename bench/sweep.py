@@ -259,6 +259,7 @@ def main(argv=None) -> int:
     configs = plan(args)
     ios = [tuple(int(x) for x in pair.split("/")) for pair in args.io.split(",")]
     concurrencies = csv_ints(args.concurrency)
+    profiled = csv_ints(args.profile_concurrency)
     total = len(configs) * len(ios) * len(concurrencies)
     print(f"[sweep] {len(configs)} server configurations, {total} points -> {args.out}", flush=True)
     if args.dry_run:
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
                               f"tpot {row['median_tpot_ms']:.2f} ms, ttft {row['median_ttft_ms']:.1f} ms, "
                               f"{row['output_throughput']:.1f} tok/s (eta {eta / 60:.0f} min)", flush=True)  # fmt: skip
                 for io in ios:
-                    for concurrency in csv_ints(args.profile_concurrency) if args.profile_concurrency else []:
+                    for concurrency in profiled:
                         profile_once(args, config, model, adapters, url, io, concurrency)
             except (RuntimeError, TimeoutError) as e:
                 failures.append(f"{config.label}: server did not start: {str(e).splitlines()[0]}")
