@@ -64,7 +64,7 @@ def uses_fused_kernels(lora_kernels: str) -> bool:
 
 
 @contextmanager
-def selecting_bd_layers(dora: bool = False, lora_kernels: str = "vllm") -> Iterator[None]:
+def selecting_bd_layers(*, dora: bool, lora_kernels: str) -> Iterator[None]:
     global _selecting, _serving_dora, _lora_kernels
     previous = _selecting, _serving_dora, _lora_kernels
     _selecting, _serving_dora, _lora_kernels = True, dora, lora_kernels
