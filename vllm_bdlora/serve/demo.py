@@ -93,7 +93,7 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
         print(f"[demo] waiting for the server (log: {log_path}) ...", flush=True)
         wait_healthy(proc, url, log_path, timeout)
         for line in open(log_path, errors="replace"):
-            if "BD-LoRA " in line or "DoRA on:" in line or "vllm-bdlora: adapter" in line:
+            if any(mark in line for mark in ("BD-LoRA ", "DoRA on:", "LoRA kernels (", "vllm-bdlora: adapter")):
                 print("[server]", line.split("] ", 1)[-1].rstrip())
         models = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
         print(f"[demo] /v1/models: {models}")
