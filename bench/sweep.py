@@ -150,7 +150,13 @@ def adapter_paths(args, config: ServerConfig) -> dict[str, str]:
     kind = (f"bd{nblocks}" if nblocks else "std") + ("-dora" if dora else "")
     return {
         f"a{i}": write_adapter(
-            shape, os.path.join(args.workdir, f"{kind}-r{config.rank}-{i}"), config.rank, nblocks, i, dora=dora
+            shape,
+            # Written once and reused by later sweeps in the same workdir, so the shape is part of the name.
+            os.path.join(args.workdir, f"adapters-{args.model_shape}", f"{kind}-r{config.rank}-{i}"),
+            config.rank,
+            nblocks,
+            i,
+            dora=dora,
         )
         for i in range(config.num_adapters)
     }

@@ -7,12 +7,21 @@
 #   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
 #     -> $OUT/tp$TP-8b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
+#     SHAPE=llama-3.1-70b picks another model shape (results in tp$TP-70b).
+#   bash bench/hosts/gpu_session.sh queue "SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the background
+#   bash bench/hosts/gpu_session.sh watch SECONDS      # keep the host held, then bring back /root/results
+#     A call that returns kills what it started, and a server start cut by the call's 10-minute limit is
+#     lost; `queue` runs its sweeps one after another in a new session (setsid), which lives until the host
+#     goes back, so no server start is wasted at call boundaries. Follow it with back-to-back `watch` calls
+#     (the host is released after 30 s idle); the last one's SECONDS must end before the device budget does.
 set -uo pipefail
 OUT=${OUT:-/root/out}
 STEP=${1:?step}
 # vLLM 0.26 turns on FlashInfer's fused all-reduce + RMSNorm (a TP>1, Hopper-only inductor pass) by default;
 # on these VMs it faults with an illegal address (see README.md), so serving keeps it off.
 GRAPH_ARGS="--compilation-config '{\"pass_config\":{\"fuse_allreduce_rms\":false}}'"
+SHAPE=${SHAPE:-llama-3.1-8b}
+RESULTS=tp${2:-4}-${SHAPE##*-}
 case $STEP in
 install)
   bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl
@@ -33,11 +42,23 @@ sweep)
   # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
   # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
-  python3 -m bench.sweep --model-shape llama-3.1-8b --tp "$TP" --workdir /root/bench --out "/root/results/tp$TP-8b" \
+  ${PYTHON:-python3} -m bench.sweep --model-shape "$SHAPE" --tp "$TP" --workdir /root/bench --out "/root/results/$RESULTS" \
     --modes "$MODES" --ranks "$RANKS" --io 1024/128 --concurrency 1,16,64 --adapters 1 --max-model-len 2048 \
     --start-timeout 420 --stop-after-minutes "$MINUTES" --extra-server-args "$GRAPH_ARGS" "${@:6}" 2>&1 \
     | grep -v "^\s*$" | tail -40
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches after"
-  mkdir -p "$OUT" && tar czf "$OUT/tp$TP-8b.tgz" --exclude='*.pt.trace.json*' -C /root/results "tp$TP-8b" ;;
+  mkdir -p "$OUT" && tar czf "$OUT/$RESULTS.tgz" --exclude='*.pt.trace.json*' -C /root/results "$RESULTS" ;;
+queue)
+  shift; printf '%s\n' "$@" > /root/queue.plan
+  setsid nohup bash -c 'while read -r shape rest; do
+      echo "== $(date +%T) $shape $rest"; set -- $rest
+      SHAPE=$shape OUT=/root/queue-out bash bench/hosts/gpu_session.sh sweep "$1" "$2" "$3" 999 "${@:4}" < /dev/null
+    done < /root/queue.plan; echo "== $(date +%T) queue done"' > /root/queue.log 2>&1 < /dev/null &
+  sleep 2; cat /root/queue.log ;;
+watch)
+  sleep "${2:-500}"; date +%T; grep "^== " /root/queue.log
+  for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
+    ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
+  mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C /root/results . ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
