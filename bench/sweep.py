@@ -240,9 +240,25 @@ def environment() -> dict:
         "torch": torch.__version__,
         "vllm_bdlora": vllm_bdlora.__version__,
         "python": platform.python_version(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(shlex.quote(a) for a in sys.argv),
     }
+
+
+def record_environment(out_dir: str) -> None:
+    """environment.json: this host's versions, and every sweep command that wrote into the folder (a
+    resumed or queued sweep adds its command rather than replacing the ones whose points are already there)."""
+    path = os.path.join(out_dir, "environment.json")
+    runs = []
+    if os.path.exists(path):
+        try:
+            earlier = json.load(open(path))
+        except ValueError:  # cut short by a host taken back mid-write; the points.csv rows still stand
+            earlier = {}
+        runs = earlier.get("runs") or [{k: earlier[k] for k in ("started", "command") if k in earlier}]
+    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+    record = {**environment(), "runs": [r for r in runs if r] + [run]}
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def profile_once(args, config, model, adapters, url, io, concurrency) -> None:
@@ -275,8 +291,7 @@ def main(argv=None) -> int:
         return 0
     for sub in ("raw", "logs"):
         os.makedirs(os.path.join(args.out, sub), exist_ok=True)
-    with open(os.path.join(args.out, "environment.json"), "w") as f:
-        json.dump(environment(), f, indent=1)
+    record_environment(args.out)
     model = make_dummy_model(args.model_shape, os.path.join(args.workdir, args.model_shape))
     csv_path = os.path.join(args.out, "points.csv")
     finished = set()  # points already in points.csv: a rerun resumes after them

@@ -103,11 +103,35 @@ def test_fused_mode_serves_bd_adapters_on_the_fused_kernels_and_is_compared():
         assert json.loads(command[command.index("--additional-config") + 1]) == {"bdlora": {"lora_kernels": "vllm"}}
     rows = [synthetic_row("bdlora", 128, 10.0, 100), synthetic_row("bdfused", 128, 8.0, 125),
             synthetic_row("nfs", 64, 10.6, 94)]  # fmt: skip
-    (_, line) = report.speedups(report.index(rows)[(4, 1024, 128, 1, 1)])
+    (_, fused_vs_nfs, line) = report.speedups(report.index(rows)[(4, 1024, 128, 1, 1)])
+    assert fused_vs_nfs.startswith("BD r'=128 on the fused kernels") and "vs nfs r=64" in fused_vs_nfs
+    assert "TPOT 1.32× faster" in fused_vs_nfs  # 10.6 / 8.0
     assert "on the fused kernels: TPOT 1.25× faster" in line and "throughput ×1.25" in line
     assert (report.speed(8.0, 10.0), report.speed(13.0, 10.0)) == ("1.25× faster", "1.30× slower")
     (alone,) = report.speedups(report.index(rows[:2])[(4, 1024, 128, 1, 1)])  # no standard-rank baseline needed
     assert alone == line
+
+
+def test_a_run_without_tp4_points_reports_speedups_instead_of_unmeasured_targets(tmp_path):
+    rows = [{**synthetic_row(mode, rank, tpot, tput), "tp": 8}
+            for mode, rank, tpot, tput in (("bdfused", 128, 11.0, 77), ("slora", 64, 15.9, 55))]  # fmt: skip
+    text = report.write_summary(str(tmp_path), rows, report.index(rows))
+    assert "## Targets" not in text and "this run measured TP=8" in text
+    assert "BD r'=128 on the fused kernels (128M params); vs slora r=64 (64M): TPOT 1.45× faster" in text
+
+
+def test_a_resumed_sweep_adds_its_command_to_the_environment_record(tmp_path, monkeypatch):
+    from bench import sweep
+
+    monkeypatch.setattr(sweep, "environment", lambda: {"vllm": "0.26.0"})
+    (tmp_path / "environment.json").write_text(json.dumps({"vllm": "0.26.0", "started": "s1", "command": "first"}))
+    for argv in (["sweep.py", "second"], ["sweep.py", "third"]):
+        monkeypatch.setattr(sweep.sys, "argv", argv)
+        sweep.record_environment(str(tmp_path))
+    runs = json.loads((tmp_path / "environment.json").read_text())["runs"]
+    assert [r["command"] for r in runs] == ["first", "sweep.py second", "sweep.py third"]
+    text = report.write_summary(str(tmp_path), [synthetic_row("bdlora", 128, 10.0, 100)], {})
+    assert "- started s1: `first`" in text and "`sweep.py third`" in text
 
 
 def test_profiled_servers_write_their_tables_beside_the_results(tmp_path):
