@@ -33,7 +33,7 @@ def vllm_bench_command(url, model, adapters, io, concurrency, prompts, raw_dir, 
                "--random-output-len", str(output_len), "--random-range-ratio", "0",
                "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--ignore-eos",
                "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-               "--save-result", "--result-dir", raw_dir, "--result-filename", raw_name]  # fmt: skip
+               "--save-result", "--save-detailed", "--result-dir", raw_dir, "--result-filename", raw_name]  # fmt: skip
     if len(adapters) > 1:
         command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
     return command
@@ -103,4 +103,19 @@ def run_point(
     if rc != 0 or not os.path.exists(raw_path):
         return rc, None
     with open(raw_path) as f:
-        return rc, json.load(f)
+        raw = json.load(f)
+    if args.load_generator == "vllm":
+        raw = keep_per_request_timings(raw)
+        with open(raw_path, "w") as f:
+            json.dump(raw, f)
+    return rc, raw
+
+
+# Per-request fields of `vllm bench serve --save-detailed` too bulky to commit (one entry per token or the text).
+BULKY_FIELDS = ("itls", "generated_texts")
+
+
+def keep_per_request_timings(raw: dict) -> dict:
+    """The raw result with each request's start time, TTFT and latency kept (a median TTFT that moves between
+    runs can then be read request by request) and its inter-token latencies and text dropped."""
+    return {key: value for key, value in raw.items() if key not in BULKY_FIELDS}

@@ -243,7 +243,7 @@ def environment() -> dict:
     }
 
 
-def record_environment(out_dir: str) -> None:
+def record_environment(out_dir: str, argv: list[str]) -> None:
     """environment.json: this host's versions, and every sweep command that wrote into the folder (a
     resumed or queued sweep adds its command rather than replacing the ones whose points are already there)."""
     path = os.path.join(out_dir, "environment.json")
@@ -254,7 +254,8 @@ def record_environment(out_dir: str) -> None:
         except ValueError:  # cut short by a host taken back mid-write; the points.csv rows still stand
             earlier = {}
         runs = earlier.get("runs") or [{k: earlier[k] for k in ("started", "command") if k in earlier}]
-    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+    command = "python -m bench.sweep " + shlex.join(argv)
+    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command}
     record = {**environment(), "runs": [r for r in runs if r] + [run]}
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=1)
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
         return 0
     for sub in ("raw", "logs"):
         os.makedirs(os.path.join(args.out, sub), exist_ok=True)
-    record_environment(args.out)
+    record_environment(args.out, sys.argv[1:] if argv is None else argv)
     model = make_dummy_model(args.model_shape, os.path.join(args.workdir, args.model_shape))
     csv_path = os.path.join(args.out, "points.csv")
     finished = set()  # points already in points.csv: a rerun resumes after them

@@ -125,13 +125,14 @@ def test_a_resumed_sweep_adds_its_command_to_the_environment_record(tmp_path, mo
 
     monkeypatch.setattr(sweep, "environment", lambda: {"vllm": "0.26.0"})
     (tmp_path / "environment.json").write_text(json.dumps({"vllm": "0.26.0", "started": "s1", "command": "first"}))
-    for argv in (["sweep.py", "second"], ["sweep.py", "third"]):
-        monkeypatch.setattr(sweep.sys, "argv", argv)
-        sweep.record_environment(str(tmp_path))
+    for argv in (["--tp", "2"], ["--tp", "4", "--extra-server-args", "--a b"]):
+        sweep.record_environment(str(tmp_path), argv)
     runs = json.loads((tmp_path / "environment.json").read_text())["runs"]
-    assert [r["command"] for r in runs] == ["first", "sweep.py second", "sweep.py third"]
+    assert [r["command"] for r in runs] == [
+        "first", "python -m bench.sweep --tp 2", "python -m bench.sweep --tp 4 --extra-server-args '--a b'"
+    ]  # fmt: skip
     text = report.write_summary(str(tmp_path), [synthetic_row("bdlora", 128, 10.0, 100)], {})
-    assert "- started s1: `first`" in text and "`sweep.py third`" in text
+    assert "- started s1: `first`" in text and "`python -m bench.sweep --tp 2`" in text
 
 
 def test_profiled_servers_write_their_tables_beside_the_results(tmp_path):
@@ -164,7 +165,9 @@ def test_small_sweep_end_to_end_on_cpu(tmp_path):
     assert set(COLUMNS) == set(rows[0])
     assert all(float(r["median_tpot_ms"]) > 0 and float(r["output_throughput"]) > 0 for r in rows)
     summary = (out / "summary.md").read_text()
-    assert "| bdlora | 16 |" in summary and "command:" in summary
+    assert "| bdlora | 16 |" in summary and "python -m bench.sweep --model-shape tiny --tp 1" in summary
+    raw = json.loads((out / "raw" / "bdlora-tp1-r16-a1_io16-8_bs1.json").read_text())
+    assert len(raw["ttfts"]) == raw["completed"] and "itls" not in raw  # per-request timings kept, tokens not
     assert (out / "plots" / "tp1_io16-8_adapters1.png").stat().st_size > 0
     assert torch.cuda.is_available() or "CPU only" in summary
 
