@@ -5,11 +5,12 @@
 #   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
 #   bash bench/hosts/gpu_session.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
 #   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
-#     -> $OUT/tp$TP-8b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
+#     -> $OUT/tp$TP-8b.tgz or -70b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
 #     SHAPE=llama-3.1-70b picks another model shape (results in tp$TP-70b).
 #   bash bench/hosts/gpu_session.sh queue "SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the background
-#   bash bench/hosts/gpu_session.sh watch SECONDS      # keep the host held, then bring back /root/results
+#   bash bench/hosts/gpu_session.sh watch SECONDS      # keep the host held, then bring back /root/results (and
+#     the FlashInfer JIT cache, for `install` on a later host)
 #     A call that returns kills what it started, and a server start cut by the call's 10-minute limit is
 #     lost; `queue` runs its sweeps one after another in a new session (setsid), which lives until the host
 #     goes back, so no server start is wasted at call boundaries. Follow it with back-to-back `watch` calls
@@ -24,6 +25,9 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 RESULTS=tp${2:-4}-${SHAPE##*-}
 case $STEP in
 install)
+  # A FlashInfer JIT cache brought back by an earlier session's `watch` (copied to .gpu/ and carried to /root/pkg
+  # like a bundle part) spares a fresh host's first TP>1 server its ~100 s compile stall (README.md).
+  for cache in /root/pkg/flashinfer-cache*.tgz; do [ -e "$cache" ] && tar xzf "$cache" -C /root && echo "restored $cache"; done
   bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl
   python3 -c "import vllm, vllm_bdlora, peft; print('vllm', vllm.__version__, 'peft', peft.__version__)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
@@ -59,6 +63,7 @@ watch)
   sleep "${2:-500}"; date +%T; grep "^== " /root/queue.log
   for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
     ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
-  mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C /root/results . ;;
+  mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C /root/results .
+  if [ -d /root/.cache/flashinfer ]; then tar czf "$OUT/flashinfer-cache.tgz" -C /root .cache/flashinfer; fi ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
