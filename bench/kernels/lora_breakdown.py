@@ -1,9 +1,11 @@
 """Where a LoRA-adapted layer's time goes, kernel by kernel (the whole-layer benchmark, fused_lora.py, only
 shows sums): the base GEMM as cuBLAS runs it alone and accumulating onto an existing output (beta = 1), our
 shrink and expand (in place, and writing the delta), and vLLM's shrink and expand, at Llama-3.1-8B TP=4
-per-GPU shapes, one adapter, bf16. Also a prototype not used by the layers, the K-augmented layer (`kaug_*`:
-one cuBLAS GEMM over [X | S]·[W | B]ᵀ, `k_augmented_operands`), with its error against the torch reference
-and its speed-up over vLLM's GEMM + shrink + expand.
+per-GPU shapes, one adapter, bf16. Also two candidates not used by the layers yet, each with its error
+against the torch reference: the K-augmented layer for prefill (`kaug_*`: one cuBLAS GEMM over [X | S]·[W | B]ᵀ,
+`k_augmented_operands`) with its speed-up over vLLM's GEMM + shrink + expand, and for decode batches the
+single-pass LoRA kernel (`onepass_*`: `single_pass_lora`, shrink inside the expand) with its speed-up over our
+shrink + in-place expand (`--configs` also ranks its launch configurations).
 
     python -m bench.kernels.lora_breakdown --out bench/results/kernels-h200
 
@@ -22,7 +24,8 @@ import torch
 from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer, reference, vllm_lora_inputs
 from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
 
-TOKENS = (16, 1024, 8192)
+TOKENS = (1, 16, 64, 1024, 8192)
+SINGLE_PASS_MAX_TOKENS = 64  # decode batches: the single-pass kernel re-reads A per column block
 
 
 def k_augmented_operands(x, weight, lora_b, slice_bounds):
@@ -45,7 +48,7 @@ def k_augmented_operands(x, weight, lora_b, slice_bounds):
 
 def kernels(layer):
     """(name, fn, bytes it must move or None) for every kernel of the layer on its own."""
-    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
+    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink, single_pass_lora
 
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
     tokens, n = x.shape[0], w.shape[0]
@@ -75,6 +78,9 @@ def kernels(layer):
             ("kaug_gemm", lambda: x_aug @ w_aug.T, None),
             ("kaug_layer", k_augmented_layer, None),
         ]
+    if tokens <= SINGLE_PASS_MAX_TOKENS:
+        found.append(("onepass_lora", lambda: single_pass_lora(y, x, layer["lora_a"], layer["lora_b"], groups, widths,
+                                                               bounds), 2 * out_bytes))  # fmt: skip
     inputs = vllm_lora_inputs(layer)
     if inputs is None:
         return found
@@ -128,6 +134,33 @@ def shrink_configs(layer) -> list[dict]:
                   "x_gbs")  # fmt: skip
 
 
+def single_pass_configs(layer) -> list[dict]:
+    """The single-pass kernel under a grid of launch configurations (column block: how often A is re-read)."""
+    from vllm_bdlora.kernels.fused_lora import LaunchConfig, single_pass_lora
+
+    x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
+    y = torch.zeros(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
+    configs = [LaunchConfig(16, bn, bk, num_warps=warps, num_stages=stages)
+               for bn in (32, 64, 128, 256) for bk in (64, 128, 256)
+               for warps in (2, 4, 8) for stages in (2, 3, 4)]  # fmt: skip
+
+    def launch(cfg):
+        return single_pass_lora(y, x, layer["lora_a"], layer["lora_b"], groups, widths, bounds, config=cfg)
+
+    return ranked(configs, launch, y.numel() * 4, "gbs")
+
+
+def single_pass_error(layer) -> float:
+    """The single-pass kernel on the base GEMM's output against the reference layer (relative max error)."""
+    from vllm_bdlora.kernels.fused_lora import single_pass_lora
+
+    x, w = layer["x"], layer["weight"]
+    got = single_pass_lora(x @ w.T, x, layer["lora_a"], layer["lora_b"], layer["groups"], layer["widths"],
+                           layer["bounds"]).float()  # fmt: skip
+    expected = reference(layer).float()
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -154,7 +187,17 @@ def main(argv=None) -> int:
                 if "vllm_expand_us" in row:
                     vllm_us = row["cublas_gemm_us"] + row["vllm_shrink_us"] + row["vllm_expand_us"]
                     row["kaug_speedup_vs_vllm"] = round(vllm_us / row["kaug_layer_us"], 3)
+            if "onepass_lora_us" in row:
+                row["onepass_rel_error"] = round(single_pass_error(layer), 5)
+                for against, pair in (("ours", ("our_shrink_us", "our_expand_in_place_us")),
+                                      ("vllm", ("vllm_shrink_us", "vllm_expand_us"))):  # fmt: skip
+                    if all(key in row for key in pair):
+                        speedup = (row[pair[0]] + row[pair[1]]) / row["onepass_lora_us"]
+                        row[f"onepass_speedup_vs_{against}"] = round(speedup, 3)
             if args.configs:
+                if tokens <= SINGLE_PASS_MAX_TOKENS:
+                    ranked_single = single_pass_configs(layer)
+                    row["onepass_top5"], row["onepass_worst"] = ranked_single[:5], ranked_single[-1]
                 for kernel, ranked in (("expand_write", expand_configs(layer)), ("shrink", shrink_configs(layer))):
                     row[f"{kernel}_top5"], row[f"{kernel}_worst"] = ranked[:5], ranked[-1]
             print(row, flush=True)
