@@ -178,15 +178,22 @@ def targets(table: dict) -> list[str]:
     return lines
 
 
+def pop_runs(env: dict) -> list[dict]:
+    """Removes and returns the sweep commands (started, command) recorded in an environment.json: its `runs`
+    list, or the single top-level pair that folders written before that list still hold."""
+    legacy = {k: env.pop(k) for k in ("started", "command") if k in env}
+    return env.pop("runs", None) or ([legacy] if legacy else [])
+
+
 def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
     env_path = os.path.join(results_dir, "environment.json")
     env = json.load(open(env_path)) if os.path.exists(env_path) else {}
     failures_path = os.path.join(results_dir, "failures.txt")
     failures = open(failures_path).read().strip() if os.path.exists(failures_path) else ""
     out = [f"# Serving sweep: {os.path.basename(os.path.abspath(results_dir))}", ""]
-    runs = env.pop("runs", None) or [{k: env.pop(k) for k in ("started", "command") if k in env}]
+    runs = pop_runs(env)
     out += [f"- {k}: `{v}`" for k, v in env.items()]
-    out += [f"- started {run['started']}: `{run['command']}`" for run in runs if run]
+    out += [f"- started {run['started']}: `{run['command']}`" for run in runs]
     from bench.load_generators import LABELS
 
     generators = ", ".join(f"`{LABELS.get(g, g)}`" for g in sorted({r.get("load_generator") or "vllm" for r in rows}))

@@ -247,16 +247,18 @@ def record_environment(out_dir: str, argv: list[str]) -> None:
     """environment.json: this host's versions, and every sweep command that wrote into the folder (a
     resumed or queued sweep adds its command rather than replacing the ones whose points are already there)."""
     path = os.path.join(out_dir, "environment.json")
-    runs = []
+    from bench.report import pop_runs
+
+    earlier = {}
     if os.path.exists(path):
         try:
-            earlier = json.load(open(path))
+            with open(path) as f:
+                earlier = json.load(f)
         except ValueError:  # cut short by a host taken back mid-write; the points.csv rows still stand
-            earlier = {}
-        runs = earlier.get("runs") or [{k: earlier[k] for k in ("started", "command") if k in earlier}]
+            pass
     command = "python -m bench.sweep " + shlex.join(argv)
     run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command}
-    record = {**environment(), "runs": [r for r in runs if r] + [run]}
+    record = {**environment(), "runs": [*pop_runs(earlier), run]}
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=1)
     os.replace(path + ".tmp", path)
