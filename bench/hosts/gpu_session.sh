@@ -22,7 +22,6 @@ STEP=${1:?step}
 # on these VMs it faults with an illegal address (see README.md), so serving keeps it off.
 GRAPH_ARGS="--compilation-config '{\"pass_config\":{\"fuse_allreduce_rms\":false}}'"
 SHAPE=${SHAPE:-llama-3.1-8b}
-RESULTS=tp${2:-4}-${SHAPE##*-}
 case $STEP in
 install)
   # A FlashInfer JIT cache brought back by an earlier session's `watch` (copied to .gpu/ and carried to /root/pkg
@@ -43,6 +42,7 @@ tune)  # launch configurations of the fused kernels around the defaults (compile
     2>&1 | cut -c1-300 | tail -40 ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
+  RESULTS=tp$TP-${SHAPE##*-}
   # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
   # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
