@@ -254,3 +254,20 @@ def test_k_augmented_gemm_adds_each_slices_lora_term():
         rows = slice(bounds[j], bounds[j + 1])
         expected[:, rows] += shrunk[:, j * width : (j + 1) * width] @ lora_b[0, rows].T
     torch.testing.assert_close(buffer @ augmented.T, expected)
+
+
+def test_fused_lora_report_from_a_host_without_vllm_marks_vllm_columns_unmeasured(tmp_path):
+    """A bare GPU host (torch + Triton, no vLLM) times only our kernels: the report must still be written,
+    with vLLM's columns and the vLLM-relative targets shown as not measured (it crashed on None before)."""
+    from bench.kernels.fused_lora import report
+
+    ours = {"base_gemm_only_ms": 0.0042, "base_gemm_tflops": 2.0, "layer_op_ms": 0.0096, "delta_first_ms": 0.0097}
+    ours |= {"fused_expand_ms": 0.0092, "fused_linear_ms": 0.0118, "layer_op_lora_overhead_ms": 0.0054}
+    row = {"layer": "o_proj", "tokens": 16, "adapters": 1, "width": 32, "vllm_ms": None, **ours}
+    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "time": "now", "command": "python3 -m ..."}
+    results = {"environment": env, "copy_bandwidth_gbs": 4197, "rows": [row]}
+    (tmp_path / "fused_lora.json").write_text(json.dumps(results))
+    text = open(report(str(tmp_path / "fused_lora.json"))).read()
+    assert "| o_proj | 16 | 0.0042 (2.0) | - | **0.0096 (-)** |" in text
+    assert "- / 5.4" in text
+    assert "decode (1-64 tokens): never slower than vLLM, o_proj: not measured" in text

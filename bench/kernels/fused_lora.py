@@ -249,6 +249,10 @@ def bench_point(name, k, heights, tokens, adapters, width, tune):
     return row
 
 
+def _or_dash(value, spec: str, unit: float = 1.0) -> str:
+    return "-" if value is None else format(value * unit, spec)
+
+
 def report(json_path: str) -> str:
     """fused_lora.md beside the JSON: one table per adapter count and the issue's targets, judged from the
     graph-timed whole-layer medians (prefill: 1024-8192 tokens, decode: 1-64 tokens)."""
@@ -286,11 +290,13 @@ def report(json_path: str) -> str:
         for r in (r for r in rows if r["adapters"] == adapters):
             lines.append(
                 f"| {r['layer']} | {r['tokens']} | {r['base_gemm_only_ms']:.4f} ({r['base_gemm_tflops']}) | "
-                f"{r['vllm_ms']:.4f} | **{r['layer_op_ms']:.4f} ({r.get('layer_op_speedup', '-')})** | "
+                f"{_or_dash(r.get('vllm_ms'), '.4f')} | "
+                f"**{r['layer_op_ms']:.4f} ({r.get('layer_op_speedup', '-')})** | "
                 f"{r['delta_first_ms']:.4f} ({r.get('delta_first_speedup', '-')}) | "
                 f"{r['fused_expand_ms']:.4f} ({r.get('fused_expand_speedup', '-')}) | "
                 f"{r['fused_linear_ms']:.4f} ({r.get('fused_linear_speedup', '-')}) | "
-                f"{r['vllm_lora_overhead_ms'] * 1e3:.1f} / {r['layer_op_lora_overhead_ms'] * 1e3:.1f} "
+                f"{_or_dash(r.get('vllm_lora_overhead_ms'), '.1f', 1e3)} / "
+                f"{r['layer_op_lora_overhead_ms'] * 1e3:.1f} "
                 f"({r.get('layer_op_lora_gbs', '-')}) |"
                 + (f" {r['tuned_delta_first_ms']:.4f} ({r.get('tuned_delta_first_speedup', '-')}) |" if tuned else "")
             )
@@ -303,6 +309,9 @@ def report(json_path: str) -> str:
         for layer in dict.fromkeys(r["layer"] for r in rows):
             picked = [r for r in rows if r["layer"] == layer and lo <= r["tokens"] <= hi and r.get("vllm_ms")]
             speedups = [r["layer_op_speedup"] for r in picked]
+            if not speedups:  # a host without vLLM times our kernels only
+                lines.append(f"- {label}, {layer}: not measured (no vLLM on the host)")
+                continue
             verdict = "met" if all(test(x) for x in speedups) else "MISSED"
             lines.append(f"- {label}, {layer}: {min(speedups):.2f}-{max(speedups):.2f}× ({goal}): {verdict}")
     out = os.path.join(os.path.dirname(json_path), "fused_lora.md")
