@@ -10,10 +10,10 @@ concurrency (the layout of the BD-LoRA paper's Figure 5).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
-import sys
 from collections import defaultdict
 
 from bench.adapters import PARAMETER_MATCHED, bd_rank_for
@@ -279,5 +279,15 @@ def write_report(results_dir: str) -> None:
     write_plots(results_dir, table)
 
 
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results_dir", help="a sweep's --out folder (with points.csv and environment.json)")
+    results_dir = parser.parse_args(argv).results_dir
+    if not os.path.exists(os.path.join(results_dir, "points.csv")):
+        parser.error(f"{results_dir} has no points.csv: give the folder a sweep wrote (its --out)")
+    write_report(results_dir)
+    print(os.path.join(results_dir, "summary.md"))
+
+
 if __name__ == "__main__":
-    write_report(sys.argv[1])
+    main()

@@ -271,3 +271,10 @@ def test_fused_lora_report_from_a_host_without_vllm_marks_vllm_columns_unmeasure
     assert "| o_proj | 16 | 0.0042 (2.0) | - | **0.0096 (-)** |" in text
     assert "- / 5.4" in text
     assert "decode (1-64 tokens): never slower than vLLM, o_proj: not measured" in text
+
+
+def test_report_refuses_a_folder_without_points_and_names_what_to_give(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "has no points.csv" in capsys.readouterr().err
