@@ -24,10 +24,18 @@ GRAPH_ARGS="--compilation-config '{\"pass_config\":{\"fuse_allreduce_rms\":false
 SHAPE=${SHAPE:-llama-3.1-8b}
 case $STEP in
 install)
-  # A FlashInfer JIT cache brought back by an earlier session's `watch` (copied to .gpu/ and carried to /root/pkg
-  # like a bundle part) spares a fresh host's first TP>1 server its ~100 s compile stall (README.md).
-  for cache in /root/pkg/flashinfer-cache*.tgz; do [ -e "$cache" ] && tar xzf "$cache" -C /root && echo "restored $cache"; done
   bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl
+  # A FlashInfer JIT cache brought back by an earlier session's `watch` (copied to .gpu/ and carried to /root/pkg
+  # like a bundle part) should spare a fresh host's first server its ~90 s sampler compile (README.md). Ninja
+  # rebuilds an object when a source is newer than the object's build-log entry, and the install has just written
+  # FlashInfer's (and tvm_ffi's) sources with today's mtimes: it rebuilt everything when the cache was simply
+  # unpacked (session 8). So the freshly installed sources are dated back first (checked with ninja 1.11 here).
+  caches=(/root/pkg/flashinfer-cache*.tgz)
+  if [ -e "${caches[0]}" ]; then
+    site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    find "$site/flashinfer" "$site/tvm_ffi" -exec touch -h -d 2020-01-01 {} + 2>/dev/null
+    for cache in "${caches[@]}"; do tar xzf "$cache" -C /root && echo "restored $cache (FlashInfer sources dated back)"; done
+  fi
   python3 -c "import vllm, vllm_bdlora, peft; print('vllm', vllm.__version__, 'peft', peft.__version__)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
 kernels)
