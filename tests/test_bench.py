@@ -237,25 +237,6 @@ def test_llmperf_is_refused_for_many_adapter_points(tmp_path):
     assert parse_args(["--out", "x", "--load-generator", "llmperf", "--llmperf-dir", str(tmp_path), "--adapters", "1"])
 
 
-def test_k_augmented_gemm_adds_each_slices_lora_term():
-    """The K-augmented prototype (bench.kernels.lora_breakdown): [X | S]·[W | B']ᵀ must equal X·Wᵀ plus, in
-    each output slice's rows, that slice's S_j·B_jᵀ and nothing from the other slices."""
-    from bench.kernels.lora_breakdown import k_augmented_operands
-
-    torch.manual_seed(0)
-    hidden, width, heights = 24, 4, (8, 4, 4)
-    bounds = [0, 8, 12, 16]
-    x, weight = torch.randn(5, hidden), torch.randn(sum(heights), hidden)
-    lora_b, shrunk = torch.randn(1, sum(heights), width), torch.randn(5, len(heights) * width)
-    buffer, augmented = k_augmented_operands(x, weight, lora_b, bounds)
-    buffer[:, :hidden], buffer[:, hidden:] = x, shrunk
-    expected = x @ weight.T
-    for j in range(len(heights)):
-        rows = slice(bounds[j], bounds[j + 1])
-        expected[:, rows] += shrunk[:, j * width : (j + 1) * width] @ lora_b[0, rows].T
-    torch.testing.assert_close(buffer @ augmented.T, expected)
-
-
 def test_fused_lora_report_from_a_host_without_vllm_marks_vllm_columns_unmeasured(tmp_path):
     """A bare GPU host (torch + Triton, no vLLM) times only our kernels: the report must still be written,
     with vLLM's columns and the vLLM-relative targets shown as not measured (it crashed on None before)."""

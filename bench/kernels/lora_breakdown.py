@@ -1,11 +1,11 @@
 """Where a LoRA-adapted layer's time goes, kernel by kernel (the whole-layer benchmark, fused_lora.py, only
 shows sums): the base GEMM as cuBLAS runs it alone and accumulating onto an existing output (beta = 1), our
 shrink and expand (in place, and writing the delta), and vLLM's shrink and expand, at Llama-3.1-8B TP=4
-per-GPU shapes, one adapter, bf16. Also two candidates not used by the layers yet, each with its error
-against the torch reference: the K-augmented layer for prefill (`kaug_*`: one cuBLAS GEMM over [X | S]·[W | B]ᵀ,
-`k_augmented_operands`) with its speed-up over vLLM's GEMM + shrink + expand, and for decode batches the
-single-pass LoRA kernel (`onepass_*`: `single_pass_lora`, shrink inside the expand) with its speed-up over our
-shrink + in-place expand (`--configs` also ranks its launch configurations).
+per-GPU shapes, one adapter, bf16. `--configs` also ranks our kernels' launch configurations.
+
+Two candidates timed here before were measured and dropped (bench/results/README.md, kernels-h200-s8): a
+K-augmented prefill layer (one cuBLAS GEMM over [X | S]·[W | B]ᵀ) and a single-pass decode kernel (the shrink
+inside the expand). Their code is in git history (commit d20fd56).
 
     python -m bench.kernels.lora_breakdown --out bench/results/kernels-h200
 
@@ -21,34 +21,15 @@ from dataclasses import asdict
 
 import torch
 
-from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer, reference, vllm_lora_inputs
+from bench.kernels.fused_lora import LAYERS, WIDTH, make_layer, vllm_lora_inputs
 from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
 
 TOKENS = (1, 16, 64, 1024, 8192)
-SINGLE_PASS_MAX_TOKENS = 64  # decode batches: the single-pass kernel re-reads A per column block
-
-
-def k_augmented_operands(x, weight, lora_b, slice_bounds):
-    """Operands of the K-augmented layer for one adapter: out = [X | S]·[W | B']ᵀ, a single cuBLAS GEMM whose
-    reduction dimension carries the LoRA rank too (S = X·Aᵀ from the shrink, slices side by side; B' holds
-    slice j's B in slice j's output rows and S columns, zeros elsewhere). No output re-read, no expand; costs
-    an X copy into the wider buffer and slices·width/K more FLOPs. A serving version would keep W as a view
-    into B''s buffer (no weight copy) and have the shrink write S into the buffer's tail."""
-    hidden, width = x.shape[1], lora_b.shape[2]
-    bounds = [int(b) for b in slice_bounds]
-    slices = len(bounds) - 1
-    augmented = torch.zeros(weight.shape[0], hidden + slices * width, dtype=weight.dtype, device=weight.device)
-    augmented[:, :hidden] = weight
-    for j in range(slices):
-        rows = slice(bounds[j], bounds[j + 1])
-        augmented[rows, hidden + j * width : hidden + (j + 1) * width] = lora_b[0, rows]
-    buffer = torch.empty(x.shape[0], hidden + slices * width, dtype=x.dtype, device=x.device)
-    return buffer, augmented
 
 
 def kernels(layer):
     """(name, fn, bytes it must move or None) for every kernel of the layer on its own."""
-    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink, single_pass_lora
+    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
 
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
     tokens, n = x.shape[0], w.shape[0]
@@ -64,23 +45,6 @@ def kernels(layer):
         ("our_expand_write", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, overwrite=True),
          out_bytes),
     ]  # fmt: skip
-    if layer["lora_b"].shape[0] == 1:
-        x_aug, w_aug = k_augmented_operands(x, w, layer["lora_b"], bounds.tolist())
-        hidden = x.shape[1]
-
-        def k_augmented_layer():  # S through a copy: the shrink does not yet write into the buffer's tail
-            x_aug[:, :hidden].copy_(x)
-            x_aug[:, hidden:].copy_(lora_shrink(x, layer["lora_a"], groups, widths).sum(0))
-            return x_aug @ w_aug.T
-
-        found += [
-            ("kaug_copy_x", lambda: x_aug[:, :hidden].copy_(x), 2 * x.numel() * 2),
-            ("kaug_gemm", lambda: x_aug @ w_aug.T, None),
-            ("kaug_layer", k_augmented_layer, None),
-        ]
-    if tokens <= SINGLE_PASS_MAX_TOKENS:
-        found.append(("onepass_lora", lambda: single_pass_lora(y, x, layer["lora_a"], layer["lora_b"], groups, widths,
-                                                               bounds), 2 * out_bytes))  # fmt: skip
     inputs = vllm_lora_inputs(layer)
     if inputs is None:
         return found
@@ -134,37 +98,6 @@ def shrink_configs(layer) -> list[dict]:
                   "x_gbs")  # fmt: skip
 
 
-def single_pass_configs(layer) -> list[dict]:
-    """The single-pass kernel under a grid of launch configurations (column block: how often A is re-read)."""
-    from vllm_bdlora.kernels.fused_lora import LaunchConfig, single_pass_lora
-
-    x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
-    y = torch.zeros(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
-    configs = [LaunchConfig(16, bn, bk, num_warps=warps, num_stages=stages)
-               for bn in (32, 64, 128, 256) for bk in (64, 128, 256)
-               for warps in (2, 4, 8) for stages in (2, 3, 4)]  # fmt: skip
-
-    def launch(cfg):
-        return single_pass_lora(y, x, layer["lora_a"], layer["lora_b"], groups, widths, bounds, config=cfg)
-
-    return ranked(configs, launch, y.numel() * 4, "gbs")
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest deviation from the reference layer's output, relative to its largest value."""
-    return round(float((got.float() - expected).abs().max() / expected.abs().max()), 5)
-
-
-def single_pass_layer(layer) -> torch.Tensor:
-    """The whole layer through the single-pass kernel, on a fresh base GEMM output (the timed closure
-    accumulates onto the same output call after call)."""
-    from vllm_bdlora.kernels.fused_lora import single_pass_lora
-
-    x, w = layer["x"], layer["weight"]
-    return single_pass_lora(x @ w.T, x, layer["lora_a"], layer["lora_b"], layer["groups"], layer["widths"],
-                            layer["bounds"])  # fmt: skip
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -183,25 +116,7 @@ def main(argv=None) -> int:
                 row[f"{kernel}_us"] = round(us, 2)
                 if moved:
                     row[f"{kernel}_gbs"] = round(moved / (us * 1e-6) / 1e9, 1)
-            # the candidates must compute the layer before their times mean anything
-            expected = reference(layer).float() if "kaug_layer_us" in row or "onepass_lora_us" in row else None
-            if "kaug_layer_us" in row:
-                k_augmented_layer = next(fn for kernel, fn, _ in timed if kernel == "kaug_layer")
-                row["kaug_rel_error"] = relative_error(k_augmented_layer(), expected)
-                if "vllm_expand_us" in row:
-                    vllm_us = row["cublas_gemm_us"] + row["vllm_shrink_us"] + row["vllm_expand_us"]
-                    row["kaug_speedup_vs_vllm"] = round(vllm_us / row["kaug_layer_us"], 3)
-            if "onepass_lora_us" in row:
-                row["onepass_rel_error"] = relative_error(single_pass_layer(layer), expected)
-                for against, pair in (("ours", ("our_shrink_us", "our_expand_in_place_us")),
-                                      ("vllm", ("vllm_shrink_us", "vllm_expand_us"))):  # fmt: skip
-                    if all(key in row for key in pair):
-                        speedup = (row[pair[0]] + row[pair[1]]) / row["onepass_lora_us"]
-                        row[f"onepass_speedup_vs_{against}"] = round(speedup, 3)
             if args.configs:
-                if tokens <= SINGLE_PASS_MAX_TOKENS:
-                    ranked_single = single_pass_configs(layer)
-                    row["onepass_top5"], row["onepass_worst"] = ranked_single[:5], ranked_single[-1]
                 for kernel, ranked in (("expand_write", expand_configs(layer)), ("shrink", shrink_configs(layer))):
                     row[f"{kernel}_top5"], row[f"{kernel}_worst"] = ranked[:5], ranked[-1]
             print(row, flush=True)

@@ -18,9 +18,6 @@ per-slice views are what vLLM sees.
                        base-model tokens are never touched.
 * `delta_then_gemm`    out = S·B[slot]ᵀ (+ bias) written by the expand, then cuBLAS accumulates X·Wᵀ onto it
                        (beta = 1): the output is never re-read by a pass of its own.
-* `single_pass_lora`   fused_expand's contract with the shrink inside (each column block recomputes its S):
-                       one launch for decode batches. A candidate, timed in bench/kernels/lora_breakdown.py;
-                       the layers do not call it yet.
 * `fused_lora_linear`  out = X·Wᵀ (+ bias) + S·B[slot]ᵀ in one GEMM whose accumulator also takes the LoRA
                        term: the output is written once (no expand pass re-reading and re-writing it).
 
@@ -365,51 +362,6 @@ def _fused_expand_kernel(
                        HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
-# A decode-sized alternative to shrink + expand (not yet used by the layers: bench/kernels/lora_breakdown.py
-# times it against them first). Each program recomputes its token tile's S for the slices its column block
-# meets, so A is read once per column block (from L2 after the first) instead of once overall, in exchange
-# for one launch and no S round trip per layer.
-@triton.jit
-def _single_pass_lora_kernel(
-    y_ptr, x_ptr, a_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
-    bounds_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols,
-    stride_y, stride_x, stride_al, stride_ar, stride_bl, stride_bn, stride_w, stride_g,
-    NUM_SLICES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    m_block = tl.program_id(0)
-    slot, count, rows, row_ok = _group_tile(sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
-                                            tl.program_id(1), m_block, BLOCK_M)  # fmt: skip
-    if (slot < 0) | (m_block * BLOCK_M >= count):
-        return
-    n0 = tl.program_id(2) * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    valid_cols = cols % n_cols
-    ranks = tl.arange(0, BLOCK_R)  # BLOCK_R: WIDTH rounded up to tl.dot's 16; lanes past WIDTH read rank 0
-    rank_ok = ranks < WIDTH
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(NUM_SLICES):
-        lo = tl.load(bounds_ptr + j)
-        hi = tl.load(bounds_ptr + j + 1)
-        w = tl.load(widths_ptr + j * stride_w + slot)
-        if (n0 < hi) & (n0 + BLOCK_N > lo) & (w > 0):
-            s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            s = _rows_dot(s, x_ptr, a_ptr + slot * stride_al, rows, j * WIDTH + tl.where(rank_ok, ranks, 0), 0,
-                          hidden, stride_x, stride_ar, BLOCK_K, EVEN_K)  # fmt: skip
-            s = tl.where((ranks < w)[None, :], s, 0.0)
-            b_ptrs = b_ptr + slot * stride_bl + valid_cols[None, :] * stride_bn + tl.where(rank_ok, ranks, 0)[:, None]
-            b_mask = ((cols >= lo) & (cols < hi))[None, :] & rank_ok[:, None]
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            delta += tl.dot(s.to(b.dtype), b)
-    if HAS_SCALE:
-        delta = delta * tl.load(scale_ptr + slot)
-    base = tl.load(y_ptr + rows[:, None] * stride_y + valid_cols[None, :]).to(tl.float32)
-    _compose_and_store(y_ptr, base, delta, rows, row_ok, cols, col_ok, slot, stride_y, g_ptr, stride_g, bias_ptr,
-                       HAS_DORA, HAS_BIAS)  # fmt: skip
-
-
 @triton.jit
 def _fused_lora_linear_kernel(
     x_ptr, w_ptr, out_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr,
@@ -506,35 +458,6 @@ def fused_expand(
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, OVERWRITE=overwrite,
         MAX_GROUPS=triton.next_power_of_2(n_groups), WIDTH=width, EVEN_W=width % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return y
-
-
-def single_pass_config(tokens: int) -> LaunchConfig:
-    return LaunchConfig(16, 64 if tokens > 16 else 128, 128, num_warps=4, num_stages=3)
-
-
-def single_pass_lora(
-    y, x, lora_a, lora_b, groups, slot_widths, slice_bounds, slot_scales=None, scale_table=None, bias=None,
-    config: LaunchConfig | None = None,
-):  # fmt: skip
-    """In place on y, the contract of `fused_expand(y, lora_shrink(x, lora_a, ...), lora_b, ...)` in one
-    launch: y += (X·A[slot]ᵀ)·B[slot]ᵀ per token, or the DoRA compose with `scale_table`. Meant for decode
-    batches, where the two kernels' fixed costs outweigh re-reading A once per column block."""
-    _rows_major(y, x, lora_a, lora_b)
-    width = lora_b.shape[2]
-    cfg = config or single_pass_config(x.shape[0])
-    grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(y.shape[1], cfg.block_n))
-    _single_pass_lora_kernel[grid](
-        y, x, lora_a, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start,
-        slot_widths, slice_bounds, _optional(slot_scales, slice_bounds), _optional(scale_table, slice_bounds),
-        _optional(bias, slice_bounds), x.shape[1], y.shape[1], y.stride(0), x.stride(0),
-        lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1), slot_widths.stride(0),
-        scale_table.stride(0) if scale_table is not None else 0,
-        NUM_SLICES=slot_widths.shape[0], HAS_SCALE=slot_scales is not None, HAS_DORA=scale_table is not None,
-        HAS_BIAS=bias is not None, WIDTH=width, BLOCK_R=max(16, triton.next_power_of_2(width)),
-        EVEN_K=x.shape[1] % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
