@@ -81,3 +81,34 @@ def test_magnitude_scale():
 def test_magnitude_scale_rejects_bad_input(magnitude, norms_sq, message):
     with pytest.raises(ValueError, match=message):
         magnitude_scale(magnitude, norms_sq, "layers.0.q_proj")
+
+
+@pytest.mark.parametrize(
+    "other_rank_id,other_problems,outcome",
+    [(7, 0, None), (7 + 1024, 0, "different adapters"), (7 + 3 * 1024, 0, "different adapters"),
+     (8, 0, "different adapters"), (7, 1, "rejected")],
+)  # fmt: skip
+def test_ranks_agree_on_the_adapter_they_load(monkeypatch, other_rank_id, other_problems, outcome):
+    """The DoRA all-reduce guard, with a second rank simulated in the all-reduce: same adapter passes; a
+    different one (also ids 1024 apart, which the first version's id modulo 1024 let through) is an error;
+    a failure on the other rank rejects the adapter here too."""
+    import types
+
+    import vllm.distributed
+
+    from vllm_bdlora import loading
+
+    def all_reduce_with_other_rank(local):
+        other = [float(other_problems)] + [float(other_rank_id % 1024), float(other_rank_id // 1024 % 1024)]
+        return local + torch.tensor(other + [d * d for d in other[1:]])
+
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", all_reduce_with_other_rank)
+    layer = types.SimpleNamespace(tp_size=2, device="cpu")
+    if outcome is None:
+        loading._agree_across_ranks([], layer, "a", 7)
+    elif outcome == "rejected":
+        with pytest.raises(loading.AdapterRejected):
+            loading._agree_across_ranks([], layer, "a", 7)
+    else:
+        with pytest.raises(RuntimeError, match=outcome):
+            loading._agree_across_ranks([], layer, "a", 7)

@@ -185,10 +185,12 @@ def _agree_across_ranks(problems: list[str], layer: BlockDiagonalLoRALayer, adap
         return
     from vllm.distributed import tensor_model_parallel_all_reduce
 
-    tag = float(adapter_id % 1024)  # sum and sum of squares agree with tp copies of tag iff all ranks agree
-    local = torch.tensor([float(len(problems)), tag, tag * tag], device=layer.device)
-    total, tags, squares = tensor_model_parallel_all_reduce(local).tolist()
-    if tags != tp * tag or squares != tp * tag * tag:
+    # The id in two base-1024 digits (exact in float32 after the sum): for each digit, the sum and the sum of
+    # squares equal tp copies of this rank's digit iff every rank holds that digit (ids agree below 2**20).
+    digits = [float(adapter_id % 1024), float(adapter_id // 1024 % 1024)]
+    local = torch.tensor([float(len(problems))] + digits + [d * d for d in digits], device=layer.device)
+    total, *sums = tensor_model_parallel_all_reduce(local).tolist()
+    if sums != [tp * d for d in digits] + [tp * d * d for d in digits]:
         raise RuntimeError(
             f"vllm-bdlora: tensor-parallel ranks are loading different adapters at once ('{adapter}' here); "
             "adapter load order must be the same on every rank."
