@@ -50,11 +50,14 @@ from vllm.platforms import current_platform
 import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm_bdlora.dora_compose_)
 import vllm_bdlora.kernels.fused_lora  # noqa: F401  (registers torch.ops.vllm_bdlora.fused_lora_slices_)
 from vllm_bdlora.compat import token_groups
+from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
+# What the BD layers being built should do; set only inside `selecting_bd_layers` (outside it no BD layer is
+# created), so these module values are placeholders mirroring the config's defaults.
 _selecting = False
 _serving_dora = False
-_lora_kernels = "vllm"
+_lora_kernels = BdLoraSettings.lora_kernels
 
 
 def uses_fused_kernels(lora_kernels: str) -> bool:
