@@ -228,6 +228,20 @@ def test_summary_names_the_load_generator_that_ran(tmp_path):
     assert "| bdlora | 128 | 128 | 10.00 | 50.0 | - |" in text  # no p99 reported: a dash, not a crash
 
 
+def test_first_wave_time_is_read_from_per_request_timings(tmp_path):
+    """Four requests at concurrency 2: the first wave is the two that start first, whatever their order in the
+    file; its time runs from the first start to the later of their first tokens. A median TTFT cannot show it."""
+    (tmp_path / "raw").mkdir()
+    raw = {"start_times": [10.3, 10.0, 10.6, 10.01], "ttfts": [0.05, 0.2, 0.05, 0.5]}
+    (tmp_path / "raw" / "p.json").write_text(json.dumps(raw))
+    row = {**synthetic_row("bdfused", 128, 10.0, 100, concurrency=2), "raw_file": "raw/p.json"}
+    assert report.first_wave_ms(str(tmp_path), row) == pytest.approx(510.0)
+    text = report.write_summary(str(tmp_path), [row], report.index([row]))
+    assert "| bdfused | 128 | 128 | 10.00 | 50.0 | - | 510 |" in text
+    older = {**row, "raw_file": "raw/missing.json"}  # raw files from before --save-detailed: no column value
+    assert report.first_wave_ms(str(tmp_path), older) is None
+
+
 def test_llmperf_is_refused_for_many_adapter_points(tmp_path):
     from bench.sweep import parse_args
 
