@@ -8,7 +8,8 @@
 #     -> $OUT/tp$TP-8b.tgz or -70b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
 #     SHAPE=llama-3.1-70b picks another model shape (results in tp$TP-70b).
-#   bash bench/hosts/gpu_session.sh queue "SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the background
+#   bash bench/hosts/gpu_session.sh queue "[NAME=VALUE ...] SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the
+#     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone
 #   bash bench/hosts/gpu_session.sh watch SECONDS      # keep the host held, then bring back /root/results (and
 #     the FlashInfer JIT cache, for `install` on a later host)
 #     A call that returns kills what it started, and a server start cut by the call's 10-minute limit is
@@ -20,7 +21,10 @@ OUT=${OUT:-/root/out}
 STEP=${1:?step}
 # vLLM 0.26 turns on FlashInfer's fused all-reduce + RMSNorm (a TP>1, Hopper-only inductor pass) by default;
 # on these VMs it faults with an illegal address (see README.md), so serving keeps it off.
-GRAPH_ARGS="--compilation-config '{\"pass_config\":{\"fuse_allreduce_rms\":false}}'"
+# CAPTURE_SIZE=N also captures CUDA graphs for batches of up to N tokens (vLLM's default stops at 2 x --max-num-seqs,
+# 128 here), e.g. to see how much of a 1024-token LoRA prefill is host time; its results go to a folder of their own.
+GRAPH_CONFIG='"pass_config":{"fuse_allreduce_rms":false}'${CAPTURE_SIZE:+,\"max_cudagraph_capture_size\":$CAPTURE_SIZE}
+GRAPH_ARGS="--compilation-config '{$GRAPH_CONFIG}'"
 SHAPE=${SHAPE:-llama-3.1-8b}
 case $STEP in
 install)
@@ -50,7 +54,7 @@ tune)  # launch configurations of the fused kernels around the defaults (compile
     2>&1 | cut -c1-300 | tail -40 ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
-  RESULTS=tp$TP-${SHAPE##*-}
+  RESULTS=tp$TP-${SHAPE##*-}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}
   # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
   # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
@@ -62,9 +66,11 @@ sweep)
   mkdir -p "$OUT" && tar czf "$OUT/$RESULTS.tgz" --exclude='*.pt.trace.json*' -C /root/results "$RESULTS" ;;
 queue)
   shift; printf '%s\n' "$@" > /root/queue.plan
-  setsid nohup bash -c 'while read -r shape rest; do
-      echo "== $(date +%T) $shape $rest"; set -- $rest
-      SHAPE=$shape OUT=/root/queue-out bash bench/hosts/gpu_session.sh sweep "$1" "$2" "$3" 999 "${@:4}" < /dev/null
+  # A line may start with NAME=VALUE settings for its sweep alone (CAPTURE_SIZE=1024 llama-3.1-8b 2 64 ...).
+  setsid nohup bash -c 'while read -r line; do
+      echo "== $(date +%T) $line"; set -- $line; settings=()
+      while [[ $1 == *=* ]]; do settings+=("$1"); shift; done
+      env "${settings[@]}" SHAPE=$1 OUT=/root/queue-out bash bench/hosts/gpu_session.sh sweep "$2" "$3" "$4" 999 "${@:5}" < /dev/null
     done < /root/queue.plan; echo "== $(date +%T) queue done"' > /root/queue.log 2>&1 < /dev/null &
   sleep 2; cat /root/queue.log ;;
 watch)
