@@ -87,6 +87,17 @@ def test_bd_tp1_matches_peft(assets, prompts, peft_reference, tmp_path_factory):
     assert_matches_reference(bd_engine_run(1, assets, prompts, tmp_path_factory), peft_reference)
 
 
+def test_more_adapters_than_gpu_slots_still_match_peft(assets, prompts, peft_reference, tmp_path_factory):
+    """Six adapters through two GPU slots (--max-loras 2, the sweep's many-adapter setting in small): vLLM's
+    scheduler runs at most two adapters at a time, so slots are refilled by adapters of other ranks and other
+    target modules (in batch order: bd64_nb4 and bd32_attn after bd64 and bd48, then bd32_mlp and std16). A slot
+    that kept columns or layers of its previous adapter would change these tokens."""
+    engine = engine_kwargs(assets["model"], 2, bdlora=True, max_loras=2)
+    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
+    assert len(ADAPTERS) > 2 * engine["max_loras"]
+    assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("bd_tp2_two_slots")), peft_reference)
+
+
 def stock_run(mode, assets, prompts, tmp_path_factory):
     if mode not in _cache:
         dense = {name: assets[f"{name}_dense"] if f"{name}_dense" in assets else assets[name] for name in ADAPTERS}

@@ -25,20 +25,24 @@ def teacher_forced(model, prompt, tokens):
 
 
 @pytest.mark.parametrize(
-    "tp,cuda_graphs,lora_kernels",
-    [(1, False, "vllm"), (2, False, "vllm"), (2, True, "vllm"), (1, True, "fused"), (2, True, "auto")],
-    ids=["tp1", "tp2", "tp2-cudagraphs", "tp1-cudagraphs-fused", "tp2-cudagraphs-auto"],
-)
-def test_bd_on_gpu_matches_peft(tp, cuda_graphs, lora_kernels, assets, prompts, tmp_path_factory):
+    "tp,cuda_graphs,lora_kernels,slots",
+    [(1, False, "vllm", None), (2, False, "vllm", None), (2, True, "vllm", None), (1, True, "fused", None),
+     (2, True, "auto", None), (1, True, "fused", 2)],
+    ids=["tp1", "tp2", "tp2-cudagraphs", "tp1-cudagraphs-fused", "tp2-cudagraphs-auto", "tp1-cudagraphs-fused-2slots"],
+)  # fmt: skip
+def test_bd_on_gpu_matches_peft(tp, cuda_graphs, lora_kernels, slots, assets, prompts, tmp_path_factory):
     """fused/auto: the layers run the fused kernels, and over this unquantized base the base GEMM after
-    them (delta first)."""
+    them (delta first). slots=2: six adapters through two GPU slots (the fused kernels also read each slot's
+    width, which a refill must rewrite; see test_more_adapters_than_gpu_slots_still_match_peft)."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     graphs = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}} if cuda_graphs else {}
     engine = engine_kwargs(assets["model"], tp, bdlora=True, dtype=DTYPE, enforce_eager=not cuda_graphs,
                            additional_config={"bdlora": {"lora_kernels": lora_kernels}}, **graphs)  # fmt: skip
+    if slots:
+        engine["max_loras"] = slots
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
-    result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}_{lora_kernels}"))
+    result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}_{lora_kernels}_{slots}"))
     worst = {}
     for name, output in zip(BATCH, result["outputs"], strict=True):
         reference = teacher_forced(load_reference(assets["model"], assets[name] if name else None),
