@@ -136,3 +136,19 @@ def test_fused_lora_kernels_tp2_match_peft(assets, dora_prompts, dora_reference,
     the kernels' torch references) with the same result. ("auto" is vLLM's kernels on CPU.)"""
     result = dora_run(2, assets, dora_prompts, tmp_path_factory, lora_kernels="fused")
     assert_matches_reference(result, dora_reference, DORA_BATCH)
+
+
+def test_one_gpu_slot_refilled_between_dora_and_plain_adapters_matches_peft(
+    assets, dora_prompts, dora_reference, tmp_path_factory
+):
+    """--max-loras 1, TP=2: the three adapters take turns in one slot, plain BD-LoRA right after standard DoRA
+    (a magnitude scale left in the slot would rescale bd64's rows) and BD-DoRA after plain BD-LoRA."""
+    order = [None, "dora16", "bd64", "bddora64"]
+    settings = {"bdlora": {"dora": True}}
+    spec = {
+        "engine": engine_kwargs(assets["model"], 2, bdlora=True, max_loras=1, additional_config=settings),
+        "adapters": {name: assets[name] for name in order if name},
+        "requests": [{"adapter": n, "prompt_token_ids": dora_prompts[n]} for n in order],
+        "max_tokens": MAX_TOKENS,
+    }
+    assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("dora_one_slot")), dora_reference, order)
