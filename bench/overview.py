@@ -15,7 +15,6 @@ import argparse
 import os
 
 from bench import report
-from bench.adapters import PARAMETER_MATCHED
 
 
 def comparisons(results_root: str) -> list[dict]:
@@ -27,23 +26,18 @@ def comparisons(results_root: str) -> list[dict]:
         points = report.read_points(folder)
         for (tp, i, o, n, bs), setting in sorted(report.index(points).items()):
             base = setting.get(("base", 0))
-            for bd_mode in report.BD_SERVING:
-                for r, r_bd in PARAMETER_MATCHED.items():
-                    bd = setting.get((bd_mode, r_bd))
-                    if not bd:
-                        continue
-                    row = {"run": run, "shape": bd.get("model_shape") or "llama-3.1-8b", "tp": tp,
-                           "tokens": f"{i}/{o}", "adapters": n, "concurrency": bs, "bd_mode": bd_mode,
-                           "rank": r, "bd_rank": r_bd}  # fmt: skip
-                    for mode in ("slora", "nfs"):
-                        other = setting.get((mode, r))
-                        row[f"tpot_vs_{mode}"] = other["median_tpot_ms"] / bd["median_tpot_ms"] if other else None
-                        row[f"throughput_vs_{mode}"] = (
-                            bd["output_throughput"] / other["output_throughput"] if other else None
-                        )
-                    row["tpot_over_base"] = bd["median_tpot_ms"] / base["median_tpot_ms"] if base else None
-                    if any(row[k] is not None for k in ("tpot_vs_slora", "tpot_vs_nfs", "tpot_over_base")):
-                        rows.append(row)
+            for bd_mode, r, r_bd, bd, baselines in report.bd_comparisons(setting):
+                row = {"run": run, "shape": bd.get("model_shape") or "llama-3.1-8b", "tp": tp,
+                       "tokens": f"{i}/{o}", "adapters": n, "concurrency": bs, "bd_mode": bd_mode,
+                       "rank": r, "bd_rank": r_bd}  # fmt: skip
+                for mode, other in baselines.items():
+                    row[f"tpot_vs_{mode}"] = other["median_tpot_ms"] / bd["median_tpot_ms"] if other else None
+                    row[f"throughput_vs_{mode}"] = (
+                        bd["output_throughput"] / other["output_throughput"] if other else None
+                    )
+                row["tpot_over_base"] = bd["median_tpot_ms"] / base["median_tpot_ms"] if base else None
+                if any(row[k] is not None for k in ("tpot_vs_slora", "tpot_vs_nfs", "tpot_over_base")):
+                    rows.append(row)
     return rows
 
 
@@ -87,11 +81,11 @@ def write_plot(results_root: str, rows: list[dict]) -> str:
     import matplotlib.pyplot as plt
 
     chosen = [r for r in rows if r["bd_mode"] == "bdfused" and r["tokens"] == "1024/128" and r["adapters"] == 1]
-    panels = (("tpot_vs_slora", "TPOT speed-up over S-LoRA (×)", 1.0), ("tpot_over_base", "BD TPOT / base TPOT", 1.0))
+    panels = (("tpot_vs_slora", "TPOT speed-up over S-LoRA (×)"), ("tpot_over_base", "BD TPOT / base TPOT"))
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 4.2))
     colors = {1: "tab:blue", 16: "tab:orange", 64: "tab:green"}
     markers = {"llama-3.1-8b": "o", "llama-3.1-70b": "s"}
-    for ax, (key, label, reference) in zip(axes, panels, strict=True):
+    for ax, (key, label) in zip(axes, panels, strict=True):
         seen = set()
         for row in chosen:
             if row[key] is None:
@@ -102,7 +96,7 @@ def write_plot(results_root: str, rows: list[dict]) -> str:
             ax.scatter(row["tp"] * 2**offset, row[key], color=colors.get(bs, "gray"), marker=markers.get(shape, "^"),
                        s=18 + row["bd_rank"] / 8, label=None if name in seen else name)  # fmt: skip
             seen.add(name)
-        ax.axhline(reference, color="black", linewidth=0.8, linestyle="--")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")  # parity with the baseline or the base
         ax.set_xscale("log", base=2)
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         ax.set_xlabel("tensor-parallel size")

@@ -60,33 +60,38 @@ def index(rows) -> dict:
 BD_SERVING = {"bdlora": "vLLM's LoRA kernels", "bdfused": "vllm-bdlora's fused kernels"}
 
 
+def bd_comparisons(points: dict):
+    """(BD mode, standard rank r, BD rank r', BD's row, {"nfs"/"slora": the row at rank r or None}) for every BD
+    point of one setting ({(mode, rank): row}), in BD_SERVING then PARAMETER_MATCHED order."""
+    for bd_mode in BD_SERVING:
+        for r, r_bd in PARAMETER_MATCHED.items():
+            bd = points.get((bd_mode, r_bd))
+            if bd:
+                yield bd_mode, r, r_bd, bd, {mode: points.get((mode, r)) for mode in ("nfs", "slora")}
+
+
 def speedups(points: dict) -> list[str]:
     """Each way of serving BD adapters against the parameter-matched baselines and the base model, then
     the fused kernels against vLLM's where both ran."""
     lines = []
     base = points.get(("base", 0))
-    for bd_mode in BD_SERVING:
-        for r, r_bd in PARAMETER_MATCHED.items():
-            bd = points.get((bd_mode, r_bd))
-            if not bd:
-                continue
-            kernels = " on the fused kernels" if bd_mode == "bdfused" else ""
-            parts = []
-            for mode in ("nfs", "slora"):
-                other = points.get((mode, r))
-                if other:
-                    parts.append(
-                        f"vs {mode} r={r} ({other['trainable_params'] / 1e6:.3g}M): TPOT "
-                        f"{speed(bd['median_tpot_ms'], other['median_tpot_ms'])}, throughput ×"
-                        f"{bd['output_throughput'] / other['output_throughput']:.2f}"
-                    )
-            if base:
-                parts.append(f"TPOT {bd['median_tpot_ms'] / base['median_tpot_ms']:.3f}× base")
-            dora = points.get(("bddora", r_bd)) if bd_mode == "bdlora" else None
-            if dora:
-                parts.append(f"BD-DoRA TPOT {dora['median_tpot_ms'] / bd['median_tpot_ms']:.3f}× BD-LoRA")
-            if parts:
-                lines.append("; ".join([f"BD r'={r_bd}{kernels} ({bd['trainable_params'] / 1e6:.3g}M params)", *parts]))
+    for bd_mode, r, r_bd, bd, baselines in bd_comparisons(points):
+        kernels = " on the fused kernels" if bd_mode == "bdfused" else ""
+        parts = []
+        for mode, other in baselines.items():
+            if other:
+                parts.append(
+                    f"vs {mode} r={r} ({other['trainable_params'] / 1e6:.3g}M): TPOT "
+                    f"{speed(bd['median_tpot_ms'], other['median_tpot_ms'])}, throughput ×"
+                    f"{bd['output_throughput'] / other['output_throughput']:.2f}"
+                )
+        if base:
+            parts.append(f"TPOT {bd['median_tpot_ms'] / base['median_tpot_ms']:.3f}× base")
+        dora = points.get(("bddora", r_bd)) if bd_mode == "bdlora" else None
+        if dora:
+            parts.append(f"BD-DoRA TPOT {dora['median_tpot_ms'] / bd['median_tpot_ms']:.3f}× BD-LoRA")
+        if parts:
+            lines.append("; ".join([f"BD r'={r_bd}{kernels} ({bd['trainable_params'] / 1e6:.3g}M params)", *parts]))
     for (mode, r_bd), fused in sorted(points.items()):
         bd = points.get(("bdlora", r_bd))
         if mode == "bdfused" and bd:
