@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from bench import report
 
 
+def session_order(run: str) -> list:
+    """Folder names compared with their numbers as numbers: tp2-8b-h200-s9 before tp2-8b-h200-s10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", run)]
+
+
 def comparisons(results_root: str) -> list[dict]:
     rows = []
-    for run in sorted(os.listdir(results_root)):
+    for run in sorted(os.listdir(results_root), key=session_order):
         folder = os.path.join(results_root, run)
         if not os.path.exists(os.path.join(folder, "points.csv")):
             continue

@@ -244,13 +244,13 @@ def test_first_wave_time_is_read_from_per_request_timings(tmp_path):
 
 def test_overview_compares_bd_only_with_baselines_of_the_same_run(tmp_path):
     """Two runs: S-LoRA in one, NFS and base in the other. BD is compared with each baseline of its own run and
-    never across runs (a cross-run S-LoRA ratio here would be 13/8, not None)."""
+    never across runs (a cross-run S-LoRA ratio here would be 13/8, not None); session s9 is listed before s10."""
     from bench import overview
     from bench.sweep import COLUMNS
 
     runs = {
-        "run-a": [synthetic_row("bdfused", 128, 10.0, 100), synthetic_row("slora", 64, 13.0, 80)],
-        "run-b": [synthetic_row("bdfused", 128, 8.0, 100), synthetic_row("nfs", 64, 10.0, 90),
+        "run-s9": [synthetic_row("bdfused", 128, 10.0, 100), synthetic_row("slora", 64, 13.0, 80)],
+        "run-s10": [synthetic_row("bdfused", 128, 8.0, 100), synthetic_row("nfs", 64, 10.0, 90),
                   synthetic_row("base", 0, 5.0, 200)],
     }  # fmt: skip
     for run, rows in runs.items():
@@ -260,12 +260,12 @@ def test_overview_compares_bd_only_with_baselines_of_the_same_run(tmp_path):
             writer.writeheader()
             writer.writerows({**row, "model_shape": "llama-3.1-8b"} for row in rows)
     a, b = overview.comparisons(str(tmp_path))
-    assert (a["run"], a["tpot_vs_slora"], a["tpot_vs_nfs"], a["tpot_over_base"]) == ("run-a", 1.3, None, None)
-    assert (b["run"], b["tpot_vs_slora"], b["tpot_vs_nfs"], b["tpot_over_base"]) == ("run-b", None, 1.25, 1.6)
+    assert (a["run"], a["tpot_vs_slora"], a["tpot_vs_nfs"], a["tpot_over_base"]) == ("run-s9", 1.3, None, None)
+    assert (b["run"], b["tpot_vs_slora"], b["tpot_vs_nfs"], b["tpot_over_base"]) == ("run-s10", None, 1.25, 1.6)
     assert b["throughput_vs_nfs"] == pytest.approx(100 / 90)
     overview.main([str(tmp_path)])
     assert (
-        "| `run-b` | llama-3.1-8b | 4 | 1024/128 | 1 | 1 | fused | 64 / 128 | — | 1.25× |"
+        "| `run-s10` | llama-3.1-8b | 4 | 1024/128 | 1 | 1 | fused | 64 / 128 | — | 1.25× |"
         in (tmp_path / "overview.md").read_text()
     )
     assert (tmp_path / "overview.png").stat().st_size > 0
