@@ -74,6 +74,9 @@ queue)
     done < /root/queue.plan; echo "== $(date +%T) queue done"' > /root/queue.log 2>&1 < /dev/null &
   sleep 2; cat /root/queue.log ;;
 watch)
+  # A host released between calls (30 s idle) comes back bare: say so at once rather than sleep on it (session 10
+  # lost 9 minutes of device time that way).
+  if [ ! -e /root/queue.log ]; then echo "no /root/queue.log: this is a fresh host; bring-up and queue again"; exit 3; fi
   sleep "${2:-500}"; date +%T; grep "^== " /root/queue.log
   for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
     ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
