@@ -165,6 +165,13 @@ class BlockDiagonalLoRALayer:
             # vLLM's optional side-stream LoRA path bypasses _apply_sync, where both happen.
             self._enable_aux_cuda_stream = False
 
+    def slot_nbytes(self) -> int:
+        """Device memory one LoRA slot takes in this layer: A, B (and DoRA's scale) of one adapter."""
+        per_slot = [*self.lora_a_stacked, *self.lora_b_stacked]
+        if self.dora_scale is not None:
+            per_slot.append(self.dora_scale)
+        return sum(t[0].numel() * t.element_size() for t in per_slot)
+
     def reset_lora(self, index: int) -> None:
         super().reset_lora(index)
         if self.slot_widths is not None:
@@ -418,4 +425,13 @@ def describe_sharding(layers: Sequence[object], tp_size: int) -> list[str]:
                 f"{layer.lora_width} (max_lora_rank {layer.lora_config.max_lora_rank} / {tp_size}); each GPU holds "
                 f"{_SHARDING_STORY[cls.parallelism]}."
             )
+    bd_layers = [layer for layer in layers if isinstance(layer, BlockDiagonalLoRALayer)]
+    if bd_layers:
+        slots = bd_layers[0].lora_a_stacked[0].shape[0]
+        per_slot = sum(layer.slot_nbytes() for layer in bd_layers) / 2**20
+        # Sizing --max-loras: with more adapters than slots, vLLM runs only `slots` distinct adapters per step.
+        lines.append(
+            f"LoRA slots in BD layers: {slots} (--max-loras) x {per_slot:.2f} MiB per GPU = "
+            f"{slots * per_slot:.2f} MiB, reserved before the KV cache."
+        )
     return lines
