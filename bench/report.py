@@ -18,6 +18,7 @@ import os
 from collections import defaultdict
 
 from bench.adapters import PARAMETER_MATCHED, bd_rank_for
+from bench.sweep import DEFAULT_MAX_LORAS
 
 METRICS = (("median_tpot_ms", "TPOT (ms)"), ("median_ttft_ms", "TTFT (ms)"), ("output_throughput", "tokens/s"))
 MODE_STYLE = {
@@ -234,6 +235,10 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
         tp, i, o, n, bs = key
         points = table[key]
         out += [f"## TP={tp}, {i}/{o} tokens, {n} adapter(s), concurrency {bs}", ""]
+        if n > 1:
+            out += [f"Requests go round-robin over the {n} adapters. A step runs at most `--max-loras` of them (the "
+                    f"sweep's default: {DEFAULT_MAX_LORAS}); where {n} is more, TTFT includes the wait for a GPU slot.",
+                    ""]  # fmt: skip
         out += ["| mode | rank | params (M) | TPOT ms | TTFT ms | p99 TTFT ms | first wave ms | E2E ms | tokens/s |",
                 "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for (mode, rank), row in sorted(points.items(), key=lambda kv: (list(MODE_STYLE).index(kv[0][0]), kv[0][1])):

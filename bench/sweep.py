@@ -39,6 +39,8 @@ MODES = ("base", "nfs", "slora", "bdlora", "bddora", "bdfused")
 BD_MODES = ("bdlora", "bddora", "bdfused")
 # Each BD mode names its LoRA kernels, so a mode means the same whatever the plugin's default.
 BD_KERNELS = {"bdlora": "vllm", "bddora": "vllm", "bdfused": "fused"}
+DEFAULT_MAX_LORAS = 4
+
 COLUMNS = (
     "mode", "tp", "rank", "trainable_params", "input_len", "output_len", "concurrency", "num_adapters",
     "median_tpot_ms", "median_ttft_ms", "median_e2el_ms", "output_throughput",
@@ -75,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--adapters", default="1,many", help="'1' = one adapter; 'many' = --many-adapters adapters")
     p.add_argument("--many-adapters", type=int, default=16, help="adapters in the 'many' setting (> --max-loras)")
-    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS, help="GPU LoRA slots (vLLM --max-loras)")
     p.add_argument("--prompts-per-concurrency", type=int, default=4, help="num_prompts = max(12, this x BS)")
     p.add_argument("--nblocks", type=int, default=0, help="BD blocks; 0 = the TP size of each point")
     p.add_argument("--max-model-len", type=int, default=4096)

@@ -120,6 +120,14 @@ def test_a_run_without_tp4_points_reports_speedups_instead_of_unmeasured_targets
     assert "BD r'=128 on the fused kernels (128M params); vs slora r=64 (64M): TPOT 1.45× faster" in text
 
 
+def test_many_adapter_sections_say_ttft_includes_waiting_for_a_slot(tmp_path):
+    rows = [{**synthetic_row("bdfused", 128, 7.0, 2000), "num_adapters": 16}, synthetic_row("bdfused", 128, 5.0, 170)]
+    text = report.write_summary(str(tmp_path), rows, report.index(rows))
+    many, one = text.split("## TP=4, 1024/128 tokens, 16 adapter(s)")[1], text.split("16 adapter(s)")[0]
+    assert "round-robin over the 16 adapters" in many and "wait for a GPU slot" in many
+    assert "round-robin" not in one
+
+
 def test_a_resumed_sweep_adds_its_command_to_the_environment_record(tmp_path, monkeypatch):
     from bench import sweep
 
