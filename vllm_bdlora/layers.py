@@ -414,18 +414,19 @@ _SHARDING_STORY = {
 
 
 def describe_sharding(layers: Sequence[object], tp_size: int) -> list[str]:
-    """One line per BD layer kind, for the start-up log."""
-    counts = Counter(type(layer) for layer in layers if isinstance(layer, BlockDiagonalLoRALayer))
+    """One line per BD layer kind and one for what the LoRA slots cost, for the start-up log (none without BD
+    layers)."""
+    bd_layers = [layer for layer in layers if isinstance(layer, BlockDiagonalLoRALayer)]
+    counts = Counter(type(layer) for layer in bd_layers)
     lines = []
     for cls in BD_LAYER_CLASSES:
         if counts[cls]:
-            layer = next(la for la in layers if type(la) is cls)
+            layer = next(la for la in bd_layers if type(la) is cls)
             lines.append(
                 f"BD-LoRA {cls.layer_kind}: {counts[cls]} layer(s), TP={tp_size}, per-GPU LoRA width "
                 f"{layer.lora_width} (max_lora_rank {layer.lora_config.max_lora_rank} / {tp_size}); each GPU holds "
                 f"{_SHARDING_STORY[cls.parallelism]}."
             )
-    bd_layers = [layer for layer in layers if isinstance(layer, BlockDiagonalLoRALayer)]
     if bd_layers:
         slots = bd_layers[0].lora_a_stacked[0].shape[0]
         per_slot = sum(layer.slot_nbytes() for layer in bd_layers) / 2**20
