@@ -32,6 +32,11 @@ class BdLoraSettings:
     # raise throughput x1.13-1.52, except TP=4 at 64 concurrent requests (x0.94, TTFT slower; not yet
     # understood): bench/results/tp{1,2}-8b-h200-s5, tp4-8b-h200-s6. "vllm" is the way back.
     lora_kernels: str = "auto"
+    # Under the fused kernels, batches of up to 16 tokens over an unquantized base run base GEMV, shrink and
+    # expand as one kernel (kernels/decode_lora.py), whose grid-wide barrier needs each of its programs on an
+    # SM at once. false: those batches take the three-kernel path too (e.g. on a GPU shared with other
+    # processes through MPS, where fewer SMs may be free than the GPU has).
+    one_launch_decode: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -48,7 +53,11 @@ class BdLoraSettings:
             raise ValueError(
                 f'Unknown key(s) {unknown} in additional_config["{CONFIG_KEY}"]; known keys: {sorted(known)}.'
             )
-        values = {"enabled": section.get("enabled", True), "dora": section.get("dora", False)}
+        values = {
+            "enabled": section.get("enabled", True),
+            "dora": section.get("dora", False),
+            "one_launch_decode": section.get("one_launch_decode", cls.one_launch_decode),
+        }
         for key, value in values.items():
             if not isinstance(value, bool):
                 raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be true or false, got {value!r}.')
@@ -58,7 +67,12 @@ class BdLoraSettings:
                 f'additional_config["{CONFIG_KEY}"]["lora_kernels"] must be one of {list(LORA_KERNELS)}, '
                 f"got {kernels!r}."
             )
-        return cls(enabled=values["enabled"], dora=values["enabled"] and values["dora"], lora_kernels=kernels)
+        return cls(
+            enabled=values["enabled"],
+            dora=values["enabled"] and values["dora"],
+            lora_kernels=kernels,
+            one_launch_decode=values["one_launch_decode"],
+        )
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> BdLoraSettings:

@@ -51,6 +51,7 @@ import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm
 import vllm_bdlora.kernels.fused_lora  # noqa: F401  (registers torch.ops.vllm_bdlora.fused_lora_slices_)
 from vllm_bdlora.compat import token_groups
 from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.kernels.decode_lora import new_decode_state
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
 # What the BD layers being built should do; set only inside `selecting_bd_layers` (outside it no BD layer is
@@ -58,6 +59,7 @@ from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 _selecting = False
 _serving_dora = False
 _lora_kernels = BdLoraSettings.lora_kernels
+_one_launch_decode = BdLoraSettings.one_launch_decode
 
 
 def uses_fused_kernels(lora_kernels: str) -> bool:
@@ -67,14 +69,14 @@ def uses_fused_kernels(lora_kernels: str) -> bool:
 
 
 @contextmanager
-def selecting_bd_layers(*, dora: bool, lora_kernels: str) -> Iterator[None]:
-    global _selecting, _serving_dora, _lora_kernels
-    previous = _selecting, _serving_dora, _lora_kernels
-    _selecting, _serving_dora, _lora_kernels = True, dora, lora_kernels
+def selecting_bd_layers(*, dora: bool, lora_kernels: str, one_launch_decode: bool = True) -> Iterator[None]:
+    global _selecting, _serving_dora, _lora_kernels, _one_launch_decode
+    previous = _selecting, _serving_dora, _lora_kernels, _one_launch_decode
+    _selecting, _serving_dora, _lora_kernels, _one_launch_decode = True, dora, lora_kernels, one_launch_decode
     try:
         yield
     finally:
-        _selecting, _serving_dora, _lora_kernels = previous
+        _selecting, _serving_dora, _lora_kernels, _one_launch_decode = previous
 
 
 def _shard_range(shard_id: int, shard_size: int, offset: int = 0) -> tuple[int, int]:
@@ -150,6 +152,11 @@ class BlockDiagonalLoRALayer:
                 for offset, height in zip(self.slice_offsets, heights, strict=True)
             )
             self.slice_bounds = torch.tensor([*self.slice_offsets, sum(heights)], dtype=torch.int32, device=self.device)
+        # Barrier and S buffers of the one-launch decode kernel (DoRA layers compose on the base output, which
+        # that kernel never materialises, so they keep the three-kernel path).
+        self.decode_state: torch.Tensor | None = None
+        if self.fused_kernels and _one_launch_decode and not _serving_dora and torch.device(self.device).type == "cuda":
+            self.decode_state = new_decode_state(len(heights) * width, self.device)
         else:
             self.lora_a_stacked = tuple(zeros(1, width, self.input_size) for _ in heights)
             self.lora_b_stacked = tuple(zeros(1, height, width) for height in heights)
@@ -226,6 +233,7 @@ class BlockDiagonalLoRALayer:
             self.dora_scale,
             bias,
             weight,
+            self.decode_state,
         )
         return output
 

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_bdlora.kernels import decode_lora
 from vllm_bdlora.kernels.op_library import define_op
 
 logger = logging.getLogger("vllm.bdlora")
@@ -154,11 +155,14 @@ def launch_variants(hidden: int, width: int, slices: int, delta_first: bool, max
 _warmed_up: set[int] = set()
 
 
-def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias, delta_first) -> int:
+def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias, delta_first,
+            decode_weight=None) -> int:  # fmt: skip
     """Compile every kernel variant a layer of this shape can launch, on a few rows of scratch data, so
     that no batch size compiles one while serving (a compile stalls every request in the batch for about
     a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
-    are shared by layers of equal shape and cached on disk by Triton. Returns the launches made."""
+    are shared by layers of equal shape and cached on disk by Triton. `decode_weight`: the layer runs the
+    one-launch decode kernel over this base weight (one variant, compiled here with a scratch state).
+    Returns the launches made."""
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())
@@ -175,14 +179,21 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     for config, split_k, overwrite in expands:  # every split_k is one of the shrinks' (launch_variants)
         fused_expand(scratch_y, shrunk_by_split[split_k], lora_b, groups, slot_widths, slice_bounds, None,
                      scale_table, bias, config, overwrite)  # fmt: skip
+    launches = len(shrinks) + len(expands)
+    if decode_weight is not None and decode_lora.usable(rows, *decode_weight.shape, lora_a.shape[1], x.device):
+        slots = torch.full((rows,), -1, dtype=torch.long, device=x.device)
+        state = decode_lora.new_decode_state(lora_a.shape[1], x.device)
+        decode_lora.decode_lora_linear(scratch_y, scratch_x, decode_weight, lora_a, lora_b, slot_widths, slice_bounds,
+                                       slots, state, bias)  # fmt: skip
+        launches += 1
     seconds = time.perf_counter() - started
     if seconds > 1.0:  # compiled rather than found in Triton's caches: say where start-up time went
         logger.info(
             "vllm-bdlora: compiled the fused LoRA kernels for layers of %d slice(s), LoRA width %d, input %d "
             "(%d variants, %.1f s); Triton caches them on disk for the next start.",
-            slices, width, x.shape[1], len(shrinks) + len(expands), seconds,
+            slices, width, x.shape[1], launches, seconds,
         )  # fmt: skip
-    return len(shrinks) + len(expands)
+    return launches
 
 
 @triton.jit
@@ -522,6 +533,7 @@ def fused_lora_slices_(
     scale_table: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
+    decode_state: torch.Tensor | None = None,
 ) -> None:
     """In place on output (tokens, total height): each token's LoRA delta from its slot's adapter, all
     slices at once (lora_a (slots, slices·width, in), lora_b (slots, total height, width), the first
@@ -531,12 +543,24 @@ def fused_lora_slices_(
 
     With `weight` (total height, in) the op runs the base GEMM too and output's contents are ignored:
     output = X·Wᵀ + bias + delta, in `delta_then_gemm` order for packed layers from DELTA_FIRST_MIN_TOKENS
-    tokens (not for the DoRA compose, which needs the base output), else the GEMM first."""
+    tokens (not for the DoRA compose, which needs the base output), else the GEMM first. With `decode_state`
+    (the layer's `decode_lora.new_decode_state`) too, batches of up to DECODE_MAX_TOKENS tokens run all of it
+    as one kernel (`decode_lora.decode_lora_linear`) where the GPU has the SMs for its grid."""
     tokens = x.shape[0]
     delta_first_layer = x.is_cuda and scale_table is None and slot_widths.shape[0] > 1 and weight is not None
+    one_launch = decode_state is not None and weight is not None and scale_table is None
     if x.is_cuda and group_slot is not None:
-        warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, group_slot.shape[0], scale_table, bias, delta_first_layer)
+        warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, group_slot.shape[0], scale_table, bias, delta_first_layer,
+                weight if one_launch else None)  # fmt: skip
     skip_lora = no_lora is not None and bool(no_lora[0])
+    if (
+        one_launch
+        and not skip_lora
+        and decode_lora.usable(tokens, weight.shape[0], x.shape[1], lora_a.shape[1], x.device)
+    ):
+        decode_lora.decode_lora_linear(output, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots,
+                                       decode_state, bias)  # fmt: skip
+        return
     delta_first = writes_delta_first(delta_first_layer, tokens)
     if weight is not None and (skip_lora or not delta_first):
         torch.addmm(bias, x, weight.t(), out=output) if bias is not None else torch.mm(x, weight.t(), out=output)
@@ -559,8 +583,9 @@ def fused_lora_slices_(
 
 def _fused_lora_slices_fake(output, x, lora_a, lora_b, slot_widths, slice_bounds, token_slots, sorted_ids=None,
                             group_slot=None, group_count=None, group_start=None, no_lora=None, scale_table=None,
-                            bias=None, weight=None) -> None:  # fmt: skip
+                            bias=None, weight=None, decode_state=None) -> None:  # fmt: skip
     return None
 
 
-define_op("fused_lora_slices_", fused_lora_slices_, mutates_args=("output",), fake=_fused_lora_slices_fake)
+define_op("fused_lora_slices_", fused_lora_slices_, mutates_args=("output", "decode_state"),
+          fake=_fused_lora_slices_fake)  # fmt: skip

@@ -120,3 +120,17 @@ def fused_lora_slices_reference(
             y[:, columns], shrunk, b, token_slots, slot_widths[j], slot_scales, table, bias_j
         )
     return out
+
+
+def lora_linear_slices_reference(x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots, bias=None):
+    """A whole packed layer in one float32 accumulation, rounded once (the decode kernel's contract):
+    X·Wᵀ (+ bias) + each token's delta over every slice; vLLM has folded the scaling into B."""
+    base32 = x.float() @ weight.float().T
+    if bias is not None:
+        base32 = base32 + bias.float()
+    ones = torch.ones(lora_a.shape[0], dtype=torch.float32, device=x.device)
+    bounds = slice_bounds.tolist()
+    for j, (a, b) in enumerate(slice_views(lora_a, lora_b, slot_widths, slice_bounds)):
+        shrunk = lora_shrink_reference(x, a, token_slots, slot_widths[j])
+        base32[:, bounds[j] : bounds[j + 1]] += lora_delta_reference(shrunk, b, token_slots, slot_widths[j], ones)
+    return base32.to(x.dtype)

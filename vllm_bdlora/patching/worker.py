@@ -86,7 +86,9 @@ def patch_lora_manager() -> bool:
                     "drop --fully-sharded-loras."
                 )
             per_rank_width(lora_config.max_lora_rank, tp_size)
-            with selecting_bd_layers(dora=settings.dora, lora_kernels=settings.lora_kernels):
+            with selecting_bd_layers(
+                dora=settings.dora, lora_kernels=settings.lora_kernels, one_launch_decode=settings.one_launch_decode
+            ):
                 original(self, *args, **kwargs)
             lines = describe_sharding(list(self.modules.values()), tp_size)
             if not lines:
