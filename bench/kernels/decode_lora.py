@@ -57,24 +57,31 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
     layer = make_layer(k, heights, tokens, adapters, width)
     want = reference(layer)
     n = sum(heights)
+    from vllm_bdlora.kernels.fused_lora import group_tokens
+
+    no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
+    no_adapter["groups"] = group_tokens(no_adapter["slots"], adapters)
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
         "three_kernels": op_path(layer, None),
         "one_launch": op_path(layer, new_decode_state(layer["lora_a"].shape[1], "cuda")),
+        # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
+        "one_launch_no_adapter": op_path(no_adapter, new_decode_state(layer["lora_a"].shape[1], "cuda")),
     }
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width}
     used = min(adapters, tokens)
     lora_bytes = 2 * used * (len(heights) * width * k + n * width)
     for path, fn in paths.items():
         if path != "base_gemm":
+            expected = want if path != "one_launch_no_adapter" else layer["x"] @ layer["weight"].T
             for _ in range(3):  # repeated calls: the decode state's buffers alternate between them
-                torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
+                torch.testing.assert_close(fn(), expected, atol=5e-2, rtol=5e-2)
         ms = time_cuda(fn, graph_repeats=10)["median_ms"]
-        moved = 2 * (n * k + tokens * k + tokens * n) + (lora_bytes if path != "base_gemm" else 0)
+        moved = 2 * (n * k + tokens * k + tokens * n) + (lora_bytes if path in ("three_kernels", "one_launch") else 0)
         row[f"{path}_us"] = round(ms * 1e3, 2)
         row[f"{path}_gbs"] = round(moved / (ms * 1e-3) / 1e9, 1)
         row[f"{path}_of_copy_bw"] = round(row[f"{path}_gbs"] / copy_gbs, 3)
-    for path in ("three_kernels", "one_launch"):
+    for path in ("three_kernels", "one_launch", "one_launch_no_adapter"):
         row[f"{path}_over_base"] = round(row[f"{path}_us"] / row["base_gemm_us"], 3)
     row["one_launch_speedup"] = round(row["three_kernels_us"] / row["one_launch_us"], 3)
     print(row, flush=True)
@@ -98,19 +105,21 @@ def report(json_path: str) -> str:
         "per-GPU shapes; per-GPU LoRA width 128 / TP; tokens dealt round robin over the adapters",
         "- paths: base = cuBLAS X·Wᵀ alone; three kernels = the layer op without decode state (cuBLAS GEMM, "
         "routed shrink, fused expand); one launch = the layer op with it (kernels/decode_lora.py). "
+        "one launch, no adapter = the same kernel for tokens without an adapter (its GEMV and barrier alone); "
         "(×base) = time over the base GEMM's; GB/s = bytes moved at least (W, X, out, A and B of each adapter "
         "used) over the time, and its share of the copy bandwidth",
         "",
         "| TP | layer | tokens | adapters | base µs (GB/s) | three kernels µs (×base) | one launch µs (×base, "
-        "GB/s, of copy) | speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "GB/s, of copy) | speed-up | one launch, no adapter µs (×base) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['tp']} | {r['layer']} | {r['tokens']} | {r['adapters']} | {r['base_gemm_us']} "
             f"({r['base_gemm_gbs']}) | {r['three_kernels_us']} ({r['three_kernels_over_base']}) | "
             f"**{r['one_launch_us']}** ({r['one_launch_over_base']}, {r['one_launch_gbs']}, "
-            f"{r['one_launch_of_copy_bw']:.0%}) | {r['one_launch_speedup']}× |"
+            f"{r['one_launch_of_copy_bw']:.0%}) | {r['one_launch_speedup']}× | {r['one_launch_no_adapter_us']} "
+            f"({r['one_launch_no_adapter_over_base']}) |"
         )
     lines += ["", "Per decoder layer (the four kinds summed), 1 adapter:", ""]
     lines += ["| TP | tokens | base µs | three kernels µs (×base) | one launch µs (×base) |", "|---|---|---|---|---|"]
