@@ -29,7 +29,7 @@ def test_plan_never_launches_more_programs_than_sms(out_features, slots):
 
     plan = decode_plan(out_features, 4096, 96, slots, sms=132)
     reserve = min(32, 4 * slots)  # SMs left to the shrink
-    if out_features > 256 * (132 - reserve):  # a column block of at most 256
+    if out_features > 128 * (132 - reserve):  # a column block of at most 128
         assert plan is None
         return
     assert plan.tiles * plan.block_n >= out_features > (plan.tiles - 1) * plan.block_n

@@ -2,25 +2,33 @@
 
 At decode sizes each kernel of the layer op (cuBLAS GEMM, routed shrink, fused expand) costs 3-7 µs of
 mostly fixed latency, so the LoRA work, a few hundred kB of A and B, costs as much as the base GEMM itself
-(bench/results/kernels-h200-s8: +5.4-7.5 µs per adapted layer at 1 token). This kernel pays one launch:
+(bench/results/kernels-h200-s8: +5.4-7.5 µs per adapted layer at 1 token). This kernel pays one launch,
+with two kinds of programs running side by side:
 
-1. every program computes a slice of the hidden dimension of S = X·A[slot]ᵀ (each token its own slot,
-   every slice of a packed layer at once) and adds it into a float32 S buffer with atomics;
-2. it then streams its block of output columns of W and accumulates X·Wᵀ: the GEMV that bounds the layer,
-   and long enough for every program's shrink share to land;
-3. it waits at a grid-wide barrier for all shares of S, adds S·B[slot]ᵀ (+ bias) and writes the output once.
+* shrink programs (a few SMs) each compute S = X·A[slot]ᵀ over a slice of the hidden dimension, for every
+  adapter of the batch (one tl.dot per adapter present, its tokens' rows), and add it into a float32 S
+  buffer with atomics;
+* GEMV programs (the other SMs, one per block of output columns) stream their rows of W and accumulate
+  X·Wᵀ, the part that bounds the layer, while the shrink runs; then they wait at a grid-wide barrier for
+  every shrink program, add S·B[slot]ᵀ (+ bias) and write the output once.
 
-The barrier needs every program resident at once: the grid has one program per column block and never
-more programs than the GPU has SMs (`decode_plan` returns None otherwise, and the layer op falls back to its
-three-kernel path). Its state lives in one int32 tensor per layer (`decode_state`): an arrival counter, an
-epoch, and two S buffers. The last program to arrive resets the counter and bumps the epoch; the others
-spin until the epoch moves. S buffers alternate by epoch parity, and each launch zeroes the buffer the next
-launch adds into, so no launch needs a zero-fill kernel of its own and nothing depends on the host: CUDA
-graphs replay it as is. Launches of one layer never overlap (one stream), which the parity relies on.
+The barrier needs every program resident at once, so the grid never has more programs than the GPU has SMs
+(`decode_plan` returns None otherwise, and the layer op keeps its three-kernel path). Its state lives in one
+int32 tensor per layer (`new_decode_state`): one word holding the epoch (high 16 bits) and the arrivals
+(low 16 bits), then two S buffers. Every program arrives (GEMV programs at their start, so that reading the
+epoch and arriving is one atomic; shrink programs after their atomics); the last one resets the arrivals
+and moves the epoch, and the GEMV programs spin until it moves. S buffers alternate by epoch parity, and
+each launch zeroes the buffer the next launch adds into, so no launch needs a zero-fill kernel of its own
+and nothing depends on the host: CUDA graphs replay it as is. Launches of one layer never overlap (one
+stream), which the parity relies on.
 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
-`reference.lora_linear_slices_reference` holds the contract.
+`reference.lora_linear_slices_reference` holds the contract. Measured on an H200 (Llama-3.1-8B shapes, BD
+r'=128, bench/results/kernels-h200-s11): an adapted decoder layer's four projections take 1.11-1.13× the
+base GEMMs' time at TP=4 and 1-4 tokens (three kernels: 1.61-1.62×), 1.13-1.15× at TP=2. Batches mixing
+4 adapters over 4 tokens or more only break even at TP=2 and 4, and at TP=1 (widths of 128 per slice) lose
+13% against the three kernels: the shrink programs run the adapters one after another.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ import triton.language as tl
 # op's three-kernel path, whose launches amortise over the tokens.
 DECODE_MAX_TOKENS = 16
 _TILE_M = 16
-_MAX_BLOCK_N = 256
+# Wider column blocks lose to cuBLAS: gate_up_proj at TP=1 (28672 outputs, 256-column blocks to fit 132 SMs)
+# ran 0.91x the three-kernel path's speed on an H200 (bench/results/kernels-h200-s11); it keeps that path.
+_MAX_BLOCK_N = 128
 _SHRINK_PROGRAMS_PER_SLOT, _MAX_SHRINK_PROGRAMS = 4, 32
 _STATE_HEADER = 1  # one int32 word before the S buffers: epoch (high 16 bits) and arrivals (low 16 bits)
 
