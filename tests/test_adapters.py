@@ -70,6 +70,7 @@ def test_settings(additional_config, enabled):
         ({"enable": True}, "Unknown key"),
         ({"enabled": "yes"}, "true or false"),
         ({"dora": 1}, "true or false"),
+        ({"one_launch_decode": "off"}, "true or false"),
         ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused', 'auto'\]"),
     ],
 )
@@ -83,6 +84,8 @@ def test_dora_and_kernel_settings():
     assert (settings.enabled, settings.dora, settings.lora_kernels) == (True, True, "fused")
     assert BdLoraSettings.from_additional_config({"bdlora": {"enabled": False, "dora": True}}).dora is False
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).lora_kernels == "auto"  # fused on CUDA only
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_decode is True
+    assert BdLoraSettings.from_additional_config({"bdlora": {"one_launch_decode": False}}).one_launch_decode is False
 
 
 def test_enabling_keeps_other_sections():

@@ -25,7 +25,8 @@ per-slice views are what vLLM sees.
 `fused_lora_linear_reference`). Launches never sync with the host and size their grids from the token
 count only, so they are CUDA-graph safe. `fused_lora_slices_` (custom op
 `torch.ops.vllm_bdlora.fused_lora_slices_`) is what BD layers call on CUDA under the default
-`lora_kernels: "auto"`, and everywhere under `"fused"`; CPU tensors take the torch references.
+`lora_kernels: "auto"`, and everywhere under `"fused"`; CPU tensors take the torch references. Given the
+layer's decode state, it hands decode-sized batches over an unquantized base to `decode_lora` (one kernel).
 
 Measured on an H200 at Llama-3.1-8B TP=4 shapes (bench/results/kernels-h200-s5/fused_lora.md): the layer
 op is 1.10-2.07× faster than vLLM's GEMM + shrink + expand at 1-64 tokens in every layer kind, 1.47-1.68×

@@ -108,6 +108,11 @@ def patch_lora_manager() -> bool:
                     'each for all slices of a packed layer ("lora_kernels": "vllm" in the bdlora section of '
                     "--additional-config selects vLLM's)."
                 )
+                if settings.one_launch_decode and not settings.dora:
+                    lines.append(
+                        "Decode batches of up to 16 tokens: base GEMV + LoRA in one kernel per BD layer over an "
+                        'unquantized base ("one_launch_decode": false turns it off).'
+                    )
             else:
                 why = "not on CUDA" if kernels == "auto" else "as configured"
                 lines.append(f"LoRA kernels ({kernels}): vLLM's own shrink/expand ({why}).")
