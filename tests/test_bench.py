@@ -3,6 +3,7 @@ small end-to-end sweep on CPU (the same code path the GPU sweeps take)."""
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -310,3 +311,17 @@ def test_report_refuses_a_folder_without_points_and_names_what_to_give(tmp_path,
         report.main([str(tmp_path)])
     assert exit_info.value.code == 2
     assert "has no points.csv" in capsys.readouterr().err
+
+
+def test_decode_kernel_report_rebuilds_the_committed_one_from_its_json(tmp_path):
+    """bench.kernels.decode_lora's markdown is a function of its JSON: the committed H200 run's report comes
+    back unchanged (per-layer rows and the per-decoder-layer sums the README quotes)."""
+    import shutil
+
+    from bench.kernels.decode_lora import report
+
+    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s11")
+    shutil.copy(os.path.join(run, "decode_lora.json"), tmp_path / "decode_lora.json")
+    text = open(report(str(tmp_path / "decode_lora.json"))).read()
+    assert text == open(os.path.join(run, "decode_lora.md")).read()
+    assert "| 4 | 1 | 40.8 | 66.0 (1.62) | 45.3 (1.11) |" in text
