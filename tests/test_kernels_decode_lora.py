@@ -2,14 +2,10 @@
 reference in Triton's interpreter (CPU, the shrink as its own launch) and compiled with the in-kernel barrier
 (GPU), over repeated calls (the state's S buffers alternate) and CUDA-graph replays."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch, per_token_loop
+from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch, per_token_loop, run_check_script
 from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 
 
@@ -70,10 +66,7 @@ print("ok")
 
 
 def run_kernel_check(device, dtype, phases, hidden, tol, interpret):
-    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
-    cmd = [sys.executable, "-c", KERNEL_CHECK, device, dtype, str(phases), str(hidden), str(tol)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_check_script(KERNEL_CHECK, (device, dtype, phases, hidden, tol), interpret)
 
 
 @pytest.mark.skipif(

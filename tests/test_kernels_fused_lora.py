@@ -185,11 +185,16 @@ print("ok")
 """
 
 
-def run_kernel_check(device, dtype, tokens, tol, interpret):
+def run_check_script(script: str, args, interpret: bool) -> None:
+    """Run a kernel check in a fresh interpreter (TRITON_INTERPRET is read at import); it prints "ok" last."""
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
-    cmd = [sys.executable, "-c", KERNEL_CHECK, device, dtype, repr(tokens), str(tol)]
+    cmd = [sys.executable, "-c", script, *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def run_kernel_check(device, dtype, tokens, tol, interpret):
+    run_check_script(KERNEL_CHECK, (device, dtype, repr(tokens), tol), interpret)
 
 
 @pytest.mark.skipif(

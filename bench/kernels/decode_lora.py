@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from bench.kernels.fused_lora import make_layer, reference
-from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
+from bench.kernels.harness import kernel_bench_cli, time_cuda, write_results
 
 HIDDEN, INTERMEDIATE, Q_HEADS_DIM, KV_DIM = 4096, 14336, 4096, 1024  # Llama-3.1-8B
 
@@ -139,20 +139,13 @@ def report(json_path: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", help="results folder (decode_lora.json/.csv/.md)")
-    p.add_argument("--report", metavar="JSON", help="only (re)write decode_lora.md from a results JSON")
     p.add_argument("--tp", default="4,2,1")
     p.add_argument("--tokens", default="1,4,16")
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
-    args = p.parse_args(argv)
-    if args.report:
-        print(report(args.report))
+    started = kernel_bench_cli(p, argv, report, "decode_lora")
+    if started is None:
         return 0
-    if not args.out:
-        p.error("--out is required")
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (kernel timings are CUDA-event timings)")
-    copy_gbs = copy_bandwidth_gbs()
+    args, copy_gbs = started
     rows = [
         bench_point(int(tp), name, k, heights, int(t), int(a), copy_gbs)
         for tp in args.tp.split(",")

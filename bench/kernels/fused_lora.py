@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 import torch
 
-from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
+from bench.kernels.harness import kernel_bench_cli, time_cuda, write_results
 
 # (name, K = input features per GPU, output slice heights per GPU): Llama-3.1-8B at TP=4.
 LAYERS = (
@@ -322,21 +322,14 @@ def report(json_path: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", help="results folder (fused_lora.json/.csv/.md)")
-    p.add_argument("--report", metavar="JSON", help="only (re)write fused_lora.md from a results JSON")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
     p.add_argument("--width", type=int, default=WIDTH, help="per-GPU LoRA width (BD r' / TP)")
     p.add_argument("--tune", action="store_true", help="also time candidate launch configurations")
-    args = p.parse_args(argv)
-    if args.report:
-        print(report(args.report))
+    started = kernel_bench_cli(p, argv, report, "fused_lora")
+    if started is None:
         return 0
-    if not args.out:
-        p.error("--out is required")
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (kernel timings are CUDA-event timings)")
-    copy_gbs = copy_bandwidth_gbs()
+    args, copy_gbs = started
     rows = [
         bench_point(name, k, heights, int(t), int(n), args.width, args.tune)
         for name, k, heights in LAYERS

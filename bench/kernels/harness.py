@@ -75,6 +75,23 @@ def command_line() -> str:
     return " ".join([os.path.basename(sys.executable), script, *args])
 
 
+def kernel_bench_cli(parser, argv, report, name: str):
+    """The steps every kernel benchmark's CLI shares: `--report JSON` only rewrites `<name>.md` (returns None);
+    otherwise `--out` is required, a CUDA GPU too, and the host's copy bandwidth is measured first. Returns
+    (arguments, copy bandwidth in GB/s)."""
+    parser.add_argument("--out", help=f"results folder ({name}.json/.csv/.md)")
+    parser.add_argument("--report", metavar="JSON", help=f"only (re)write {name}.md from a results JSON")
+    args = parser.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return None
+    if not args.out:
+        parser.error("--out is required")
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (kernel timings are CUDA-event timings)")
+    return args, copy_bandwidth_gbs()
+
+
 def write_results(out_dir: str, name: str, rows: list[dict], extra: dict) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
