@@ -152,14 +152,14 @@ class BlockDiagonalLoRALayer:
                 for offset, height in zip(self.slice_offsets, heights, strict=True)
             )
             self.slice_bounds = torch.tensor([*self.slice_offsets, sum(heights)], dtype=torch.int32, device=self.device)
+        else:
+            self.lora_a_stacked = tuple(zeros(1, width, self.input_size) for _ in heights)
+            self.lora_b_stacked = tuple(zeros(1, height, width) for height in heights)
         # Barrier and S buffers of the one-launch decode kernel (DoRA layers compose on the base output, which
         # that kernel never materialises, so they keep the three-kernel path).
         self.decode_state: torch.Tensor | None = None
         if self.fused_kernels and _one_launch_decode and not _serving_dora and torch.device(self.device).type == "cuda":
             self.decode_state = new_decode_state(len(heights) * width, self.device)
-        else:
-            self.lora_a_stacked = tuple(zeros(1, width, self.input_size) for _ in heights)
-            self.lora_b_stacked = tuple(zeros(1, height, width) for height in heights)
         self.dora_scale: torch.Tensor | None = None
         if _serving_dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
