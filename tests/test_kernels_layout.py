@@ -16,3 +16,4 @@ def test_every_kernel_has_a_reference_test_and_benchmark():
         source = (ROOT / "vllm_bdlora" / "kernels" / f"{name}.py").read_text()
         assert "kernels.reference" in source or "reference.py" in source, f"{name}: does not name its reference"
     assert "def dora_compose_reference" in reference and "def fused_lora_linear_reference" in reference
+    assert "def lora_linear_slices_reference" in reference  # the decode kernel's contract

@@ -24,7 +24,7 @@ stream), which the parity relies on.
 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
-`reference.lora_linear_slices_reference` holds the contract. Measured on an H200 (Llama-3.1-8B shapes, BD
+`lora_linear_slices_reference` in reference.py holds the contract. Measured on an H200 (Llama-3.1-8B shapes, BD
 r'=128, bench/results/kernels-h200-s11): an adapted decoder layer's four projections take 1.11-1.13× the
 base GEMMs' time at TP=4 and 1-4 tokens (three kernels: 1.61-1.62×), 1.13-1.15× at TP=2. Batches mixing
 4 adapters over 4 tokens or more only break even at TP=2 and 4, and at TP=1 (widths of 128 per slice) lose
