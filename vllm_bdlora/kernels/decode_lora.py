@@ -80,9 +80,9 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     narrow blocks spread the weight's bytes over the most SMs. A shrink program computes every adapter of the
     batch over its slice of the hidden dimension, so a batch of 4 adapters does 4 times the work of one:
     with one slot, 4 shrink programs kept the GEMV of o_proj and down_proj at TP=4 on 128 programs (halving
-    them to leave 16 cost 14-50%); with 4 slots and 4 adapters in the batch, those 4 programs left the GEMV
-    waiting (down_proj at TP=1 1.8x slower than the three-kernel path), and 16 did not
-    (bench/results/kernels-h200-s11). The shrink takes the SMs left, up to 32: each partial sum is an atomic
+    them to leave 16 cost 13-50%); with 4 slots and 4 adapters in the batch, those 4 programs left the GEMV
+    waiting (down_proj at TP=1 1.8x slower than the three-kernel path), 16 about broke even
+    (bench/results/kernels-h200-s11/iterations). The shrink takes the SMs left, up to 32: each partial sum is an atomic
     add on S."""
     block_n = 16
     reserve = min(_MAX_SHRINK_PROGRAMS, _SHRINK_PROGRAMS_PER_SLOT * max(1, slots))
