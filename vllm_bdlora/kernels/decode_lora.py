@@ -72,6 +72,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache  # asked on every call of the layer op (`usable`, then the launch): a lookup after the first
 def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int) -> DecodePlan | None:
     """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, or None where the
     grid would need more programs than SMs (the barrier could then wait on a program that never runs).

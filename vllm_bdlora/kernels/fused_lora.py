@@ -181,8 +181,9 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
         fused_expand(scratch_y, shrunk_by_split[split_k], lora_b, groups, slot_widths, slice_bounds, None,
                      scale_table, bias, config, overwrite)  # fmt: skip
     launches = len(shrinks) + len(expands)
-    shape = (*decode_weight.shape, lora_a.shape[1], lora_a.shape[0]) if decode_weight is not None else None
-    if shape is not None and decode_lora.usable(rows, *shape, x.device):
+    if decode_weight is not None and decode_lora.usable(
+        rows, *decode_weight.shape, lora_a.shape[1], lora_a.shape[0], x.device
+    ):
         slots = torch.full((rows,), -1, dtype=torch.long, device=x.device)
         state = decode_lora.new_decode_state(lora_a.shape[1], x.device)
         decode_lora.decode_lora_linear(scratch_y, scratch_x, decode_weight, lora_a, lora_b, slot_widths, slice_bounds,
