@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench.kernels.fused_lora import make_layer, reference
+from bench.kernels.fused_lora import layer_op_path, make_layer, reference
 from bench.kernels.harness import kernel_bench_cli, time_cuda, write_results
 
 HIDDEN, INTERMEDIATE, Q_HEADS_DIM, KV_DIM = 4096, 14336, 4096, 1024  # Llama-3.1-8B
@@ -33,40 +33,22 @@ def layers(tp: int):
     )
 
 
-def op_path(layer, decode_state):
-    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
-
-    x, groups = layer["x"], layer["groups"]
-    out = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
-
-    def run():
-        torch.ops.vllm_bdlora.fused_lora_slices_(
-            out, x, layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"], layer["slots"],
-            groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, None, None, None,
-            layer["weight"], decode_state,
-        )  # fmt: skip
-        return out
-
-    return run
-
-
 def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
     from vllm_bdlora.kernels.decode_lora import new_decode_state
+    from vllm_bdlora.kernels.fused_lora import group_tokens
 
     width = 128 // tp
     layer = make_layer(k, heights, tokens, adapters, width)
     want = reference(layer)
     n = sum(heights)
-    from vllm_bdlora.kernels.fused_lora import group_tokens
-
     no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
     no_adapter["groups"] = group_tokens(no_adapter["slots"], adapters)
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
-        "three_kernels": op_path(layer, None),
-        "one_launch": op_path(layer, new_decode_state(layer["lora_a"].shape[1], "cuda")),
+        "three_kernels": layer_op_path(layer),
+        "one_launch": layer_op_path(layer, new_decode_state(layer["lora_a"].shape[1], "cuda")),
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
-        "one_launch_no_adapter": op_path(no_adapter, new_decode_state(layer["lora_a"].shape[1], "cuda")),
+        "one_launch_no_adapter": layer_op_path(no_adapter, new_decode_state(layer["lora_a"].shape[1], "cuda")),
     }
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width}
     used = min(adapters, tokens)

@@ -56,16 +56,10 @@ def make_layer(k, heights, tokens, adapters, width, seed=0):
 
 
 def reference(layer):
-    from vllm_bdlora.kernels.reference import fused_lora_linear_reference, lora_shrink_reference, slice_views
+    from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 
-    x, slots, bounds = layer["x"], layer["slots"], layer["bounds"].tolist()
-    ones = torch.ones(layer["lora_a"].shape[0], device=x.device)
-    pieces = []
-    for j, (a, b) in enumerate(slice_views(layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"])):
-        shrunk = lora_shrink_reference(x, a, slots, layer["widths"][j])
-        w = layer["weight"][bounds[j] : bounds[j + 1]]
-        pieces.append(fused_lora_linear_reference(x, w, shrunk, b, slots, layer["widths"][j], ones))
-    return torch.cat(pieces, dim=1)
+    return lora_linear_slices_reference(layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"],
+                                        layer["widths"], layer["bounds"], layer["slots"])  # fmt: skip
 
 
 def vllm_lora_inputs(layer):
@@ -133,9 +127,10 @@ def fused_paths(layer, shrink_cfg=None, expand_cfg=None, linear_cfg=None):
 PATHS = ("fused_expand", "delta_first", "fused_linear")
 
 
-def layer_op_path(layer):
+def layer_op_path(layer, decode_state=None):
     """Exactly what a BD layer runs with lora_kernels fused/auto over an unquantized base: the custom op
-    given the base weight (it picks delta first or GEMM first by token count, and its launch configurations)."""
+    given the base weight (it picks delta first or GEMM first by token count, and its launch configurations),
+    and with a `decode_state` the one-launch kernel for decode-sized batches."""
     import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
 
     x, groups = layer["x"], layer["groups"]
@@ -145,7 +140,7 @@ def layer_op_path(layer):
         torch.ops.vllm_bdlora.fused_lora_slices_(
             out, x, layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"], layer["slots"],
             groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, None, None, None,
-            layer["weight"],
+            layer["weight"], decode_state,
         )  # fmt: skip
         return out
 
