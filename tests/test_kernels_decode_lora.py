@@ -19,37 +19,71 @@ def test_reference_matches_a_per_token_loop():
 
 @pytest.mark.parametrize("slots", [1, 4, 16])
 @pytest.mark.parametrize("out_features", [16, 1536, 4096, 7168, 14336, 28672, 33792])
-def test_plan_never_launches_more_programs_than_sms(out_features, slots):
-    """The barrier waits for every program: a grid larger than the SMs could wait on one never scheduled."""
+@pytest.mark.parametrize("hidden", [1024, 4096, 14336])
+def test_plan_covers_the_layer_without_more_programs_than_sms(out_features, hidden, slots):
+    """The barrier waits for every program: a grid larger than the SMs could wait on one never scheduled.
+    Every output column and every hidden step of W is some GEMV program's, every hidden index some shrink
+    program's, and no program is without work (it would still have to arrive)."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
-    plan = decode_plan(out_features, 4096, 96, slots, sms=132)
-    reserve = min(32, 4 * slots)  # SMs left to the shrink
-    if out_features > 128 * (132 - reserve):  # a column block of at most 128
-        assert plan is None
-        return
-    assert plan.tiles * plan.block_n >= out_features > (plan.tiles - 1) * plan.block_n
+    plan = decode_plan(out_features, hidden, 96, slots, sms=132)
     assert plan.programs <= 132
-    # every hidden index is in some shrink program's share, and every shrink program has one
-    assert plan.k_per_chunk * plan.chunks >= 4096 > plan.k_per_chunk * (plan.chunks - 1)
-    assert plan.chunks >= reserve
+    assert plan.tiles * plan.block_n >= out_features > (plan.tiles - 1) * plan.block_n
+    k_steps = -(-hidden // plan.block_k)
+    if plan.stream_k:
+        total = plan.tiles * k_steps
+        assert plan.gemv_programs * plan.steps_per_program >= total > (plan.gemv_programs - 1) * plan.steps_per_program
+    else:
+        assert plan.gemv_programs == plan.tiles and plan.steps_per_program == k_steps
+    assert plan.chunks <= -(-hidden // plan.shrink_k)  # each shrink program gets at least one step
+    assert plan.chunks >= min(32, 4 * slots, -(-hidden // plan.shrink_k))
+
+
+def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
+    """qkv_proj at TP=4 (1536 outputs) would need 16-column blocks to fill 124 SMs: stream-K over 32-column
+    blocks instead; o_proj at TP=4 (4096 outputs: 128 blocks of 32), gate_up_proj at TP=4 (7168: 112 of 64) and
+    qkv_proj at TP=1 (6144: 96 of 64) keep whole blocks; gate_up_proj at TP=1 (28672 outputs) fits none, and
+    has enough 64-column blocks to go round."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    qkv = decode_plan(1536, 4096, 96, 1, 132)
+    assert qkv.stream_k and qkv.block_n == 32 and qkv.steps_per_program * 32 * qkv.block_k < 32 * 4096 / 2
+    for (out_features, hidden, width), programs, block_n in (
+        ((4096, 1024, 32), 128, 32),
+        ((7168, 4096, 64), 112, 64),
+        ((6144, 4096, 384), 96, 64),
+    ):
+        plan = decode_plan(out_features, hidden, width, 1, 132)
+        assert not plan.stream_k and (plan.gemv_programs, plan.block_n) == (programs, block_n)
+    wide = decode_plan(28672, 4096, 256, 1, 132)
+    assert wide.stream_k and wide.block_n == 64
 
 
 KERNEL_CHECK = """
 import sys, torch
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch
-from vllm_bdlora.kernels.decode_lora import decode_lora_linear, decode_plan, new_decode_state
+from vllm_bdlora.kernels.decode_lora import decode_lora_linear, make_plan, new_decode_state, plan_for
 from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 device, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[5])
-phases, hidden = int(sys.argv[3]), int(sys.argv[4])
+phases, hidden, kind = int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
 for tokens in (1, 5, 16):
     b = mixed_batch(tokens=tokens, hidden=hidden, dtype=dtype, device=device, seed=tokens)
     if tokens > 1:
         b["slots"][1] = 99  # a stale slot number past the buffers (graph padding rows): no adapter, no fault
-    state = new_decode_state(b["lora_a"].shape[1], device)
-    # CPU: a small SM count, so several programs share the shrink and the output columns
-    plan = decode_plan(b["weight"].shape[0], hidden, b["lora_a"].shape[1], 1, 9) if device == "cpu" else None
-    assert plan is None or (plan.tiles > 1 and plan.chunks > 1), plan
+    out_features, total_width = b["weight"].shape[0], b["lora_a"].shape[1]
+    # Forced plans: several programs share the shrink, the output columns and (stream-K) each block's hidden
+    # steps, the runs crossing from one column block into the next
+    block_k = 64 if hidden < 1024 else 256
+    if kind == "whole":
+        plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=False)
+    elif kind == "stream_k":
+        plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=True,
+                         gemv_programs=7)
+        assert plan.steps_per_program % -(-hidden // block_k), plan
+    else:
+        plan = plan_for(out_features, hidden, total_width, len(SLOT_WIDTHS[0]), device)
+    assert plan.gemv_programs > 1 and plan.chunks > 1, plan
+    state = new_decode_state(total_width, device, plan)
     for call in range(5):  # the S buffers alternate: every call must start from zeros
         slots = b["slots"].clone()
         slots[torch.arange(tokens, device=device) % 5 == call] = call % len(SLOT_WIDTHS[0])
@@ -60,28 +94,32 @@ for tokens in (1, 5, 16):
                            b["bias"] if call % 2 else None, plan=plan, phases=phases)
         err = (out.double() - want.double()).abs().max().item()
         assert err <= tol * (1 + want.double().abs().max().item()), (tokens, call, err)
+        # the partial sums are left zeroed for the next launch
+        assert not state[1 + 2 * 16 * total_width:].any(), (tokens, call)
     assert state[0].item() == 5 << 16, state[0]  # arrivals reset, one epoch per call
 print("ok")
 """
 
 
-def run_kernel_check(device, dtype, phases, hidden, tol, interpret):
-    run_check_script(KERNEL_CHECK, (device, dtype, phases, hidden, tol), interpret)
+def run_kernel_check(device, dtype, phases, hidden, tol, interpret, kind):
+    run_check_script(KERNEL_CHECK, (device, dtype, phases, hidden, tol, kind), interpret)
 
 
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="a GPU host checks the compiled kernel instead; Triton 3.6's interpreter there cannot run kernels",
 )
-def test_kernel_in_interpreter_matches_reference():
-    run_kernel_check("cpu", "float32", 2, 200, 1e-4, interpret=True)
+@pytest.mark.parametrize("kind", ["whole", "stream_k"])
+def test_kernel_in_interpreter_matches_reference(kind):
+    run_kernel_check("cpu", "float32", 2, 200, 1e-4, True, kind)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("hidden", [272, 4096])  # a hidden size the GEMV's K step does not divide, and 8B's
-def test_kernel_with_in_kernel_barrier_matches_reference_on_gpu(dtype, hidden):
-    run_kernel_check("cuda", dtype, 1, hidden, 3e-2, interpret=False)
+@pytest.mark.parametrize("kind", ["whole", "stream_k", "default"])
+def test_kernel_with_in_kernel_barrier_matches_reference_on_gpu(dtype, hidden, kind):
+    run_kernel_check("cuda", dtype, 1, hidden, 3e-2, False, kind)
 
 
 @pytest.mark.gpu
@@ -89,7 +127,7 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch):
     """The op as BD layers call it with their decode state, captured at 8 rows and replayed 50 times with the
     slots (vLLM's per-step metadata) changing between replays: each replay right, none stalls."""
     from vllm_bdlora.kernels import decode_lora
-    from vllm_bdlora.kernels.decode_lora import new_decode_state
+    from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
     launched = []
@@ -98,7 +136,8 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch):
     rows, slots_n = 8, len(SLOT_WIDTHS[0])
     b = mixed_batch(tokens=rows, hidden=512, dtype=torch.bfloat16, device="cuda")
     groups = group_tokens(b["slots"], slots_n)
-    state = new_decode_state(b["lora_a"].shape[1], "cuda")
+    plan = plan_for(b["weight"].shape[0], 512, b["lora_a"].shape[1], slots_n, "cuda")
+    state = new_decode_state(b["lora_a"].shape[1], "cuda", plan)
     out = torch.empty(rows, b["weight"].shape[0], dtype=torch.bfloat16, device="cuda")
 
     def step():

@@ -14,6 +14,7 @@ time, against the host's measured copy bandwidth. `over_base`: the path's time o
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -33,8 +34,17 @@ def layers(tp: int):
     )
 
 
+def describe(plan) -> str:
+    """A plan in a few words: GEMV kind, column block × hidden step, GEMV + shrink programs."""
+    kind = "stream-K" if plan.stream_k else "whole blocks"
+    text = f"{kind} {plan.block_n}x{plan.block_k}, {plan.gemv_programs}+{plan.chunks} programs"
+    if (plan.num_warps, plan.num_stages) != (4, 4):
+        text += f", {plan.num_warps} warps {plan.num_stages} stages"
+    return text
+
+
 def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
-    from vllm_bdlora.kernels.decode_lora import new_decode_state
+    from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
     width = 128 // tp
@@ -43,14 +53,16 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
     n = sum(heights)
     no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
     no_adapter["groups"] = group_tokens(no_adapter["slots"], adapters)
+    plan = plan_for(n, k, len(heights) * width, adapters, "cuda")
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
         "three_kernels": layer_op_path(layer),
-        "one_launch": layer_op_path(layer, new_decode_state(layer["lora_a"].shape[1], "cuda")),
+        "one_launch": layer_op_path(layer, new_decode_state(len(heights) * width, "cuda", plan)),
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
-        "one_launch_no_adapter": layer_op_path(no_adapter, new_decode_state(layer["lora_a"].shape[1], "cuda")),
+        "one_launch_no_adapter": layer_op_path(no_adapter, new_decode_state(len(heights) * width, "cuda", plan)),
     }
-    row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width}
+    row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width,
+           "plan": describe(plan)}  # fmt: skip
     used = min(adapters, tokens)
     lora_bytes = 2 * used * (len(heights) * width * k + n * width)
     for path, fn in paths.items():
@@ -68,6 +80,91 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
     row["one_launch_speedup"] = round(row["three_kernels_us"] / row["one_launch_us"], 3)
     print(row, flush=True)
     return row
+
+
+def candidate_plans(n, k, total_width, adapters, sms):
+    """The default plan and the alternatives its choice weighs (whole column blocks of every width that
+    fits, stream-K at several block shapes), plus warps and pipeline depth around the default."""
+    from dataclasses import replace
+
+    from vllm_bdlora.kernels.decode_lora import decode_plan, make_plan
+
+    default = decode_plan(n, k, total_width, adapters, sms)
+    shrink, room = default.chunks, sms - default.chunks
+    plans = [default]
+    for block_n in (16, 32, 64, 128):
+        if -(-n // block_n) <= room:
+            for block_k in (max(64, min(512, 8192 // block_n)), max(64, min(512, 4096 // block_n))):
+                plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=False))
+    for block_n, block_k in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)):
+        plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
+                               gemv_programs=room))  # fmt: skip
+    for warps, stages in ((8, 4), (4, 3), (4, 6), (2, 4)):
+        plans.append(replace(default, num_warps=warps, num_stages=stages))
+    return list(dict.fromkeys(plans))
+
+
+def configs_point(tp, name, k, heights, tokens, adapters):
+    """Every candidate plan of one layer, each checked against the reference, then timed like the layer op."""
+    from vllm_bdlora.kernels import decode_lora
+
+    width = 128 // tp
+    layer = make_layer(k, heights, tokens, adapters, width)
+    want, n, total_width = reference(layer), sum(heights), len(heights) * width
+    out = torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda")
+    base_us = time_cuda(lambda: layer["x"] @ layer["weight"].T, graph_repeats=10)["median_ms"] * 1e3
+    rows = []
+    sms = decode_lora._sm_count(0)
+    for i, plan in enumerate(candidate_plans(n, k, total_width, adapters, sms)):
+        state = decode_lora.new_decode_state(total_width, "cuda", plan)
+
+        def run(plan=plan, state=state):
+            return decode_lora.decode_lora_linear(out, layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"],
+                                                  layer["widths"], layer["bounds"], layer["slots"], state,
+                                                  plan=plan)  # fmt: skip
+
+        for _ in range(3):
+            torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
+        us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
+        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "default": i == 0,
+                     "plan": describe(plan), "us": round(us, 2), "base_gemm_us": round(base_us, 2),
+                     "over_base": round(us / base_us, 3)})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def configs_report(json_path: str) -> str:
+    import json
+    import os
+
+    with open(json_path) as f:
+        results = json.load(f)
+    env, rows = results["environment"], results["rows"]
+    lines = [
+        "# One-launch decode kernel: its default plan against the alternatives (whole adapted layer, BD r'=128)",
+        "",
+        f"- GPU `{env['gpu']}`, torch `{env['torch']}`, triton `{env['triton']}`, {env['time']}",
+        f"- command: `{env['command']}`",
+        "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; Llama-3.1-8B "
+        "per-GPU shapes; ×base = over cuBLAS X·Wᵀ alone. Plans: GEMV kind, column block × hidden step, GEMV + "
+        "shrink programs. **Bold**: the fastest; (default): what `decode_plan` picks.",
+        "",
+    ]
+    shapes = dict.fromkeys((r["tp"], r["layer"], r["tokens"], r["adapters"]) for r in rows)
+    for tp, layer, tokens, adapters in shapes:
+        picked = [r for r in rows if (r["tp"], r["layer"], r["tokens"], r["adapters"]) == (tp, layer, tokens, adapters)]
+        best = min(r["us"] for r in picked)
+        lines += [f"## TP={tp} {layer}, {tokens} token(s), {adapters} adapter(s): base {picked[0]['base_gemm_us']} µs",
+                  "", "| plan | µs | ×base |", "|---|---|---|"]  # fmt: skip
+        for r in sorted(picked, key=lambda r: r["us"]):
+            label = r["plan"] + (" (default)" if r["default"] else "")
+            mark = "**" if r["us"] == best else ""
+            lines.append(f"| {mark}{label}{mark} | {r['us']} | {r['over_base']} |")
+        lines.append("")
+    out = os.path.join(os.path.dirname(json_path), "decode_configs.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
 
 
 def report(json_path: str) -> str:
@@ -95,13 +192,16 @@ def report(json_path: str) -> str:
         "GB/s, of copy) | speed-up | one launch, no adapter µs (×base) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    with_plans = all("plan" in r for r in rows)  # runs before the eleventh session's did not record it
+    if with_plans:
+        lines[-2:] = [lines[-2] + " one-launch plan |", lines[-1] + "---|"]
     for r in rows:
         lines.append(
             f"| {r['tp']} | {r['layer']} | {r['tokens']} | {r['adapters']} | {r['base_gemm_us']} "
             f"({r['base_gemm_gbs']}) | {r['three_kernels_us']} ({r['three_kernels_over_base']}) | "
             f"**{r['one_launch_us']}** ({r['one_launch_over_base']}, {r['one_launch_gbs']}, "
             f"{r['one_launch_of_copy_bw']:.0%}) | {r['one_launch_speedup']}× | {r['one_launch_no_adapter_us']} "
-            f"({r['one_launch_no_adapter_over_base']}) |"
+            f"({r['one_launch_no_adapter_over_base']}) |" + (f" {r['plan']} |" if with_plans else "")
         )
     lines += ["", "Per decoder layer (the four kinds summed), 1 adapter:", ""]
     lines += ["| TP | tokens | base µs | three kernels µs (×base) | one launch µs (×base) |", "|---|---|---|---|---|"]
@@ -124,10 +224,25 @@ def main(argv=None) -> int:
     p.add_argument("--tp", default="4,2,1")
     p.add_argument("--tokens", default="1,4,16")
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
-    started = kernel_bench_cli(p, argv, report, "decode_lora")
+    p.add_argument("--configs", action="store_true",
+                   help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
+    configs = "--configs" in (sys.argv[1:] if argv is None else argv)  # picks the results name and report
+    name, write_report = ("decode_configs", configs_report) if configs else ("decode_lora", report)
+    started = kernel_bench_cli(p, argv, write_report, name)
     if started is None:
         return 0
     args, copy_gbs = started
+    if args.configs:
+        rows = [
+            row
+            for tp in args.tp.split(",")
+            for layer_name, k, heights in layers(int(tp))
+            for a in args.adapters.split(",")
+            for t in args.tokens.split(",")
+            for row in configs_point(int(tp), layer_name, k, heights, int(t), int(a))
+        ]
+        print(configs_report(write_results(args.out, name, rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})))
+        return 0
     rows = [
         bench_point(int(tp), name, k, heights, int(t), int(a), copy_gbs)
         for tp in args.tp.split(",")

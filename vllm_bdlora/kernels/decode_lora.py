@@ -8,32 +8,39 @@ with two kinds of programs running side by side:
 * shrink programs (a few SMs) each compute S = X·A[slot]ᵀ over a slice of the hidden dimension, for every
   adapter of the batch (one tl.dot per adapter present, its tokens' rows), and add it into a float32 S
   buffer with atomics;
-* GEMV programs (the other SMs, one per block of output columns) stream their rows of W and accumulate
-  X·Wᵀ, the part that bounds the layer, while the shrink runs; then they wait at a grid-wide barrier for
-  every shrink program, add S·B[slot]ᵀ (+ bias) and write the output once.
+* GEMV programs (the other SMs) stream W and accumulate X·Wᵀ, the part that bounds the layer, while the
+  shrink runs; then they wait at a grid-wide barrier for every shrink program, add S·B[slot]ᵀ (+ bias) and
+  write the output once. Either each owns one block of output columns over the whole hidden dimension
+  (its sum stays in registers), or, where the column blocks do not divide evenly over the SMs ("stream-K"),
+  each takes an equal run of (column block, hidden step) pairs, adds its partial sums into a float32
+  buffer with atomics before arriving, and after the barrier the owner of each column block reads its sum
+  back (zeroing it for the next launch) and finishes it. Whole blocks left a quarter of the SMs idle
+  wherever a layer's width came in 96 blocks (qkv_proj at every TP), and wide layers (gate_up_proj at TP=1)
+  did not fit the grid at all.
 
 The barrier needs every program resident at once, so the grid never has more programs than the GPU has SMs
 (`decode_plan` returns None otherwise, and the layer op keeps its three-kernel path). Its state lives in one
 int32 tensor per layer (`new_decode_state`): one word holding the epoch (high 16 bits) and the arrivals
-(low 16 bits), then two S buffers. Every program arrives (GEMV programs at their start, so that reading the
-epoch and arriving is one atomic; shrink programs after their atomics); the last one resets the arrivals
-and moves the epoch, and the GEMV programs spin until it moves. S buffers alternate by epoch parity, and
-each launch zeroes the buffer the next launch adds into, so no launch needs a zero-fill kernel of its own
-and nothing depends on the host: CUDA graphs replay it as is. Launches of one layer never overlap (one
-stream), which the parity relies on.
+(low 16 bits), two S buffers, and the stream-K partial sums. Every program arrives once (whole-block GEMV
+programs at their start, reading the count only after their loads; stream-K and shrink programs after their
+atomics); the waiters go as soon as the count reaches the grid size, and the last arrival then resets the
+count and moves the epoch. S buffers alternate by epoch parity, and each launch zeroes the buffer the next
+launch adds into, so no launch needs a zero-fill kernel of its own and nothing depends on the host: CUDA
+graphs replay it as is. Launches of one layer never overlap (one stream), which the parity relies on.
 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
 `lora_linear_slices_reference` in reference.py holds the contract. Measured on an H200 (Llama-3.1-8B shapes, BD
-r'=128, bench/results/kernels-h200-s11): an adapted decoder layer's four projections take 1.11-1.13× the
-base GEMMs' time at TP=4 and 1-4 tokens (three kernels: 1.61-1.62×), 1.13-1.15× at TP=2. Batches mixing
-4 adapters over 4 tokens or more only break even at TP=2 and 4, and at TP=1 (widths of 128 per slice) lose
-13% against the three kernels: the shrink programs run the adapters one after another.
+r'=128, bench/results/kernels-h200-s11, before stream-K): an adapted decoder layer's four projections took
+1.11-1.13× the base GEMMs' time at TP=4 and 1-4 tokens (three kernels: 1.61-1.62×), 1.13-1.15× at TP=2.
+Batches mixing 4 adapters over 4 tokens or more only broke even at TP=2 and 4, and at TP=1 (widths of 128
+per slice) lost 13% against the three kernels: the shrink programs run the adapters one after another.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -45,26 +52,53 @@ import triton.language as tl
 # op's three-kernel path, whose launches amortise over the tokens.
 DECODE_MAX_TOKENS = 16
 _TILE_M = 16
-# Wider column blocks lose to cuBLAS: gate_up_proj at TP=1 (28672 outputs, 256-column blocks to fit 132 SMs)
-# ran 0.91x the three-kernel path's speed on an H200 (bench/results/kernels-h200-s11); it keeps that path.
-_MAX_BLOCK_N = 128
 _SHRINK_PROGRAMS_PER_SLOT, _MAX_SHRINK_PROGRAMS = 4, 32
 _STATE_HEADER = 1  # one int32 word before the S buffers: epoch (high 16 bits) and arrivals (low 16 bits)
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    block_n: int  # output columns per GEMV program
+    block_n: int  # output columns per column block
     block_k: int  # hidden step of the GEMV
     shrink_k: int  # hidden step of the shrink
-    tiles: int  # GEMV programs: one per column block
-    chunks: int  # shrink programs: one per slice of the hidden dimension
-    k_per_chunk: int
+    tiles: int  # column blocks
+    gemv_programs: int  # one per column block, or with stream_k as many as share the steps evenly
+    stream_k: bool
+    steps_per_program: int  # hidden steps (of block_k) per GEMV program: with stream_k a run across blocks
+    chunks: int  # shrink programs: each an even share of the hidden dimension's shrink steps
     num_stages: int = 4
+    num_warps: int = 4
 
     @property
     def programs(self) -> int:
-        return self.tiles + self.chunks
+        return self.gemv_programs + self.chunks
+
+    @property
+    def partial_columns(self) -> int:
+        """Columns of the float32 partial sums a stream-K plan keeps in the decode state."""
+        return self.tiles * self.block_n if self.stream_k else 0
+
+
+def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs: int, *, block_n: int,
+              block_k: int, stream_k: bool, gemv_programs: int = 0, num_stages: int = 4,
+              num_warps: int = 4) -> DecodePlan:  # fmt: skip
+    """A launch with these choices (the benchmark's configuration sweep builds its candidates here). Whole
+    column blocks take one GEMV program each; stream-K shares tiles × hidden steps evenly over at most
+    `gemv_programs`. Shrink programs: at most `shrink_programs`, none without a share of the hidden dimension."""
+    tiles = triton.cdiv(out_features, block_n)
+    k_steps = triton.cdiv(hidden, block_k)
+    if stream_k:
+        steps = triton.cdiv(tiles * k_steps, gemv_programs)
+        gemv_programs = triton.cdiv(tiles * k_steps, steps)  # the same longest run on fewer programs
+    else:
+        steps, gemv_programs = k_steps, tiles
+    shrink_k = _shrink_step(total_width)
+    chunks = max(1, min(shrink_programs, triton.cdiv(hidden, shrink_k)))
+    return DecodePlan(block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, chunks, num_stages, num_warps)
+
+
+def _shrink_step(total_width: int) -> int:
+    return max(16, min(128, 8192 // triton.next_power_of_2(total_width)))  # some 16 kB of A per step
 
 
 @functools.cache
@@ -74,66 +108,160 @@ def _sm_count(device_index: int) -> int:
 
 @functools.cache  # asked on every call of the layer op (`usable`, then the launch): a lookup after the first
 def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int) -> DecodePlan | None:
-    """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, or None where the
-    grid would need more programs than SMs (the barrier could then wait on a program that never runs).
+    """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, or None where
+    even the shrink programs would not leave one SM to the GEMV.
 
-    The GEMV programs take the narrowest column block that leaves 4 SMs per slot (up to 32) to the shrink:
-    narrow blocks spread the weight's bytes over the most SMs. A shrink program computes every adapter of the
-    batch over its slice of the hidden dimension, so a batch of 4 adapters does 4 times the work of one:
-    with one slot, 4 shrink programs kept the GEMV of o_proj and down_proj at TP=4 on 128 programs (halving
-    them to leave 16 cost 13-50%); with 4 slots and 4 adapters in the batch, those 4 programs left the GEMV
-    waiting (down_proj at TP=1 1.8x slower than the three-kernel path), 16 about broke even
-    (bench/results/kernels-h200-s11/iterations). The shrink takes the SMs left, up to 32: each partial sum is an atomic
-    add on S."""
-    block_n = 16
-    reserve = min(_MAX_SHRINK_PROGRAMS, _SHRINK_PROGRAMS_PER_SLOT * max(1, slots))
-    while triton.cdiv(out_features, block_n) + reserve > sms:
-        block_n *= 2
-        if block_n > _MAX_BLOCK_N:
-            return None
-    tiles = triton.cdiv(out_features, block_n)
-    block_k = max(64, min(512, 8192 // block_n))  # some 16 kB of W per pipeline stage
-    shrink_k = max(16, min(128, 8192 // triton.next_power_of_2(total_width)))
-    chunks = max(1, min(_MAX_SHRINK_PROGRAMS, sms - tiles, triton.cdiv(hidden, shrink_k)))
-    k_per_chunk = triton.cdiv(triton.cdiv(hidden, chunks), shrink_k) * shrink_k
-    chunks = triton.cdiv(hidden, k_per_chunk)  # none without work (it would still have to arrive)
-    return DecodePlan(block_n, block_k, shrink_k, tiles, chunks, k_per_chunk)
+    Shrink programs: 4 per slot (up to 32), more where a batch of every slot's adapter would read a larger
+    share of the bytes (A against W). A shrink program computes every adapter of the batch over its slice of
+    the hidden dimension, so a batch of 4 adapters does 4 times the work of one: with one slot, 4 shrink
+    programs kept o_proj and down_proj at TP=4 fast; with 4 slots and 4 adapters in the batch, 4 programs
+    left the GEMV waiting (down_proj at TP=1 1.8x slower than the three-kernel path), 16 about broke even
+    (bench/results/kernels-h200-s11/iterations; a byte-share rule alone, 4-5 programs there, lost the same
+    way again in bench/results/kernels-h200-s12).
+
+    The GEMV takes the other SMs: whole column blocks, the narrowest of 32-128 columns that fit (spreading
+    W over the most SMs; their sums stay in registers), else stream-K runs of 256-deep steps over blocks of
+    64 columns (32 where too few blocks of 64 go round). On an H200 (bench/results/kernels-h200-s12,
+    `--configs`): 16-column blocks stream W slowly, so qkv_proj at TP=4 (1536 outputs) ran 8.25 µs as
+    stream-K 32-column blocks, 9.32 as 96 whole 16-column blocks; but wherever whole blocks of 32-128
+    columns fit, even on 55-78% of the SMs, they matched or beat stream-K (qkv_proj at TP=1: 22.7 µs on 96
+    whole 64-column blocks, 23.1-24.3 as stream-K; o_proj at TP=4: 6.6 on 64 whole blocks, 7.5 as stream-K
+    on 128 programs): stream-K's partial sums make an extra round trip through L2 after the barrier.
+    gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against the three kernels'
+    73.9."""
+    slots = max(1, slots)
+    w_elems, a_elems = out_features * hidden, min(slots, 4) * total_width * hidden
+    by_bytes = math.ceil(sms * a_elems / (a_elems + w_elems))
+    shrink = min(_MAX_SHRINK_PROGRAMS, max(_SHRINK_PROGRAMS_PER_SLOT * slots, by_bytes))
+    shrink = min(shrink, triton.cdiv(hidden, _shrink_step(total_width)))  # none without a share of the hidden
+    room = sms - shrink
+    if room < 1:
+        return None
+    for block_n in (16, 32, 64, 128):
+        if triton.cdiv(out_features, block_n) <= room:
+            if block_n > 16:  # the shrink takes the SMs the blocks leave (up to 32)
+                spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - triton.cdiv(out_features, block_n)))
+                return make_plan(out_features, hidden, total_width, spare, block_n=block_n,
+                                 block_k=max(64, min(512, 8192 // block_n)), stream_k=False)  # fmt: skip
+            break
+    block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
+    return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
+                     gemv_programs=room)  # fmt: skip
 
 
-def new_decode_state(total_width: int, device) -> torch.Tensor:
-    """A layer's barrier word and S buffers (int32; the S buffers are float32 bits, all zero)."""
-    return torch.zeros(_STATE_HEADER + 2 * _TILE_M * total_width, dtype=torch.int32, device=device)
+def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device) -> DecodePlan | None:
+    """decode_plan on this device's SM count; None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return decode_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0))
+
+
+def state_words(total_width: int, plan: DecodePlan | None) -> int:
+    return _STATE_HEADER + 2 * _TILE_M * total_width + _TILE_M * (plan.partial_columns if plan else 0)
+
+
+def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -> torch.Tensor:
+    """A layer's barrier word, S buffers and (for a stream-K `plan`) partial sums: int32, all zero (the
+    float32 buffers as their bits)."""
+    return torch.zeros(state_words(total_width, plan), dtype=torch.int32, device=device)
 
 
 def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device) -> bool:
     """Whether the layer op may run this kernel for a batch of `tokens` on `device`."""
     if tokens > DECODE_MAX_TOKENS or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return decode_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0)) is not None
+    return plan_for(out_features, hidden, total_width, slots, device) is not None
 
 
 @triton.jit
-def _arrive(state_ptr, programs):
-    """Count this program in; the last one resets the count and moves the epoch, in one word so that reading
-    the epoch and arriving is a single atomic. Returns the epoch this launch runs in (16 bits)."""
-    old = tl.atomic_add(state_ptr, 1)  # acq_rel: this program's S atomics happen before; the last sees all
+def _settle(state_ptr, old, programs):
+    """After this program's arrival (the word's value before it, `old`): the last one resets the count and
+    moves the epoch. Returns the epoch this launch runs in (16 bits)."""
     if (old & 0xFFFF) == programs - 1:
         tl.atomic_add(state_ptr, 65536 - programs)
     return (old >> 16) & 0xFFFF
 
 
+@triton.jit
+def _arrive(state_ptr, programs):
+    """Arrive after this program's atomics: one thread issues the arrival (a scalar atomic), so the CTA
+    barrier first orders every warp's atomics before it; its acq_rel then publishes them to the waiters."""
+    tl.debug_barrier()
+    return _settle(state_ptr, tl.atomic_add(state_ptr, 1), programs)
+
+
+@triton.jit
+def _wait(state_ptr, epoch, programs):
+    """Spin until every program has arrived: the count reaches the grid size (the waiters need not wait for
+    the last arrival's second atomic) or, once it has been reset, the epoch has moved."""
+    word = tl.atomic_add(state_ptr, 0, sem="acquire")
+    while (((word >> 16) & 0xFFFF) == epoch) & ((word & 0xFFFF) != programs):
+        word = tl.atomic_add(state_ptr, 0, sem="acquire")
+    tl.debug_barrier()  # the acquire was one thread's: every warp reads S and the partial sums after it
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, stride_x, stride_w, safe_rows, row_ok, safe_cols, k_lo, k_hi, hidden,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """X[rows, k_lo:k_hi]·W[cols, k_lo:k_hi]ᵀ in float32."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + safe_rows[:, None] * stride_x + ks[None, :]
+        w_ptrs = w_ptr + safe_cols[None, :] * stride_w + ks[:, None]
+        if EVEN_K:  # rows past the batch are masked, not read (one token reads one row of X)
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & (ks < hidden)[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(ks < hidden)[:, None], other=0.0)
+        acc += tl.dot(x, w)
+    return acc
+
+
+@triton.jit
+def _finish(acc, n0, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots, n_slots,
+            n_cols, stride_out, stride_bl, stride_bn, stride_wt,
+            NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Column block n0's X·Wᵀ sum + bias + S·B[slot]ᵀ of each token's slot, written once."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    safe_cols = tl.where(col_ok, cols, 0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe_cols).to(tl.float32)[None, :]
+    ws = tl.arange(0, BLOCK_W)
+    for slot in range(0, n_slots):
+        mine = row_slots == slot
+        if tl.sum(mine.to(tl.int32), 0) > 0:
+            for j in tl.static_range(NUM_SLICES):
+                lo = tl.load(bounds_ptr + j)
+                hi = tl.load(bounds_ptr + j + 1)
+                w_j = tl.load(widths_ptr + j * stride_wt + slot)
+                if (n0 < hi) & (n0 + BLOCK_N > lo) & (w_j > 0):
+                    s = tl.load(s_now + rows[:, None] * TOTAL_W + j * WIDTH + ws[None, :],
+                                mask=mine[:, None] & (ws < w_j)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+                    in_slice = col_ok & (cols >= lo) & (cols < hi)
+                    b = tl.load(b_ptr + slot * stride_bl + safe_cols[None, :] * stride_bn + ws[:, None],
+                                mask=in_slice[None, :] & (ws < w_j)[:, None], other=0.0)  # fmt: skip
+                    acc += tl.dot(s.to(b.dtype), b)
+    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _decode_lora_linear_kernel(
     x_ptr, w_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, widths_ptr, bounds_ptr, bias_ptr, state_ptr,
-    n_rows, n_slots, hidden, n_cols, tiles, k_per_chunk, stride_x, stride_w, stride_out, stride_al,
-    stride_ar, stride_bl, stride_bn, stride_wt,
-    PHASE: tl.constexpr, NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    n_rows, n_slots, hidden, n_cols, tiles, gemv_programs, steps_per_program, stride_x, stride_w,
+    stride_out, stride_al, stride_ar, stride_bl, stride_bn, stride_wt,
+    PHASE: tl.constexpr, STREAM_K: tl.constexpr, NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHRINK_K: tl.constexpr,
 ):  # fmt: skip
-    """Programs below `tiles` stream a column block of W and then add S·B[slot]ᵀ; the rest compute S. PHASE 0:
-    one launch with the in-kernel barrier. PHASE 1: the shrink and every arrival only; PHASE 2: the rest,
-    after a PHASE 1 launch (the launch boundary stands in for the barrier)."""
+    """Programs below `gemv_programs` run the GEMV and then finish column blocks; the rest compute S. PHASE 0:
+    one launch with the in-kernel barrier. PHASE 1: the shrink, stream-K partial sums and every arrival;
+    PHASE 2: the rest, after a PHASE 1 launch (the launch boundary stands in for the barrier)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     s_buffers = (state_ptr + 1).to(tl.pointer_type(tl.float32))
@@ -142,18 +270,19 @@ def _decode_lora_linear_kernel(
     safe_rows = tl.where(row_ok, rows, 0)
     row_slots = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
 
-    if pid >= tiles:  # ---- shrink: S[m, :] += X[m, k-slice]·A[slot_m, :, k-slice]ᵀ, one adapter at a time
+    if pid >= gemv_programs:  # ---- shrink: S[m, :] += X[m, k-slice]·A[slot_m, :, k-slice]ᵀ, one adapter at a time
         if PHASE == 2:
             return
         epoch = (tl.atomic_add(state_ptr, 0) >> 16) & 0xFFFF  # cannot move before this program arrives
         s_now = s_buffers + (epoch & 1) * BLOCK_M * TOTAL_W
         rs = tl.arange(0, BLOCK_R)
-        if pid == tiles:  # the next launch adds into the other buffer; the previous one read it and has ended
+        if pid == gemv_programs:  # the next launch adds into the other buffer; the previous one read it and ended
             s_next = s_buffers + ((epoch + 1) & 1) * BLOCK_M * TOTAL_W
             tl.store(s_next + rows[:, None] * TOTAL_W + rs[None, :], tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
                      mask=(rs < TOTAL_W)[None, :])  # fmt: skip
-        k_lo = (pid - tiles) * k_per_chunk
-        k_hi = tl.minimum(k_lo + k_per_chunk, hidden)
+        chunk, chunks, shrink_steps = pid - gemv_programs, programs - gemv_programs, tl.cdiv(hidden, SHRINK_K)
+        k_lo = (chunk * shrink_steps // chunks) * SHRINK_K  # every chunk >= 1 step: chunks <= shrink_steps
+        k_hi = tl.minimum(((chunk + 1) * shrink_steps // chunks) * SHRINK_K, hidden)
         for slot in range(0, n_slots):
             mine = row_slots == slot
             if tl.sum(mine.to(tl.int32), 0) > 0:
@@ -174,53 +303,60 @@ def _decode_lora_linear_kernel(
         _arrive(state_ptr, programs)
         return
 
-    # ---- a column block: X·Wᵀ, then (once every shrink program has arrived) + S·B[slot]ᵀ (+ bias)
     if PHASE == 2:
         epoch = ((tl.atomic_add(state_ptr, 0) >> 16) - 1) & 0xFFFF  # the PHASE 1 launch has moved it
-    else:
-        epoch = _arrive(state_ptr, programs)
+    if STREAM_K:  # ---- an even run of (column block, hidden step) pairs, partial sums added into `partials`
+        partials = s_buffers + 2 * BLOCK_M * TOTAL_W
+        partial_stride = tiles * BLOCK_N
+        if PHASE != 2:
+            k_steps = tl.cdiv(hidden, BLOCK_K)
+            step = pid * steps_per_program
+            end = tl.minimum(step + steps_per_program, tiles * k_steps)
+            while step < end:
+                tile = step // k_steps
+                first = step - tile * k_steps
+                last = tl.minimum(k_steps, first + end - step)
+                cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_ok = cols < n_cols
+                acc = _gemv(x_ptr, w_ptr, stride_x, stride_w, safe_rows, row_ok, tl.where(col_ok, cols, 0),
+                            first * BLOCK_K, last * BLOCK_K, hidden, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+                tl.atomic_add(partials + rows[:, None] * partial_stride + cols[None, :], acc,
+                              mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")  # fmt: skip
+                step += last - first
+            epoch = _arrive(state_ptr, programs)
+            if PHASE == 1:
+                return
+        if PHASE == 0:
+            _wait(state_ptr, epoch, programs)
+        s_now = s_buffers + (epoch & 1) * BLOCK_M * TOTAL_W
+        for tile in range(pid, tiles, gemv_programs):  # the column blocks this program owns
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            sum_ptrs = partials + rows[:, None] * partial_stride + cols[None, :]
+            sum_mask = row_ok[:, None] & (cols < n_cols)[None, :]
+            acc = tl.load(sum_ptrs, mask=sum_mask, other=0.0, cache_modifier=".cg")
+            _finish(acc, tile * BLOCK_N, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok,
+                    row_slots, n_slots, n_cols, stride_out, stride_bl, stride_bn, stride_wt, NUM_SLICES, TOTAL_W,
+                    WIDTH, BLOCK_W, HAS_BIAS, BLOCK_N)  # fmt: skip
+            # Zeroed for the next launch only after the output is written: Triton may re-issue the load above
+            # where its value is used (rather than convert its register layout), and a re-issued load after
+            # this store read zeros (rows of every other column wrong with a bias, Triton 3.6 on an H200)
+            tl.store(sum_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=sum_mask)
+    else:  # ---- one whole column block, its sum in registers
         if PHASE == 1:
+            _arrive(state_ptr, programs)
             return
-    s_now = s_buffers + (epoch & 1) * BLOCK_M * TOTAL_W
-    n0 = pid * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    safe_cols = tl.where(col_ok, cols, 0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + safe_rows[:, None] * stride_x + ks[None, :]
-        w_ptrs = w_ptr + safe_cols[None, :] * stride_w + ks[:, None]
-        if EVEN_K:  # rows past the batch are masked, not read (one token reads one row of X)
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & (ks < hidden)[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=(ks < hidden)[:, None], other=0.0)
-        acc += tl.dot(x, w)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + safe_cols).to(tl.float32)[None, :]
-
-    if PHASE == 0:
-        while ((tl.atomic_add(state_ptr, 0, sem="acquire") >> 16) & 0xFFFF) == epoch:
-            pass
-    ws = tl.arange(0, BLOCK_W)
-    for slot in range(0, n_slots):
-        mine = row_slots == slot
-        if tl.sum(mine.to(tl.int32), 0) > 0:
-            for j in tl.static_range(NUM_SLICES):
-                lo = tl.load(bounds_ptr + j)
-                hi = tl.load(bounds_ptr + j + 1)
-                w_j = tl.load(widths_ptr + j * stride_wt + slot)
-                if (n0 < hi) & (n0 + BLOCK_N > lo) & (w_j > 0):
-                    s = tl.load(s_now + rows[:, None] * TOTAL_W + j * WIDTH + ws[None, :],
-                                mask=mine[:, None] & (ws < w_j)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-                    in_slice = col_ok & (cols >= lo) & (cols < hi)
-                    b = tl.load(b_ptr + slot * stride_bl + safe_cols[None, :] * stride_bn + ws[:, None],
-                                mask=in_slice[None, :] & (ws < w_j)[:, None], other=0.0)  # fmt: skip
-                    acc += tl.dot(s.to(b.dtype), b)
-    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if PHASE == 0:
+            old = tl.atomic_add(state_ptr, 1)  # arrive now; the count is looked at after the loads below
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _gemv(x_ptr, w_ptr, stride_x, stride_w, safe_rows, row_ok, tl.where(cols < n_cols, cols, 0), 0, hidden,
+                    hidden, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+        if PHASE == 0:
+            epoch = _settle(state_ptr, old, programs)
+            _wait(state_ptr, epoch, programs)
+        s_now = s_buffers + (epoch & 1) * BLOCK_M * TOTAL_W
+        _finish(acc, pid * BLOCK_N, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots,
+                n_slots, n_cols, stride_out, stride_bl, stride_bn, stride_wt, NUM_SLICES, TOTAL_W, WIDTH, BLOCK_W,
+                HAS_BIAS, BLOCK_N)  # fmt: skip
 
 
 def decode_lora_linear(
@@ -229,8 +365,9 @@ def decode_lora_linear(
 ):  # fmt: skip
     """out (tokens <= 16, out_features) = X·Wᵀ (+ bias) + each token's LoRA delta, every slice of a packed
     layer (lora_a (slots, slices·width, in), lora_b (slots, out_features, width), slot_widths (slices,
-    slots), token_slots (>= tokens,) slot or -1), rounded once. `state`: the layer's `new_decode_state`.
-    phases=2 runs the shrink as a launch of its own (no in-kernel barrier: what the interpreter can run)."""
+    slots), token_slots (>= tokens,) slot or -1), rounded once. `state`: the layer's `new_decode_state` for
+    this plan (by default `decode_plan` for the layer and GPU). phases=2 runs the shrink as a launch of its
+    own (no in-kernel barrier: what the interpreter can run)."""
     tokens, hidden = x.shape
     if tokens > _TILE_M:
         raise ValueError(f"decode_lora_linear takes at most {_TILE_M} tokens, got {tokens}")
@@ -238,25 +375,27 @@ def decode_lora_linear(
         if t.stride(-1) != 1:
             raise ValueError(f"decode_lora_linear needs unit stride in the last dimension, got {tuple(t.shape)}")
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
-    if state.numel() != _STATE_HEADER + 2 * _TILE_M * total_width:
-        raise ValueError("decode state was made for another LoRA width: new_decode_state(total width)")
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 1 << 20
     plan = plan or decode_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms)
     if plan is None:
         raise ValueError(f"a layer of {weight.shape[0]} outputs needs more programs than the GPU's {sms} SMs")
+    if plan.programs > sms:
+        raise ValueError(f"{plan} launches more programs than the GPU's {sms} SMs: the barrier could wait forever")
+    if state.numel() < state_words(total_width, plan):
+        raise ValueError("decode state was made for another LoRA width or plan: new_decode_state(width, device, plan)")
     width = lora_b.shape[2]
     common = (
         x, weight, out, lora_a, lora_b, token_slots, slot_widths, slice_bounds,
         bias if bias is not None else slice_bounds, state, tokens, lora_a.shape[0], hidden, weight.shape[0],
-        plan.tiles, plan.k_per_chunk,
+        plan.tiles, plan.gemv_programs, plan.steps_per_program,
         x.stride(0), weight.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0),
     )  # fmt: skip
     constants = dict(
-        NUM_SLICES=slices, TOTAL_W=total_width, WIDTH=width, BLOCK_W=max(16, triton.next_power_of_2(width)),
-        BLOCK_R=max(16, triton.next_power_of_2(total_width)), HAS_BIAS=bias is not None,
-        EVEN_K=hidden % plan.block_k == 0, BLOCK_M=_TILE_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-        SHRINK_K=plan.shrink_k, num_warps=4, num_stages=plan.num_stages,
+        STREAM_K=plan.stream_k, NUM_SLICES=slices, TOTAL_W=total_width, WIDTH=width,
+        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=max(16, triton.next_power_of_2(total_width)),
+        HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0, BLOCK_M=_TILE_M, BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     grid = (plan.programs,)
     if phases == 2:

@@ -185,7 +185,8 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
         rows, *decode_weight.shape, lora_a.shape[1], lora_a.shape[0], x.device
     ):
         slots = torch.full((rows,), -1, dtype=torch.long, device=x.device)
-        state = decode_lora.new_decode_state(lora_a.shape[1], x.device)
+        plan = decode_lora.plan_for(*decode_weight.shape, lora_a.shape[1], lora_a.shape[0], x.device)
+        state = decode_lora.new_decode_state(lora_a.shape[1], x.device, plan)
         decode_lora.decode_lora_linear(scratch_y, scratch_x, decode_weight, lora_a, lora_b, slot_widths, slice_bounds,
                                        slots, state, bias)  # fmt: skip
         launches += 1
