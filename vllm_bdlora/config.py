@@ -36,7 +36,7 @@ class BdLoraSettings:
     # expand as one kernel (kernels/decode_lora.py), whose grid-wide barrier needs each of its programs on an
     # SM at once. false: those batches take the three-kernel path too (e.g. on a GPU shared with other
     # processes through MPS, where fewer SMs may be free than the GPU has). Per decoder layer at TP=4 the one
-    # kernel takes 1.11x the base GEMMs' time, the three 1.62x (bench/results/kernels-h200-s11).
+    # kernel takes 1.09x the base GEMMs' time, the three 1.63x (bench/results/kernels-h200-s12).
     one_launch_decode: bool = True
 
     @classmethod

@@ -11,15 +11,16 @@ with two kinds of programs running side by side:
 * GEMV programs (the other SMs) stream W and accumulate X·Wᵀ, the part that bounds the layer, while the
   shrink runs; then they wait at a grid-wide barrier for every shrink program, add S·B[slot]ᵀ (+ bias) and
   write the output once. Either each owns one block of output columns over the whole hidden dimension
-  (its sum stays in registers), or, where the column blocks do not divide evenly over the SMs ("stream-K"),
-  each takes an equal run of (column block, hidden step) pairs, adds its partial sums into a float32
-  buffer with atomics before arriving, and after the barrier the owner of each column block reads its sum
-  back (zeroing it for the next launch) and finishes it. Whole blocks left a quarter of the SMs idle
-  wherever a layer's width came in 96 blocks (qkv_proj at every TP), and wide layers (gate_up_proj at TP=1)
-  did not fit the grid at all.
+  (its sum stays in registers), or ("stream-K") each takes an equal run of (column block, hidden step)
+  pairs, adds its partial sums into a float32 buffer with atomics before arriving, and after the barrier
+  the owner of each column block reads its sum back, finishes it and zeroes it for the next launch.
+  Stream-K serves the layers whole blocks serve badly: those that would need 16-column blocks to fill the
+  SMs (qkv_proj at TP=4), and those too wide for any grid of whole blocks (gate_up_proj at TP=1, which
+  used to fall back to three kernels); `decode_plan` has the rule and the measurements behind it.
 
 The barrier needs every program resident at once, so the grid never has more programs than the GPU has SMs
-(`decode_plan` returns None otherwise, and the layer op keeps its three-kernel path). Its state lives in one
+(`decode_plan` plans none larger, and returns None on a GPU too small to leave the GEMV an SM; the layer op
+then keeps its three-kernel path). Its state lives in one
 int32 tensor per layer (`new_decode_state`): one word holding the epoch (high 16 bits) and the arrivals
 (low 16 bits), two S buffers, and the stream-K partial sums. Every program arrives once (whole-block GEMV
 programs at their start, reading the count only after their loads; stream-K and shrink programs after their
@@ -31,10 +32,10 @@ graphs replay it as is. Launches of one layer never overlap (one stream), which 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
 `lora_linear_slices_reference` in reference.py holds the contract. Measured on an H200 (Llama-3.1-8B shapes, BD
-r'=128, bench/results/kernels-h200-s11, before stream-K): an adapted decoder layer's four projections took
-1.11-1.13× the base GEMMs' time at TP=4 and 1-4 tokens (three kernels: 1.61-1.62×), 1.13-1.15× at TP=2.
-Batches mixing 4 adapters over 4 tokens or more only broke even at TP=2 and 4, and at TP=1 (widths of 128
-per slice) lost 13% against the three kernels: the shrink programs run the adapters one after another.
+r'=128, bench/results/kernels-h200-s12): an adapted decoder layer's four projections take 1.09-1.12× the base
+GEMMs' time at TP=4 and 1-4 tokens (three kernels: 1.63×), 1.12-1.14× at TP=2, 1.20-1.23× at TP=1. Batches
+mixing 4 adapters over 4 tokens or more gain little or lose (qkv_proj at TP=4: 1.1× the three kernels' time):
+the shrink programs run the batch's adapters one after another.
 """
 
 from __future__ import annotations
