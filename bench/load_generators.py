@@ -56,6 +56,7 @@ def normalise(generator: str, raw: dict) -> dict:
             "median_tpot_ms": raw["median_tpot_ms"], "median_ttft_ms": raw["median_ttft_ms"],
             "median_e2el_ms": raw["median_e2el_ms"], "output_throughput": raw["output_throughput"],
             "p99_tpot_ms": raw.get("p99_tpot_ms"), "p99_ttft_ms": raw.get("p99_ttft_ms"),
+            "median_itl_ms": raw.get("median_itl_ms"),
             "completed": raw.get("completed"), "num_prompts": raw.get("num_prompts"),
         }  # fmt: skip
     if generator == "llmperf":
@@ -67,6 +68,9 @@ def normalise(generator: str, raw: dict) -> dict:
             "output_throughput": raw["results_mean_output_throughput_token_per_s"],
             "p99_tpot_ms": raw["results_inter_token_latency_s_quantiles_p99"] * seconds,
             "p99_ttft_ms": raw["results_ttft_s_quantiles_p99"] * seconds,
+            # LLMPerf's "inter-token latency" is each request's decode time per token (what TPOT is above); it
+            # keeps no per-gap latencies, so there is no median ITL to report
+            "median_itl_ms": None,
             "completed": raw.get("results_num_completed_requests"),
             "num_prompts": raw.get("results_num_completed_requests"),
         }

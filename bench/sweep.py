@@ -45,7 +45,26 @@ COLUMNS = (
     "mode", "tp", "rank", "trainable_params", "input_len", "output_len", "concurrency", "num_adapters",
     "median_tpot_ms", "median_ttft_ms", "median_e2el_ms", "output_throughput",
     "p99_tpot_ms", "p99_ttft_ms", "completed", "num_prompts", "model_shape", "load_generator", "raw_file",
+    "median_itl_ms",
 )  # fmt: skip
+
+
+def points_so_far(csv_path: str) -> set[str]:
+    """The raw-file names of the points a points.csv already holds. A file written with other columns (an
+    older sweep's, resumed by this one) is rewritten with today's first, its rows kept, so that the rows
+    appended next line up with its header."""
+    if not os.path.exists(csv_path):
+        return set()
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        header = tuple(reader.fieldnames or ())
+    if header != COLUMNS:
+        with open(csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="", extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    return {os.path.basename(row["raw_file"]) for row in rows}
 
 
 @dataclass(frozen=True)
@@ -299,10 +318,7 @@ def main(argv=None) -> int:
     record_environment(args.out, sys.argv[1:] if argv is None else argv)
     model = make_dummy_model(args.model_shape, os.path.join(args.workdir, args.model_shape))
     csv_path = os.path.join(args.out, "points.csv")
-    finished = set()  # points already in points.csv: a rerun resumes after them
-    if os.path.exists(csv_path):
-        with open(csv_path) as f:
-            finished = {os.path.basename(row["raw_file"]) for row in csv.DictReader(f)}
+    finished = points_so_far(csv_path)  # a rerun resumes after them
     failures, done, measured, started = [], 0, 0, time.monotonic()
     with open(csv_path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -173,6 +173,7 @@ def test_small_sweep_end_to_end_on_cpu(tmp_path):
     assert [(r["mode"], r["rank"]) for r in rows] == [("base", "0"), ("bdlora", "16")]
     assert set(COLUMNS) == set(rows[0])
     assert all(float(r["median_tpot_ms"]) > 0 and float(r["output_throughput"]) > 0 for r in rows)
+    assert all(float(r["median_itl_ms"]) > 0 for r in rows)
     summary = (out / "summary.md").read_text()
     assert "| bdlora | 16 |" in summary and "python -m bench.sweep --model-shape tiny --tp 1" in summary
     raw = json.loads((out / "raw" / "bdlora-tp1-r16-a1_io16-8_bs1.json").read_text())
@@ -227,6 +228,7 @@ def test_llmperf_results_are_normalised_to_the_sweep_schema(tmp_path, monkeypatc
     assert rc == 0 and result["model"] == "a0", (tmp_path / "point.log").read_text()
     row = normalise("llmperf", result)
     assert row["median_tpot_ms"] == pytest.approx(4.2) and row["median_ttft_ms"] == pytest.approx(31.0)
+    assert row["median_itl_ms"] is None  # LLMPerf keeps no per-gap latencies
     assert row["median_e2el_ms"] == pytest.approx(570.0) and row["output_throughput"] == 210.5
 
 
@@ -234,7 +236,7 @@ def test_summary_names_the_load_generator_that_ran(tmp_path):
     rows = [{**synthetic_row("bdlora", 128, 10.0, 100), "load_generator": "llmperf", "p99_ttft_ms": None}]
     text = report.write_summary(str(tmp_path), rows, report.index(rows))
     assert "load generator `llmperf token_benchmark_ray`" in text and "vllm bench serve" not in text
-    assert "| bdlora | 128 | 128 | 10.00 | 50.0 | - |" in text  # no p99 reported: a dash, not a crash
+    assert "| bdlora | 128 | 128 | 10.00 | - | 50.0 | - |" in text  # no ITL or p99 reported: dashes, not a crash
 
 
 def test_first_wave_time_is_read_from_per_request_timings(tmp_path):
@@ -246,9 +248,43 @@ def test_first_wave_time_is_read_from_per_request_timings(tmp_path):
     row = {**synthetic_row("bdfused", 128, 10.0, 100, concurrency=2), "raw_file": "raw/p.json"}
     assert report.first_wave_ms(str(tmp_path), row) == pytest.approx(510.0)
     text = report.write_summary(str(tmp_path), [row], report.index([row]))
-    assert "| bdfused | 128 | 128 | 10.00 | 50.0 | - | 510 |" in text
+    assert "| bdfused | 128 | 128 | 10.00 | - | 50.0 | - | 510 |" in text
     older = {**row, "raw_file": "raw/missing.json"}  # raw files from before --save-detailed: no column value
     assert report.first_wave_ms(str(tmp_path), older) is None
+
+
+def test_resuming_a_points_file_with_older_columns_rewrites_its_header_first(tmp_path):
+    """A sweep resumed into a folder an older sweep wrote (no median_itl_ms column) must not append rows
+    whose fields run past that header: the file is rewritten with today's columns, its rows kept."""
+    from bench.sweep import COLUMNS, points_so_far
+
+    old_columns = [c for c in COLUMNS if c != "median_itl_ms"]
+    path = tmp_path / "points.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old_columns)
+        writer.writeheader()
+        writer.writerow({**{c: "1" for c in old_columns}, "mode": "base", "raw_file": "raw/base-a.json"})
+    assert points_so_far(str(path)) == {"base-a.json"}
+    with open(path, "a", newline="") as f:
+        csv.DictWriter(f, fieldnames=COLUMNS).writerow({**{c: "2" for c in COLUMNS}, "mode": "bdfused"})
+    rows = report.read_points(str(tmp_path))
+    assert [r["mode"] for r in rows] == ["base", "bdfused"] and None not in rows[0]
+    assert rows[0]["median_itl_ms"] is None and rows[1]["median_itl_ms"] == 2.0
+    assert points_so_far(str(tmp_path / "absent.csv")) == set()
+
+
+def test_median_itl_comes_from_the_points_or_else_the_raw_file(tmp_path):
+    """Points written before the column existed still show the median inter-token latency, read from vLLM's
+    own result file; a point that has the column uses it; neither: a dash, not a zero."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "p.json").write_text(json.dumps({"median_itl_ms": 6.56}))
+    older = {**synthetic_row("bdfused", 128, 15.4, 100, concurrency=64), "raw_file": "raw/p.json"}
+    assert report.median_itl_ms(str(tmp_path), older) == pytest.approx(6.56)
+    newer = {**older, "median_itl_ms": 6.4}
+    assert report.median_itl_ms(str(tmp_path), newer) == pytest.approx(6.4)
+    text = report.write_summary(str(tmp_path), [older], report.index([older]))
+    assert "| bdfused | 128 | 128 | 15.40 | 6.56 | 50.0 |" in text
+    assert report.median_itl_ms(str(tmp_path), synthetic_row("base", 0, 10.0, 100)) is None
 
 
 def test_overview_compares_bd_only_with_baselines_of_the_same_run(tmp_path):
