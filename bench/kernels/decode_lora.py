@@ -19,7 +19,7 @@ import sys
 import torch
 
 from bench.kernels.fused_lora import layer_op_path, make_layer, reference
-from bench.kernels.harness import kernel_bench_cli, time_cuda, write_results
+from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
 
 HIDDEN, INTERMEDIATE, Q_HEADS_DIM, KV_DIM = 4096, 14336, 4096, 1024  # Llama-3.1-8B
 
@@ -134,17 +134,11 @@ def configs_point(tp, name, k, heights, tokens, adapters):
 
 
 def configs_report(json_path: str) -> str:
-    import json
-    import os
-
-    with open(json_path) as f:
-        results = json.load(f)
-    env, rows = results["environment"], results["rows"]
-    lines = [
-        "# One-launch decode kernel: its default plan against the alternatives (whole adapted layer, BD r'=128)",
-        "",
-        f"- GPU `{env['gpu']}`, torch `{env['torch']}`, triton `{env['triton']}`, {env['time']}",
-        f"- command: `{env['command']}`",
+    _, rows, lines = report_start(
+        json_path,
+        "One-launch decode kernel: its default plan against the alternatives (whole adapted layer, BD r'=128)",
+    )
+    lines += [
         "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; Llama-3.1-8B "
         "per-GPU shapes; ×base = over cuBLAS X·Wᵀ alone. Plans: GEMV kind, column block × hidden step, GEMV + "
         "shrink programs. **Bold**: the fastest; (default): what `decode_plan` picks.",
@@ -161,25 +155,14 @@ def configs_report(json_path: str) -> str:
             mark = "**" if r["us"] == best else ""
             lines.append(f"| {mark}{label}{mark} | {r['us']} | {r['over_base']} |")
         lines.append("")
-    out = os.path.join(os.path.dirname(json_path), "decode_configs.md")
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return out
+    return write_report(json_path, "decode_configs", lines)
 
 
 def report(json_path: str) -> str:
-    import json
-    import os
-
-    with open(json_path) as f:
-        results = json.load(f)
-    env, rows = results["environment"], results["rows"]
-    lines = [
-        "# One-launch decode kernel vs the three-kernel layer op (whole adapted layer, BD r'=128)",
-        "",
-        f"- GPU `{env['gpu']}`, torch `{env['torch']}`, triton `{env['triton']}`, {env['time']}; measured copy "
-        f"bandwidth {results['copy_bandwidth_gbs']} GB/s",
-        f"- command: `{env['command']}`",
+    _, rows, lines = report_start(
+        json_path, "One-launch decode kernel vs the three-kernel layer op (whole adapted layer, BD r'=128)"
+    )
+    lines += [
         "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; Llama-3.1-8B "
         "per-GPU shapes; per-GPU LoRA width 128 / TP; tokens dealt round robin over the adapters",
         "- paths: base = cuBLAS X·Wᵀ alone; three kernels = the layer op without decode state (cuBLAS GEMM, "
@@ -213,10 +196,7 @@ def report(json_path: str) -> str:
             base, three, one = (sum(r[f"{p}_us"] for r in picked) for p in ("base_gemm", "three_kernels", "one_launch"))
             lines.append(f"| {tp} | {tokens} | {base:.1f} | {three:.1f} ({three / base:.2f}) | {one:.1f} "
                          f"({one / base:.2f}) |")  # fmt: skip
-    out = os.path.join(os.path.dirname(json_path), "decode_lora.md")
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return out
+    return write_report(json_path, "decode_lora", lines)
 
 
 def main(argv=None) -> int:
@@ -241,8 +221,7 @@ def main(argv=None) -> int:
             for t in args.tokens.split(",")
             for row in configs_point(int(tp), layer_name, k, heights, int(t), int(a))
         ]
-        print(configs_report(write_results(args.out, name, rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})))
-        return 0
+        return finish(args.out, name, rows, copy_gbs, configs_report)
     rows = [
         bench_point(int(tp), name, k, heights, int(t), int(a), copy_gbs)
         for tp in args.tp.split(",")
@@ -250,8 +229,7 @@ def main(argv=None) -> int:
         for a in args.adapters.split(",")
         for t in args.tokens.split(",")
     ]
-    print(report(write_results(args.out, "decode_lora", rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})))
-    return 0
+    return finish(args.out, "decode_lora", rows, copy_gbs, report)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 import torch
 
-from bench.kernels.harness import kernel_bench_cli, time_cuda, write_results
+from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
 
 # (name, K = input features per GPU, output slice heights per GPU): Llama-3.1-8B at TP=4.
 LAYERS = (
@@ -251,18 +251,10 @@ def _or_dash(value, spec: str, unit: float = 1.0) -> str:
 def report(json_path: str) -> str:
     """fused_lora.md beside the JSON: one table per adapter count and the issue's targets, judged from the
     graph-timed whole-layer medians (prefill: 1024-8192 tokens, decode: 1-64 tokens)."""
-    import json
-    import os
-
-    with open(json_path) as f:
-        results = json.load(f)
-    env, rows = results["environment"], results["rows"]
-    lines = [
-        "# Fused LoRA kernels vs vLLM's LoRA kernels: whole adapted layer (base GEMM + LoRA)",
-        "",
-        f"- GPU `{env['gpu']}`, torch `{env['torch']}`, triton `{env['triton']}`, {env['time']}; measured copy "
-        f"bandwidth {results['copy_bandwidth_gbs']} GB/s",
-        f"- command: `{env['command']}`",
+    _, rows, lines = report_start(
+        json_path, "Fused LoRA kernels vs vLLM's LoRA kernels: whole adapted layer (base GEMM + LoRA)"
+    )
+    lines += [
         "- times: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls (ms per call); bf16; "
         "Llama-3.1-8B TP=4 per-GPU shapes, per-GPU LoRA width "
         f"{rows[0]['width']} (BD r'=128)",
@@ -309,10 +301,7 @@ def report(json_path: str) -> str:
                 continue
             verdict = "met" if all(test(x) for x in speedups) else "MISSED"
             lines.append(f"- {label}, {layer}: {min(speedups):.2f}-{max(speedups):.2f}× ({goal}): {verdict}")
-    out = os.path.join(os.path.dirname(json_path), "fused_lora.md")
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return out
+    return write_report(json_path, "fused_lora", lines)
 
 
 def main(argv=None) -> int:
@@ -331,8 +320,7 @@ def main(argv=None) -> int:
         for n in args.adapters.split(",")
         for t in args.tokens.split(",")
     ]
-    print(report(write_results(args.out, "fused_lora", rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})))
-    return 0
+    return finish(args.out, "fused_lora", rows, copy_gbs, report)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,35 @@ def write_results(out_dir: str, name: str, rows: list[dict], extra: dict) -> str
             writer.writeheader()
             writer.writerows(rows)
     return path
+
+
+def report_start(json_path: str, title: str) -> tuple[dict, list[dict], list[str]]:
+    """A kernel report's results, rows and opening lines: title, GPU and versions (with the copy bandwidth the
+    run measured), the exact command."""
+    with open(json_path) as f:
+        results = json.load(f)
+    env = results["environment"]
+    bandwidth = (
+        f"; measured copy bandwidth {results['copy_bandwidth_gbs']} GB/s" if "copy_bandwidth_gbs" in results else ""
+    )
+    lines = [
+        f"# {title}",
+        "",
+        f"- GPU `{env['gpu']}`, torch `{env['torch']}`, triton `{env['triton']}`, {env['time']}{bandwidth}",
+        f"- command: `{env['command']}`",
+    ]
+    return results, results["rows"], lines
+
+
+def write_report(json_path: str, name: str, lines: list[str]) -> str:
+    """`<name>.md` beside the results JSON; returns its path."""
+    out = os.path.join(os.path.dirname(json_path), f"{name}.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
+def finish(out_dir: str, name: str, rows: list[dict], copy_gbs: float, report) -> int:
+    """Write the results (JSON, CSV) with the copy bandwidth, then their report; print its path."""
+    print(report(write_results(out_dir, name, rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})))
+    return 0
