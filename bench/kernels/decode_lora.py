@@ -101,7 +101,10 @@ def candidate_plans(n, k, total_width, adapters, sms):
                                gemv_programs=room))  # fmt: skip
     for warps, stages in ((8, 4), (4, 3), (4, 6), (2, 4)):
         plans.append(replace(default, num_warps=warps, num_stages=stages))
-    return list(dict.fromkeys(plans))
+    for shrink_programs in (8, 16, 32):  # the default's GEMV with another share of SMs left to the shrink
+        plans.append(make_plan(n, k, total_width, shrink_programs, block_n=default.block_n, block_k=default.block_k,
+                               stream_k=default.stream_k, gemv_programs=sms - shrink_programs))  # fmt: skip
+    return [plan for plan in dict.fromkeys(plans) if plan.programs <= sms]  # the barrier needs them all resident
 
 
 def configs_point(tp, name, k, heights, tokens, adapters):
