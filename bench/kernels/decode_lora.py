@@ -2,13 +2,19 @@
 against the layer op's three-kernel path (cuBLAS GEMM, routed shrink, fused expand) and the base GEMM
 alone, at Llama-3.1-8B per-GPU shapes for TP = 1, 2, 4 with BD r'=128 (per-GPU LoRA width 128 / TP).
 
-    python -m bench.kernels.decode_lora --out bench/results/kernels-h200-s11
+    python -m bench.kernels.decode_lora --out bench/results/kernels-h200-s12
 
 Both LoRA paths are the custom op BD layers call (`fused_lora_slices_` over an unquantized base), without
 and with the layer's decode state; each is checked against the torch reference first. Times: median of 200
 CUDA-event-timed replays of a CUDA graph of 10 calls (serving replays graphs), bf16. GB/s: the bytes each
 path must read and write at least (W, X, the output, and A and B of every adapter in the batch) over its
 time, against the host's measured copy bandwidth. `over_base`: the path's time over the base GEMM's.
+
+    python -m bench.kernels.decode_lora --configs --tp 4 --tokens 1 --adapters 1 --out DIR
+
+times, instead, every candidate launch plan of each layer (whole column blocks of each width that fits,
+stream-K at several block shapes, warps, pipeline depth, the shrink's share of SMs) against the one
+`decode_plan` picks: how that rule was found, and how to re-check it on another GPU.
 """
 
 from __future__ import annotations
