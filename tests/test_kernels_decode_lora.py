@@ -59,6 +59,24 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
     assert wide.stream_k and wide.block_n == 64
 
 
+def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_kernels(monkeypatch):
+    """A layer's state is sized for the plan of the GPU it was made on; on a GPU whose plan needs more (another
+    SM count), the op must take the three-kernel path, not raise in the middle of a forward."""
+    from vllm_bdlora.kernels import decode_lora
+
+    monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    plan = decode_lora.plan_for(1536, 4096, 96, 1, cuda)
+    assert plan.stream_k  # its partial sums make the state larger than a whole-block plan's
+    made_for_it = decode_lora.new_decode_state(96, "cpu", plan)
+    made_elsewhere = decode_lora.new_decode_state(
+        96, "cpu", decode_lora.decode_plan(1536, 4096, 96, 1, 60)
+    )  # whole blocks
+    assert decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_for_it)
+    assert not decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_elsewhere)
+    assert not decode_lora.usable(17, 1536, 4096, 96, 1, cuda, made_for_it)  # more tokens than one tile
+
+
 KERNEL_CHECK = """
 import sys, torch
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch

@@ -168,11 +168,15 @@ def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -
     return torch.zeros(state_words(total_width, plan), dtype=torch.int32, device=device)
 
 
-def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device) -> bool:
-    """Whether the layer op may run this kernel for a batch of `tokens` on `device`."""
+def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
+           state: torch.Tensor | None = None) -> bool:  # fmt: skip
+    """Whether the layer op may run this kernel for a batch of `tokens` on `device` (with the layer's decode
+    `state`: only if it is large enough for this GPU's plan; a state made on a GPU with another SM count may
+    not be, and the layer then keeps the three-kernel path rather than fail)."""
     if tokens > DECODE_MAX_TOKENS or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return plan_for(out_features, hidden, total_width, slots, device) is not None
+    plan = plan_for(out_features, hidden, total_width, slots, device)
+    return plan is not None and (state is None or state.numel() >= state_words(total_width, plan))
 
 
 @triton.jit

@@ -560,7 +560,9 @@ def fused_lora_slices_(
     if (
         one_launch
         and not skip_lora
-        and decode_lora.usable(tokens, weight.shape[0], x.shape[1], lora_a.shape[1], lora_a.shape[0], x.device)
+        and decode_lora.usable(
+            tokens, weight.shape[0], x.shape[1], lora_a.shape[1], lora_a.shape[0], x.device, decode_state
+        )  # fmt: skip
     ):
         decode_lora.decode_lora_linear(output, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots,
                                        decode_state, bias)  # fmt: skip
