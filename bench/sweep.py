@@ -59,7 +59,7 @@ def points_so_far(csv_path: str) -> set[str]:
         reader = csv.DictReader(f)
         rows = list(reader)
         header = tuple(reader.fieldnames or ())
-    if header != COLUMNS:
+    if header and header != COLUMNS:
         with open(csv_path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="", extrasaction="ignore")
             writer.writeheader()
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     failures, done, measured, started = [], 0, 0, time.monotonic()
     with open(csv_path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if not finished:
+        if f.tell() == 0:  # a new (or empty) file; one with a header but no points yet keeps its header
             writer.writeheader()
         for config in configs:
             names = [point_name(config, io, bs) for io in ios for bs in concurrencies]

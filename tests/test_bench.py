@@ -271,6 +271,8 @@ def test_resuming_a_points_file_with_older_columns_rewrites_its_header_first(tmp
     assert [r["mode"] for r in rows] == ["base", "bdfused"] and None not in rows[0]
     assert rows[0]["median_itl_ms"] is None and rows[1]["median_itl_ms"] == 2.0
     assert points_so_far(str(tmp_path / "absent.csv")) == set()
+    (tmp_path / "empty.csv").write_text("")  # a sweep cut before its first point: left for main to head
+    assert points_so_far(str(tmp_path / "empty.csv")) == set() and (tmp_path / "empty.csv").read_text() == ""
 
 
 def test_median_itl_comes_from_the_points_or_else_the_raw_file(tmp_path):
