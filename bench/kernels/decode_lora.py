@@ -93,14 +93,14 @@ def candidate_plans(n, k, total_width, adapters, sms):
     fits, stream-K at several block shapes), plus warps and pipeline depth around the default."""
     from dataclasses import replace
 
-    from vllm_bdlora.kernels.decode_lora import decode_plan, make_plan
+    from vllm_bdlora.kernels.decode_lora import decode_plan, make_plan, whole_block_step
 
     default = decode_plan(n, k, total_width, adapters, sms)
     shrink, room = default.chunks, sms - default.chunks
     plans = [default]
     for block_n in (16, 32, 64, 128):
         if -(-n // block_n) <= room:
-            for block_k in (max(64, min(512, 8192 // block_n)), max(64, min(512, 4096 // block_n))):
+            for block_k in (whole_block_step(block_n), max(64, whole_block_step(block_n) // 2)):
                 plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=False))
     for block_n, block_k in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)):
         plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
@@ -221,24 +221,16 @@ def main(argv=None) -> int:
     if started is None:
         return 0
     args, copy_gbs = started
-    if args.configs:
-        rows = [
-            row
-            for tp in args.tp.split(",")
-            for layer_name, k, heights in layers(int(tp))
-            for a in args.adapters.split(",")
-            for t in args.tokens.split(",")
-            for row in configs_point(int(tp), layer_name, k, heights, int(t), int(a))
-        ]
-        return finish(args.out, name, rows, copy_gbs, configs_report)
-    rows = [
-        bench_point(int(tp), name, k, heights, int(t), int(a), copy_gbs)
-        for tp in args.tp.split(",")
-        for name, k, heights in layers(int(tp))
-        for a in args.adapters.split(",")
-        for t in args.tokens.split(",")
-    ]
-    return finish(args.out, "decode_lora", rows, copy_gbs, report)
+    rows = []
+    for tp in map(int, args.tp.split(",")):
+        for layer_name, k, heights in layers(tp):
+            for a in map(int, args.adapters.split(",")):
+                for t in map(int, args.tokens.split(",")):
+                    if args.configs:
+                        rows += configs_point(tp, layer_name, k, heights, t, a)
+                    else:
+                        rows.append(bench_point(tp, layer_name, k, heights, t, a, copy_gbs))
+    return finish(args.out, name, rows, copy_gbs, write_report)
 
 
 if __name__ == "__main__":

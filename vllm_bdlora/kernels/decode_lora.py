@@ -98,6 +98,11 @@ def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs:
     return DecodePlan(block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, chunks, num_stages, num_warps)
 
 
+def whole_block_step(block_n: int) -> int:
+    """The GEMV's hidden step for whole column blocks of `block_n`: some 16 kB of W per pipeline stage."""
+    return max(64, min(512, 8192 // block_n))
+
+
 def _shrink_step(total_width: int) -> int:
     return max(16, min(128, 8192 // triton.next_power_of_2(total_width)))  # some 16 kB of A per step
 
@@ -143,7 +148,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
             if block_n > 16:  # the shrink takes the SMs the blocks leave (up to 32)
                 spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - triton.cdiv(out_features, block_n)))
                 return make_plan(out_features, hidden, total_width, spare, block_n=block_n,
-                                 block_k=max(64, min(512, 8192 // block_n)), stream_k=False)  # fmt: skip
+                                 block_k=whole_block_step(block_n), stream_k=False)  # fmt: skip
             break
     block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
