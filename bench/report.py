@@ -185,6 +185,15 @@ def targets(table: dict) -> list[str]:
     return lines
 
 
+def raw_result(results_dir: str, row: dict) -> dict:
+    """The point's raw load-generator result file, or {} where the row names none or it is gone."""
+    path = os.path.join(results_dir, row.get("raw_file") or "")
+    if not row.get("raw_file") or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def first_wave_ms(results_dir: str, row: dict) -> float | None:
     """Milliseconds from the first request's start until each of the first `concurrency` requests to start has
     its first token, from the raw file's per-request timings (None where the file does not keep them).
@@ -192,11 +201,7 @@ def first_wave_ms(results_dir: str, row: dict) -> float | None:
     At high concurrency the server hands out first tokens in bunches (TP=2, BS=64, session 9: 32 of the first
     64 within 3 ms), so the median TTFT moves with where a bunch falls; the first wave's completion time is the
     prefill throughput the median was meant to show."""
-    path = os.path.join(results_dir, row.get("raw_file") or "")
-    if not row.get("raw_file") or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        raw = json.load(f)
+    raw = raw_result(results_dir, row)
     starts, ttfts = raw.get("start_times"), raw.get("ttfts")
     if not starts or not ttfts or len(starts) != len(ttfts):
         return None
@@ -214,11 +219,7 @@ def median_itl_ms(results_dir: str, row: dict) -> float | None:
     ITL 6.48 vs 6.56)."""
     if row.get("median_itl_ms") is not None:
         return row["median_itl_ms"]
-    path = os.path.join(results_dir, row.get("raw_file") or "")
-    if not row.get("raw_file") or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("median_itl_ms")
+    return raw_result(results_dir, row).get("median_itl_ms")
 
 
 def pop_runs(env: dict) -> list[dict]:
