@@ -344,6 +344,20 @@ def test_fused_lora_report_from_a_host_without_vllm_marks_vllm_columns_unmeasure
     assert "decode (1-64 tokens): never slower than vLLM, o_proj: not measured" in text
 
 
+def test_fused_lora_report_refuses_a_json_from_before_the_layer_op_and_says_why(tmp_path):
+    """The first H200 run (bench/results/kernels-h200) has no layer-op columns: `--report` on it names that,
+    rather than failing with a KeyError."""
+    import shutil
+
+    from bench.kernels.fused_lora import main
+
+    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200")
+    shutil.copy(os.path.join(run, "fused_lora.json"), tmp_path / "fused_lora.json")
+    with pytest.raises(SystemExit, match="predates the layer op \\(no layer_op_ms, delta_first_ms column\\)"):
+        main(["--report", str(tmp_path / "fused_lora.json")])
+    assert not (tmp_path / "fused_lora.md").exists()
+
+
 def test_report_refuses_a_folder_without_points_and_names_what_to_give(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(tmp_path)])

@@ -254,6 +254,13 @@ def report(json_path: str) -> str:
     _, rows, lines = report_start(
         json_path, "Fused LoRA kernels vs vLLM's LoRA kernels: whole adapted layer (base GEMM + LoRA)"
     )
+    missing = [column for column in ("layer_op_ms", "delta_first_ms") if rows and column not in rows[0]]
+    if missing:  # the first sessions' runs timed the kernels alone, before the layer op existed
+        raise SystemExit(
+            f"{json_path} predates the layer op (no {', '.join(missing)} column): its fused_lora.md was written "
+            "by the benchmark of its day and cannot be rebuilt; re-run `python3 -m bench.kernels.fused_lora --out "
+            "DIR` on a GPU host for a current report"
+        )
     lines += [
         "- times: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls (ms per call); bf16; "
         "Llama-3.1-8B TP=4 per-GPU shapes, per-GPU LoRA width "
