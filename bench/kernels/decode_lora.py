@@ -20,7 +20,6 @@ stream-K at several block shapes, warps, pipeline depth, the shrink's share of S
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -215,12 +214,14 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
-    configs = "--configs" in (sys.argv[1:] if argv is None else argv)  # picks the results name and report
-    name, write_report = ("decode_configs", configs_report) if configs else ("decode_lora", report)
-    started = kernel_bench_cli(p, argv, write_report, name)
+
+    def kind(args):  # --configs times (and reports) candidate plans instead
+        return (configs_report, "decode_configs") if args.configs else (report, "decode_lora")
+
+    started = kernel_bench_cli(p, argv, report, "decode_lora", kind=kind)
     if started is None:
         return 0
-    args, copy_gbs = started
+    args, copy_gbs, chosen_report, name = started
     rows = []
     for tp in map(int, args.tp.split(",")):
         for layer_name, k, heights in layers(tp):
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
                         rows += configs_point(tp, layer_name, k, heights, t, a)
                     else:
                         rows.append(bench_point(tp, layer_name, k, heights, t, a, copy_gbs))
-    return finish(args.out, name, rows, copy_gbs, write_report)
+    return finish(args.out, name, rows, copy_gbs, chosen_report)
 
 
 if __name__ == "__main__":

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     started = kernel_bench_cli(p, argv, report, "fused_lora")
     if started is None:
         return 0
-    args, copy_gbs = started
+    args, copy_gbs, _, _ = started
     rows = [
         bench_point(name, k, heights, int(t), int(n), args.width, args.tune)
         for name, k, heights in LAYERS

@@ -75,13 +75,16 @@ def command_line() -> str:
     return " ".join([os.path.basename(sys.executable), script, *args])
 
 
-def kernel_bench_cli(parser, argv, report, name: str):
+def kernel_bench_cli(parser, argv, report, name: str, kind=None):
     """The steps every kernel benchmark's CLI shares: `--report JSON` only rewrites `<name>.md` (returns None);
-    otherwise `--out` is required, a CUDA GPU too, and the host's copy bandwidth is measured first. Returns
-    (arguments, copy bandwidth in GB/s)."""
+    otherwise `--out` is required, a CUDA GPU too, and the host's copy bandwidth is measured first. `kind`: for
+    a benchmark whose flags make it time something else, a function of the parsed arguments returning that
+    run's (report, name) instead. Returns (arguments, copy bandwidth in GB/s, report, name)."""
     parser.add_argument("--out", help=f"results folder ({name}.json/.csv/.md)")
     parser.add_argument("--report", metavar="JSON", help=f"only (re)write {name}.md from a results JSON")
     args = parser.parse_args(argv)
+    if kind is not None:
+        report, name = kind(args)
     if args.report:
         print(report(args.report))
         return None
@@ -89,7 +92,7 @@ def kernel_bench_cli(parser, argv, report, name: str):
         parser.error("--out is required")
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (kernel timings are CUDA-event timings)")
-    return args, copy_bandwidth_gbs()
+    return args, copy_bandwidth_gbs(), report, name
 
 
 def write_results(out_dir: str, name: str, rows: list[dict], extra: dict) -> str:
