@@ -1,19 +1,27 @@
 """Host time per call of the LoRA layer's pieces: what prefill pays outside CUDA graphs (vLLM replays
 graphs for decode-sized batches only; larger batches launch every kernel from Python on every layer).
 
-    python -m bench.kernels.launch_overhead --out bench/results/kernels-h200
+    python -m bench.kernels.launch_overhead --out bench/results/kernels-h200 [--tokens 1 16 1024] [--profile]
 
-Each piece is called back to back many times on a 1-token batch (GPU work of a few µs, so the host is the
-bottleneck) and timed with the wall clock between two synchronisations: µs per call. Pieces: op dispatch
-alone (torch.ops with vLLM's no-LoRA flag set, so it returns at once; as registered now, and as
-torch.library.custom_op would register it), our shrink and expand launches, the whole layer op with and
-without the base GEMM, and vLLM's shrink and expand ops (when vLLM is installed) beside a bare cuBLAS GEMM.
+Each piece is timed alone: the GPU is synchronised before each call and the wall clock measures the call
+itself (its launches queue and return), median over many calls, µs. Pieces: op dispatch alone (torch.ops
+with vLLM's no-LoRA flag set, so it returns at once; as registered now, and as torch.library.custom_op would
+register it), our shrink and expand launches, the whole layer op with and without the base GEMM (three
+kernels) and, for decode-sized batches, with the one-launch kernel (as serving runs it: no-LoRA flag clear,
+base weight and decode state given) and that kernel's Python launcher alone; vLLM's shrink and expand ops
+(when vLLM is installed) beside a bare cuBLAS GEMM. `--profile` adds `launch_overhead_profile.txt`: cProfile's
+view of the layer op's calls (first layer, each token count), to show where the host time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
+import os
+import pstats
+import statistics
 import time
 
 import torch
@@ -25,14 +33,17 @@ CALLS = 2000
 
 
 def host_us(fn, calls: int = CALLS) -> float:
+    """Median µs of host time per call, each call made with the GPU idle (its launches only queue)."""
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
     for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
+        times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return statistics.median(times) * 1e6
 
 
 @functools.cache
@@ -49,6 +60,7 @@ def custom_op_twin():
 
 def pieces(layer):
     import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
+    from vllm_bdlora.kernels import decode_lora
     from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
 
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
@@ -68,6 +80,14 @@ def pieces(layer):
         "layer_op_lora_only": lambda: op(*common, run, None, None, None),
         "layer_op_with_gemm": lambda: op(*common, run, None, None, w),
     }
+    tokens, (slots, total_width) = x.shape[0], layer["lora_a"].shape[:2]
+    if decode_lora.usable(tokens, w.shape[0], x.shape[1], total_width, slots, x.device):
+        plan = decode_lora.plan_for(w.shape[0], x.shape[1], total_width, slots, x.device)
+        state = decode_lora.new_decode_state(total_width, x.device, plan)
+        found["layer_op_one_launch"] = lambda: op(*common, run, None, None, w, state)
+        found["decode_kernel_launcher"] = lambda: decode_lora.decode_lora_linear(
+            y, x, w, layer["lora_a"], layer["lora_b"], widths, bounds, layer["slots"], state
+        )  # fmt: skip
     inputs = vllm_lora_inputs(layer)
     if inputs is None:
         return found
@@ -86,18 +106,48 @@ def pieces(layer):
     return found
 
 
+def profile_text(fn, calls: int) -> str:
+    """cProfile's top entries (by own time) over `calls` calls of fn, µs per call in the header."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for launch_overhead.json")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1], help="batch sizes (default: 1)")
+    parser.add_argument("--profile", action="store_true", help="also write launch_overhead_profile.txt")
     args = parser.parse_args()
-    rows = []
-    for name, k, heights in LAYERS:
-        row = {"layer": name, "tokens": 1}
-        for piece, fn in pieces(make_layer(k, heights, 1, 1, WIDTH)).items():
-            row[f"{piece}_us"] = round(host_us(fn), 1)
-        print(row, flush=True)
-        rows.append(row)
+    rows, profiles = [], []
+    for tokens in args.tokens:
+        for index, (name, k, heights) in enumerate(LAYERS):
+            row = {"layer": name, "tokens": tokens}
+            found = pieces(make_layer(k, heights, tokens, 1, WIDTH))
+            for piece, fn in found.items():
+                row[f"{piece}_us"] = round(host_us(fn), 1)
+            print(row, flush=True)
+            rows.append(row)
+            if args.profile and index == 0:
+                for piece in ("layer_op_one_launch", "layer_op_with_gemm"):
+                    if piece in found:
+                        profiles.append(f"=== {name}, {tokens} tokens, {piece}, 1000 calls ===\n")
+                        profiles.append(profile_text(found[piece], 1000))
     print(write_results(args.out, "launch_overhead", rows, {"calls": CALLS}))
+    if profiles:
+        path = os.path.join(args.out, "launch_overhead_profile.txt")
+        with open(path, "w") as f:
+            f.write("".join(profiles))
+        print(path)
 
 
 if __name__ == "__main__":
