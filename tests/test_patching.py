@@ -4,6 +4,7 @@ test_engine_vs_peft.py / test_server.py; the `PATCH_TESTS` map says where."""
 
 import importlib.metadata
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,33 @@ def test_cpu_ops_ignore_unadapted_tokens():
     punica_cpu.bgmv_shrink(x, weights, out, torch.tensor([-1, 2]), 1.0)
     assert torch.equal(out[0], torch.zeros(4))
     torch.testing.assert_close(out[1], weights[2, 0] @ x[1])
+
+
+def test_kernels_compile_into_the_cache_directory_in_effect_before_vllm_changed_it(monkeypatch, tmp_path):
+    """vLLM points TRITON_CACHE_DIR at a directory keyed by the engine's configuration before the first
+    forward pass; the plugin's entry point remembers the one in effect before (the user's, else Triton's
+    default), and the warm-up compiles there, restoring vLLM's afterwards."""
+    from vllm_bdlora.kernels.triton_cache import CACHE_DIR_ENV, plugin_cache_dir
+    from vllm_bdlora.plugin import register
+
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users"))
+    register()
+    assert os.environ[CACHE_DIR_ENV] == str(tmp_path / "users")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm-config-hash"))  # what vLLM's compile sets
+    register()  # a later call (vLLM calls plugins more than once) keeps the first directory
+    with plugin_cache_dir():
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "users")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-config-hash")
+
+    monkeypatch.delenv(CACHE_DIR_ENV)
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    register()
+    assert os.environ[CACHE_DIR_ENV] == str(tmp_path / ".triton" / "cache")  # Triton's own default there
+    with plugin_cache_dir():
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".triton" / "cache")
+    assert "TRITON_CACHE_DIR" not in os.environ
+    triton = pytest.importorskip("triton")
+    if hasattr(triton, "knobs"):  # Triton 3.4+ says where it caches without TRITON_CACHE_DIR
+        assert os.path.normpath(triton.knobs.cache.dir) == os.path.normpath(os.environ[CACHE_DIR_ENV])

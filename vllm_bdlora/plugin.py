@@ -13,8 +13,10 @@ def register_early() -> None:
     is first resolved, which the `vllm` console script does before it builds its parser. We never claim
     a platform (return None); we only apply the patches that must precede the parser."""
     try:
+        from vllm_bdlora.kernels.triton_cache import remember_cache_dir
         from vllm_bdlora.patching.registry import apply_patches
 
+        remember_cache_dir()
         apply_patches("early")
     except Exception:  # vLLM swallows platform-plugin errors; make ours visible
         logger.exception("vllm-bdlora: early patches failed")
@@ -24,8 +26,10 @@ def register_early() -> None:
 def register() -> None:
     """`vllm.general_plugins` entry point."""
     from vllm_bdlora.compat import check_supported_version
+    from vllm_bdlora.kernels.triton_cache import remember_cache_dir
     from vllm_bdlora.patching.registry import apply_patches
 
+    remember_cache_dir()
     check_supported_version()
     apply_patches("early")
     applied = apply_patches("plugin")

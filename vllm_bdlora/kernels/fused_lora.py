@@ -40,6 +40,7 @@ its first call, so serving never compiles one for a new batch size.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ import triton.language as tl
 
 from vllm_bdlora.kernels import decode_lora
 from vllm_bdlora.kernels.op_library import define_op
+from vllm_bdlora.kernels.triton_cache import CACHE_DIR_ENV, plugin_cache_dir
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -161,13 +163,31 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     """Compile every kernel variant a layer of this shape can launch, on a few rows of scratch data, so
     that no batch size compiles one while serving (a compile stalls every request in the batch for about
     a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
-    are shared by layers of equal shape and cached on disk by Triton. `decode_weight`: the layer runs the
+    are shared by layers of equal shape and cached on disk by Triton, in one directory whatever vLLM's
+    configuration (triton_cache.py). `decode_weight`: the layer runs the
     one-launch decode kernel over this base weight (one variant, compiled here with a scratch state).
     Returns the launches made."""
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())
     started = time.perf_counter()
+    with plugin_cache_dir():
+        launches = _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias,
+                                     delta_first, decode_weight)  # fmt: skip
+    seconds = time.perf_counter() - started
+    if seconds > 1.0:  # compiled rather than found in Triton's caches: say where start-up time went
+        logger.info(
+            "vllm-bdlora: compiled the fused LoRA kernels for layers of %d slice(s), LoRA width %d, input %d "
+            "(%d variants, %.1f s); Triton caches them in %s for the next start.",
+            slot_widths.shape[0], lora_b.shape[2], x.shape[1], launches, seconds,
+            os.environ.get(CACHE_DIR_ENV, "its cache directory"),
+        )  # fmt: skip
+    return launches
+
+
+def _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias, delta_first,
+                      decode_weight) -> int:  # fmt: skip
+    """warm_up's launches on scratch data; returns how many."""
     rows = 16  # a multiple of 16 like most batches: the same integer specialisation as theirs
     slices, width = slot_widths.shape[0], lora_b.shape[2]
     scratch_x = x.new_zeros(rows, x.shape[1])
@@ -190,13 +210,6 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
         decode_lora.decode_lora_linear(scratch_y, scratch_x, decode_weight, lora_a, lora_b, slot_widths, slice_bounds,
                                        slots, state, bias)  # fmt: skip
         launches += 1
-    seconds = time.perf_counter() - started
-    if seconds > 1.0:  # compiled rather than found in Triton's caches: say where start-up time went
-        logger.info(
-            "vllm-bdlora: compiled the fused LoRA kernels for layers of %d slice(s), LoRA width %d, input %d "
-            "(%d variants, %.1f s); Triton caches them on disk for the next start.",
-            slices, width, x.shape[1], launches, seconds,
-        )  # fmt: skip
     return launches
 
 
