@@ -107,7 +107,8 @@ def pieces(layer):
 
 
 def profile_text(fn, calls: int) -> str:
-    """cProfile's top entries (by own time) over `calls` calls of fn, µs per call in the header."""
+    """cProfile's top entries (by own time) over `calls` calls of fn (its header: total seconds of them all;
+    cProfile's own cost inflates Python-level calls, so read it for shares, the timings for µs)."""
     for _ in range(50):
         fn()
     torch.cuda.synchronize()

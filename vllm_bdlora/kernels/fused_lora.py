@@ -164,9 +164,8 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     that no batch size compiles one while serving (a compile stalls every request in the batch for about
     a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
     are shared by layers of equal shape and cached on disk by Triton, in one directory whatever vLLM's
-    configuration (triton_cache.py). `decode_weight`: the layer runs the
-    one-launch decode kernel over this base weight (one variant, compiled here with a scratch state).
-    Returns the launches made."""
+    configuration (triton_cache.py). `decode_weight`: the layer runs the one-launch decode kernel over this
+    base weight (one variant, compiled here with a scratch state). Returns the launches made."""
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())

@@ -6,7 +6,9 @@ graph sizes, LoRA settings, ...). Our kernels do not depend on any of it, yet ev
 configuration compiled them again: ~35 s of a BD server's start at TP=1 (bench/hosts/README.md, thirteenth
 session). The plugin's entry points, which run in every process before vLLM compiles anything, remember the
 directory in effect before vLLM changes it (the user's TRITON_CACHE_DIR, else Triton's default) in
-VLLM_BDLORA_TRITON_CACHE_DIR, which child processes inherit; the warm-up compiles there.
+VLLM_BDLORA_TRITON_CACHE_DIR, which child processes inherit; the warm-up compiles there. No vLLM code is
+patched. Deletable once vLLM no longer keys TRITON_CACHE_DIR by configuration (`initialize_cache` of its
+Inductor adaptor in vllm/compilation/compiler_interface.py does in 0.32; 0.26's servers behaved the same).
 """
 
 from __future__ import annotations
