@@ -143,3 +143,30 @@ def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_
     engine = engine_kwargs(assets["model"], 1, bdlora=True, additional_config={"bdlora": {"lora_kernels": "fused"}})
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
     assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("fused_tp1")), peft_reference)
+
+
+def test_projections_only_deployment_matches_peft_and_names_what_it_leaves_out(
+    assets, prompts, peft_reference, tmp_path_factory
+):
+    """`--lora-target-modules` with the packed projections only (the README's tip: vLLM then skips its LoRA on
+    lm_head and the embeddings): every test adapter still matches PEFT, and an adapter that also adapts lm_head
+    loads with a warning naming what is not served (vLLM drops it without a word)."""
+    from vllm_bdlora.tiny import ALL_PROJECTIONS, make_adapter
+
+    workdir = tmp_path_factory.mktemp("projections_only")
+    with_lm_head = make_adapter(assets["model"], str(workdir / "with_lm_head"), rank=16,
+                                target_modules=[*ALL_PROJECTIONS, "lm_head"])  # fmt: skip
+    projections = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    spec = batch_spec(
+        engine_kwargs(assets["model"], 1, bdlora=True, lora_target_modules=projections),
+        {name: assets[name] for name in ADAPTERS} | {"with_lm_head": with_lm_head},
+        prompts,
+        expect_errors=["with_lm_head"],
+    )
+    result = run_engine(spec, workdir / "engine")
+    assert result["errors"] == {"with_lm_head": None}  # served, not rejected
+    assert_matches_reference(result, peft_reference)
+    log = (workdir / "engine" / "engine.log").read_text()
+    assert "adapter 'with_lm_head' is served without its LoRA on 1 module(s)" in log
+    assert "--lora-target-modules qkv_proj o_proj gate_up_proj down_proj leaves out (lm_head)" in log
+    assert "'bd64' is served without" not in log

@@ -7,6 +7,7 @@ so a bad adapter never leaves half-written state behind.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,19 +84,27 @@ class StagedModule:
     magnitude: torch.Tensor | None = None  # this rank's DoRA magnitude entries
 
 
-def localize_adapter(lora_model, fmt: AdapterFormat, manager, adapter: str, check_unknown_modules: bool = True) -> str:
+def localize_adapter(
+    lora_model, fmt: AdapterFormat, manager, adapter: str, target_modules: Sequence[str] | None = None
+) -> tuple[str, list[str]]:
     """Replace the adapter's tensors, in place, by this rank's share (and compute its DoRA magnitude
-    scales), or raise `AdapterRejected`. Returns a one-line summary for the log."""
+    scales), or raise `AdapterRejected`. `target_modules`: vLLM's deployment-time restriction
+    (--lora-target-modules), under which vLLM wraps only those modules and drops the adapter's others without
+    a word; they are returned so that the caller can say so. Returns a one-line summary for the log and the
+    adapter's modules that are not served."""
     spec = fmt.block_diagonal
     targets = bd_targets(manager)
-    known = known_lora_modules(manager) if check_unknown_modules else None
+    known = known_lora_modules(manager)
     problems: list[str] = []
+    not_served: list[str] = []
     staged: list[StagedModule] = []
     for module, weights in lora_model.loras.items():
         factor = spec.factor_of(module) if spec else None
         target = targets.get(module)
         if target is None:
-            if known is not None and module not in known:
+            if module not in known and target_modules is not None:
+                not_served.append(module)
+            elif module not in known:
                 problems.append(
                     f"{module}: no such LoRA-capable module in this model (is the adapter for another base model?)"
                 )
@@ -138,11 +147,12 @@ def localize_adapter(lora_model, fmt: AdapterFormat, manager, adapter: str, chec
         weights.lora_b = local.lora_b.pin_memory() if pinned else local.lora_b
     block_diagonal = sum(item.local.nblocks > 1 for item in staged)
     widths = sorted({item.local.width for item in staged})
-    return (
+    summary = (
         f"adapter '{adapter}' ({fmt.describe()}, r={lora_model.rank}): {len(staged)} module(s) sharded, "
         f"{block_diagonal} block-diagonal; per-GPU width {'/'.join(map(str, widths)) or '-'} "
         f"of {next(iter(targets.values())).layer.lora_width if targets else '-'}"
     )
+    return summary, sorted(not_served)
 
 
 def _stage_magnitudes(staged: list[StagedModule], magnitudes: dict, dora: bool) -> list[str]:

@@ -125,6 +125,15 @@ def patch_lora_manager() -> bool:
     return wrap_method(LoRAModelManager, "__init__", make)
 
 
+def _module_kinds(modules: list[str]) -> str:
+    """'lm_head, 2 x up_proj' rather than every layer's full name."""
+    kinds: dict[str, int] = {}
+    for module in modules:
+        suffix = module.rsplit(".", 1)[-1]
+        kinds[suffix] = kinds.get(suffix, 0) + 1
+    return ", ".join(kind if count == 1 else f"{count} x {kind}" for kind, count in sorted(kinds.items()))
+
+
 def patch_adapter_loading() -> bool:
     """Validate and cut every adapter to this rank's share before it can reach a LoRA slot; turn load
     errors into `AdapterRejected` (HTTP 400 through `patch_load_lora_adapter_status`)."""
@@ -160,15 +169,17 @@ def patch_adapter_loading() -> bool:
             except ValueError as e:
                 raise AdapterRejected(name, [str(e)]) from e
             if settings.enabled:
-                summary = localize_adapter(
-                    lora_model,
-                    fmt,
-                    manager,
-                    name,
-                    check_unknown_modules=getattr(manager.lora_config, "target_modules", None) is None,
-                )
+                deployment_targets = getattr(manager.lora_config, "target_modules", None)
+                summary, not_served = localize_adapter(lora_model, fmt, manager, name, deployment_targets)
                 if is_first_tp_rank(manager):
                     logger.info("vllm-bdlora: %s", summary)
+                    if not_served:
+                        logger.warning(
+                            "vllm-bdlora: adapter '%s' is served without its LoRA on %d module(s) that "
+                            "--lora-target-modules %s leaves out (%s): its outputs differ from the adapter's as "
+                            "trained. Add their names to --lora-target-modules to serve it whole.",
+                            name, len(not_served), " ".join(deployment_targets), _module_kinds(not_served),
+                        )  # fmt: skip
             return lora_model
 
         return _load_adapter
