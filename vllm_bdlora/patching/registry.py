@@ -114,7 +114,8 @@ PATCHES: tuple[Patch, ...] = (
         "adapter as dense (wrong output) on a server without BD.",
         how="Read use_bdlora and use_dora; refuse BD adapters when BD is off and DoRA adapters when DoRA is off; "
         "after vLLM loads the tensors, check every module and replace its tensors by this rank's share, compute "
-        "DoRA magnitude scales (vllm_bdlora.loading); raise AdapterRejected.",
+        "DoRA magnitude scales (vllm_bdlora.loading); raise AdapterRejected; warn about modules "
+        "--lora-target-modules leaves out (vLLM drops them silently).",
         removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM.",
         apply=patch_adapter_loading,
     ),
