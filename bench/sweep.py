@@ -102,6 +102,13 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--extra-server-args", default="", help="appended to every vllm serve command")
+    p.add_argument(
+        "--lora-target-modules",
+        default="",
+        help="comma-separated, given to every LoRA server (not base) as vLLM's --lora-target-modules, e.g. "
+        "qkv_proj,o_proj,gate_up_proj,down_proj: vLLM then skips its LoRA on lm_head and the embeddings, which "
+        "it otherwise runs on every step (results/tp1-8b-h200-s14-target-modules)",
+    )
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument(
         "--stop-after-minutes",
@@ -207,6 +214,8 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
                     "--max-loras", str(min(args.max_loras, len(adapters))),
                     "--max-cpu-loras", str(max(len(adapters), args.max_loras)),
                     "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]  # fmt: skip
+        if args.lora_target_modules:
+            command += ["--lora-target-modules", *args.lora_target_modules.split(",")]
         if config.mode == "slora":
             command.append("--fully-sharded-loras")
         if config.mode in BD_KERNELS:

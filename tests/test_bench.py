@@ -113,6 +113,19 @@ def test_fused_mode_serves_bd_adapters_on_the_fused_kernels_and_is_compared():
     assert alone == line
 
 
+def test_lora_target_modules_reach_every_lora_server_and_not_base():
+    from bench.sweep import ServerConfig, parse_args, serve_command
+
+    args = parse_args(["--out", "unused", "--lora-target-modules", "qkv_proj,o_proj,gate_up_proj,down_proj"])
+    for mode in ("bdfused", "nfs", "slora"):
+        command = serve_command(args, ServerConfig(mode, 4, 128, 1), "m", {"a0": "/adapter"}, 8000)
+        at = command.index("--lora-target-modules")
+        assert command[at + 1 : at + 5] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    assert "--lora-target-modules" not in serve_command(args, ServerConfig("base", 4, 0, 0), "m", {}, 8000)
+    default = serve_command(parse_args(["--out", "x"]), ServerConfig("nfs", 4, 64, 1), "m", {"a0": "/a"}, 8000)
+    assert "--lora-target-modules" not in default
+
+
 def test_a_run_without_tp4_points_reports_speedups_instead_of_unmeasured_targets(tmp_path):
     rows = [{**synthetic_row(mode, rank, tpot, tput), "tp": 8}
             for mode, rank, tpot, tput in (("bdfused", 128, 11.0, 77), ("slora", 64, 15.9, 55))]  # fmt: skip

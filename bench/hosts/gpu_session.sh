@@ -23,6 +23,8 @@ STEP=${1:?step}
 # on these VMs it faults with an illegal address (see README.md), so serving keeps it off.
 # CAPTURE_SIZE=N also captures CUDA graphs for batches of up to N tokens (vLLM's default stops at 2 x --max-num-seqs,
 # 128 here), e.g. to see how much of a 1024-token LoRA prefill is host time; its results go to a folder of their own.
+# RESULTS_TAG=NAME puts a line's results in a folder of their own too, e.g. for
+#   "RESULTS_TAG=proj llama-3.1-8b 4 64 base,bdfused,nfs --lora-target-modules qkv_proj,o_proj,gate_up_proj,down_proj"
 GRAPH_CONFIG='"pass_config":{"fuse_allreduce_rms":false}'${CAPTURE_SIZE:+,\"max_cudagraph_capture_size\":$CAPTURE_SIZE}
 GRAPH_ARGS="--compilation-config '{$GRAPH_CONFIG}'"
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -54,7 +56,7 @@ tune)  # launch configurations of the fused kernels around the defaults (compile
     2>&1 | cut -c1-300 | tail -40 ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
-  RESULTS=tp$TP-${SHAPE##*-}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}
+  RESULTS=tp$TP-${SHAPE##*-}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}
   # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
   # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
