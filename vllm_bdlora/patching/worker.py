@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, read_adapter_format
 from vllm_bdlora.config import BdLoraSettings
@@ -127,10 +128,7 @@ def patch_lora_manager() -> bool:
 
 def _module_kinds(modules: list[str]) -> str:
     """'lm_head, 2 x up_proj' rather than every layer's full name."""
-    kinds: dict[str, int] = {}
-    for module in modules:
-        suffix = module.rsplit(".", 1)[-1]
-        kinds[suffix] = kinds.get(suffix, 0) + 1
+    kinds = Counter(module.rsplit(".", 1)[-1] for module in modules)
     return ", ".join(kind if count == 1 else f"{count} x {kind}" for kind, count in sorted(kinds.items()))
 
 
