@@ -109,6 +109,13 @@ def parse_args(argv=None):
         "qkv_proj,o_proj,gate_up_proj,down_proj: vLLM then skips its LoRA on lm_head and the embeddings, which "
         "it otherwise runs on every step (results/tp1-8b-h200-s14-target-modules)",
     )
+    p.add_argument(
+        "--bdlora-settings",
+        type=json.loads,
+        default={},
+        help='a JSON object merged into every BD server\'s "bdlora" --additional-config section, e.g. '
+        '{"one_launch_max_tokens":16} (no spaces, so it survives gpu_session.sh queue lines)',
+    )
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument(
         "--stop-after-minutes",
@@ -219,7 +226,8 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
         if config.mode == "slora":
             command.append("--fully-sharded-loras")
         if config.mode in BD_KERNELS:
-            command += ["--additional-config", json.dumps({"bdlora": {"lora_kernels": BD_KERNELS[config.mode]}})]
+            section = {"lora_kernels": BD_KERNELS[config.mode], **args.bdlora_settings}
+            command += ["--additional-config", json.dumps({"bdlora": section})]
     if args.profile_concurrency:
         command += ["--profiler-config", profiler_config(args, config)]
     return command + shlex.split(args.extra_server_args)

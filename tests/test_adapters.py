@@ -71,6 +71,8 @@ def test_settings(additional_config, enabled):
         ({"enabled": "yes"}, "true or false"),
         ({"dora": 1}, "true or false"),
         ({"one_launch_decode": "off"}, "true or false"),
+        ({"one_launch_max_tokens": 24}, r"must be one of \[16, 32, 64\]"),
+        ({"one_launch_max_tokens": True}, r"must be one of \[16, 32, 64\]"),
         ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused', 'auto'\]"),
     ],
 )
@@ -86,6 +88,16 @@ def test_dora_and_kernel_settings():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).lora_kernels == "auto"  # fused on CUDA only
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_decode is True
     assert BdLoraSettings.from_additional_config({"bdlora": {"one_launch_decode": False}}).one_launch_decode is False
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_tokens == 64
+    limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
+    assert limited.one_launch_max_tokens == 16
+
+
+def test_token_limits_the_setting_allows_are_the_decode_kernels_row_tiles():
+    from vllm_bdlora.config import ONE_LAUNCH_TOKEN_LIMITS
+    from vllm_bdlora.kernels.decode_lora import ROW_TILES
+
+    assert ONE_LAUNCH_TOKEN_LIMITS == ROW_TILES
 
 
 def test_enabling_keeps_other_sections():

@@ -126,6 +126,17 @@ def test_lora_target_modules_reach_every_lora_server_and_not_base():
     assert "--lora-target-modules" not in default
 
 
+def test_bdlora_settings_reach_every_bd_server_beside_its_kernels():
+    from bench.sweep import ServerConfig, parse_args, serve_command
+
+    args = parse_args(["--out", "unused", "--bdlora-settings", '{"one_launch_max_tokens":16}'])
+    for mode, kernels in (("bdfused", "fused"), ("bdlora", "vllm")):
+        command = serve_command(args, ServerConfig(mode, 2, 128, 1), "m", {"a0": "/adapter"}, 8000)
+        section = json.loads(command[command.index("--additional-config") + 1])["bdlora"]
+        assert section == {"lora_kernels": kernels, "one_launch_max_tokens": 16}
+    assert "--additional-config" not in serve_command(args, ServerConfig("nfs", 2, 64, 1), "m", {"a0": "/a"}, 8000)
+
+
 def test_a_run_without_tp4_points_reports_speedups_instead_of_unmeasured_targets(tmp_path):
     rows = [{**synthetic_row(mode, rank, tpot, tput), "tp": 8}
             for mode, rank, tpot, tput in (("bdfused", 128, 11.0, 77), ("slora", 64, 15.9, 55))]  # fmt: skip

@@ -5,7 +5,7 @@ reference in Triton's interpreter (CPU, the shrink as its own launch) and compil
 import pytest
 import torch
 
-from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch, per_token_loop, run_check_script
+from tests.test_kernels_fused_lora import mixed_batch, per_token_loop, run_check_script
 from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 
 
@@ -59,9 +59,28 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
     assert wide.stream_k and wide.block_n == 64
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("out_features", [16, 1536, 4096, 7168, 14336, 28672])
+def test_tiles_over_16_rows_take_whole_blocks_in_one_slot_layers_only(out_features, block_m):
+    """Stream-K keeps partial sums for 16 rows only; a batch mixing adapters runs slower in the larger tiles
+    than on three kernels, so layers with several LoRA slots keep the three kernels above 16 tokens. Each
+    stage's X and W tiles must leave room for four stages in an H100's 227 kB of shared memory."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    assert decode_plan(out_features, 4096, 96, 4, 132, block_m) is None
+    plan = decode_plan(out_features, 4096, 96, 1, 132, block_m)
+    if out_features > 128 * (132 - 4):
+        assert plan is None  # gate_up_proj at TP=1: no whole blocks fit
+        return
+    assert not plan.stream_k and plan.block_m == block_m and 32 <= plan.block_n <= 128 and plan.programs <= 132
+    assert plan.gemv_programs * plan.block_n >= out_features
+    assert (block_m + plan.block_n) * plan.block_k * 2 * plan.num_stages <= 160 * 1024
+
+
 def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_kernels(monkeypatch):
     """A layer's state is sized for the plan of the GPU it was made on; on a GPU whose plan needs more (another
-    SM count), the op must take the three-kernel path, not raise in the middle of a forward."""
+    SM count), the op must take the three-kernel path, not raise in the middle of a forward. So must batches
+    over the largest row tile, or over the configured limit."""
     from vllm_bdlora.kernels import decode_lora
 
     monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
@@ -74,47 +93,69 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
     )  # whole blocks
     assert decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_for_it)
     assert not decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_elsewhere)
-    assert not decode_lora.usable(17, 1536, 4096, 96, 1, cuda, made_for_it)  # more tokens than one tile
+    assert decode_lora.usable(64, 1536, 4096, 96, 1, cuda, made_for_it)  # whole blocks of 32 columns, 64 rows
+    assert not decode_lora.usable(65, 1536, 4096, 96, 1, cuda, made_for_it)  # more tokens than the largest tile
+    decode_lora.set_max_tokens(16)  # the "one_launch_max_tokens" setting
+    try:
+        assert decode_lora.usable(16, 1536, 4096, 96, 1, cuda, made_for_it)
+        assert not decode_lora.usable(17, 1536, 4096, 96, 1, cuda, made_for_it)
+    finally:
+        decode_lora.set_max_tokens(decode_lora.DECODE_MAX_TOKENS)
 
 
 KERNEL_CHECK = """
 import sys, torch
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch
-from vllm_bdlora.kernels.decode_lora import decode_lora_linear, make_plan, new_decode_state, plan_for
+from vllm_bdlora.kernels.decode_lora import (DECODE_MAX_TOKENS, decode_lora_linear, make_plan, new_decode_state,
+                                             plan_for, row_tile, whole_block_step)
 from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 device, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[5])
 phases, hidden, kind = int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
-for tokens in (1, 5, 16):
-    b = mixed_batch(tokens=tokens, hidden=hidden, dtype=dtype, device=device, seed=tokens)
-    if tokens > 1:
-        b["slots"][1] = 99  # a stale slot number past the buffers (graph padding rows): no adapter, no fault
-    out_features, total_width = b["weight"].shape[0], b["lora_a"].shape[1]
-    # Forced plans: several programs share the shrink, the output columns and (stream-K) each block's hidden
-    # steps, the runs crossing from one column block into the next
-    block_k = 64 if hidden < 1024 else 256
-    if kind == "whole":
-        plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=False)
-    elif kind == "stream_k":
+
+
+def plan_of(b, tokens):
+    # Forced plans: several programs share the shrink, the output columns and (stream-K, 16-row tiles only)
+    # each block's hidden steps, the runs crossing from one column block into the next
+    out_features, total_width, tile = b["weight"].shape[0], b["lora_a"].shape[1], row_tile(tokens)
+    block_k = min(64 if hidden < 1024 else 256, whole_block_step(16, tile))
+    if kind == "stream_k" and tile == 16:
         plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=True,
                          gemv_programs=7)
         assert plan.steps_per_program % -(-hidden // block_k), plan
-    else:
-        plan = plan_for(out_features, hidden, total_width, len(SLOT_WIDTHS[0]), device)
-    assert plan.gemv_programs > 1 and plan.chunks > 1, plan
-    state = new_decode_state(total_width, device, plan)
-    for call in range(5):  # the S buffers alternate: every call must start from zeros
-        slots = b["slots"].clone()
-        slots[torch.arange(tokens, device=device) % 5 == call] = call % len(SLOT_WIDTHS[0])
-        want = lora_linear_slices_reference(b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
-                                            slots, b["bias"] if call % 2 else None)
-        out = torch.full_like(want, float("nan"))
-        decode_lora_linear(out, b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], slots, state,
-                           b["bias"] if call % 2 else None, plan=plan, phases=phases)
-        err = (out.double() - want.double()).abs().max().item()
-        assert err <= tol * (1 + want.double().abs().max().item()), (tokens, call, err)
-        # the partial sums are left zeroed for the next launch
-        assert not state[1 + 2 * 16 * total_width:].any(), (tokens, call)
-    assert state[0].item() == 5 << 16, state[0]  # arrivals reset, one epoch per call
+    elif kind in ("whole", "stream_k"):
+        plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=False,
+                         block_m=tile)
+    else:  # the planner's own choice (tiles over 16 rows are planned for one-slot layers only)
+        plan = plan_for(out_features, hidden, total_width, len(SLOT_WIDTHS[0]) if tile == 16 else 1, device, tile)
+    assert plan.gemv_programs > 1 and plan.chunks > 1 and plan.block_m == tile, plan
+    return plan
+
+
+# One state through batches whose tiles change both ways (16, 64, 32 rows...), as a layer's decode steps do:
+# every call must find zeros in the S rows it adds into, whatever tile the call before the last one used
+sizes = (1, 5, 64, 16, 40, 3, 33, 64, 1)
+for call, tokens in enumerate(sizes):
+    b = mixed_batch(tokens=tokens, hidden=hidden, dtype=dtype, device=device, seed=tokens)
+    if tokens > 1:
+        b["slots"][1] = 99  # a stale slot number past the buffers (graph padding rows): no adapter, no fault
+    total_width = b["lora_a"].shape[1]
+    if call == 0:
+        state = new_decode_state(total_width, device, plan_of(b, 1))  # the layer's: made for its 16-row plan
+    slots = b["slots"].clone()
+    slots[torch.arange(tokens, device=device) % 5 == call % 5] = call % len(SLOT_WIDTHS[0])
+    want = lora_linear_slices_reference(b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
+                                        slots, b["bias"] if call % 2 else None)
+    out = torch.full_like(want, float("nan"))
+    decode_lora_linear(out, b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], slots, state,
+                       b["bias"] if call % 2 else None, plan=plan_of(b, tokens), phases=phases)
+    err = (out.double() - want.double()).abs().max().item()
+    assert err <= tol * (1 + want.double().abs().max().item()), (tokens, call, err)
+    s_words = DECODE_MAX_TOKENS * total_width
+    following = 2 + ((call + 1) & 1) * s_words  # the S buffer the next call adds into: all zeros
+    assert not state[following:following + s_words].any(), (tokens, call)
+    assert not state[2 + 2 * s_words:].any(), (tokens, call)  # the partial sums too
+    assert state[1].item() == tokens, state[1]  # the rows the call after next will zero
+assert state[0].item() == len(sizes) << 16, state[0]  # arrivals reset, one epoch per call
 print("ok")
 """
 
@@ -141,9 +182,10 @@ def test_kernel_with_in_kernel_barrier_matches_reference_on_gpu(dtype, hidden, k
 
 
 @pytest.mark.gpu
-def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch):
-    """The op as BD layers call it with their decode state, captured at 8 rows and replayed 50 times with the
-    slots (vLLM's per-step metadata) changing between replays: each replay right, none stalls."""
+@pytest.mark.parametrize("rows,slots_n", [(8, 4), (48, 1)])  # a 16-row tile; a 64-row tile (one-slot layers)
+def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch, rows, slots_n):
+    """The op as BD layers call it with their decode state, captured at `rows` rows and replayed 50 times with
+    the slots (vLLM's per-step metadata) changing between replays: each replay right, none stalls."""
     from vllm_bdlora.kernels import decode_lora
     from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for
     from vllm_bdlora.kernels.fused_lora import group_tokens
@@ -151,8 +193,10 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch):
     launched = []
     real = decode_lora.decode_lora_linear
     monkeypatch.setattr(decode_lora, "decode_lora_linear", lambda *a, **k: launched.append(1) or real(*a, **k))
-    rows, slots_n = 8, len(SLOT_WIDTHS[0])
     b = mixed_batch(tokens=rows, hidden=512, dtype=torch.bfloat16, device="cuda")
+    if slots_n == 1:  # the layer of a server with --max-loras 1: slot 0's adapter or none
+        b.update(lora_a=b["lora_a"][:1].contiguous(), lora_b=b["lora_b"][:1].contiguous(),
+                 widths=b["widths"][:, :1].contiguous(), slots=b["slots"].clamp(max=0))  # fmt: skip
     groups = group_tokens(b["slots"], slots_n)
     plan = plan_for(b["weight"].shape[0], 512, b["lora_a"].shape[1], slots_n, "cuda")
     state = new_decode_state(b["lora_a"].shape[1], "cuda", plan)

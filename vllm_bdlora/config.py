@@ -17,6 +17,7 @@ from typing import Any
 
 CONFIG_KEY = "bdlora"
 LORA_KERNELS = ("vllm", "fused", "auto")
+ONE_LAUNCH_TOKEN_LIMITS = (16, 32, 64)  # the decode kernel's row tiles (kernels/decode_lora.ROW_TILES)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class BdLoraSettings:
     # processes through MPS, where fewer SMs may be free than the GPU has). Per decoder layer at TP=4 the one
     # kernel takes 1.09x the base GEMMs' time, the three 1.63x (bench/results/kernels-h200-s12).
     one_launch_decode: bool = True
+    # The largest batch (in tokens: 16, 32 or 64) the one-launch kernel serves; 16 keeps 17-64-token decode
+    # batches (concurrency above 16) on the three-kernel path, as before the kernel had 32- and 64-row tiles.
+    one_launch_max_tokens: int = 64
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -68,11 +72,18 @@ class BdLoraSettings:
                 f'additional_config["{CONFIG_KEY}"]["lora_kernels"] must be one of {list(LORA_KERNELS)}, '
                 f"got {kernels!r}."
             )
+        max_tokens = section.get("one_launch_max_tokens", cls.one_launch_max_tokens)
+        if max_tokens not in ONE_LAUNCH_TOKEN_LIMITS or isinstance(max_tokens, bool):
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"]["one_launch_max_tokens"] must be one of '
+                f"{list(ONE_LAUNCH_TOKEN_LIMITS)}, got {max_tokens!r}."
+            )
         return cls(
             enabled=values["enabled"],
             dora=values["enabled"] and values["dora"],
             lora_kernels=kernels,
             one_launch_decode=values["one_launch_decode"],
+            one_launch_max_tokens=max_tokens,
         )
 
     @classmethod

@@ -41,15 +41,19 @@ def layers(tp: int):
 
 def describe(plan) -> str:
     """A plan in a few words: GEMV kind, column block × hidden step, GEMV + shrink programs."""
+    if plan is None:
+        return "none: three kernels"
     kind = "stream-K" if plan.stream_k else "whole blocks"
     text = f"{kind} {plan.block_n}x{plan.block_k}, {plan.gemv_programs}+{plan.chunks} programs"
     if (plan.num_warps, plan.num_stages) != (4, 4):
         text += f", {plan.num_warps} warps {plan.num_stages} stages"
+    if plan.block_m != 16:
+        text += f", {plan.block_m}-row tile"
     return text
 
 
 def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
-    from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for
+    from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for, row_tile
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
     width = 128 // tp
@@ -58,7 +62,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
     n = sum(heights)
     no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
     no_adapter["groups"] = group_tokens(no_adapter["slots"], adapters)
-    plan = plan_for(n, k, len(heights) * width, adapters, "cuda")
+    plan = plan_for(n, k, len(heights) * width, adapters, "cuda")  # the layer's state is made for this one
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
         "three_kernels": layer_op_path(layer),
@@ -67,7 +71,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
         "one_launch_no_adapter": layer_op_path(no_adapter, new_decode_state(len(heights) * width, "cuda", plan)),
     }
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width,
-           "plan": describe(plan)}  # fmt: skip
+           "plan": describe(plan_for(n, k, len(heights) * width, adapters, "cuda", row_tile(tokens)))}  # fmt: skip
     used = min(adapters, tokens)
     lora_bytes = 2 * used * (len(heights) * width * k + n * width)
     for path, fn in paths.items():
@@ -87,28 +91,35 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
     return row
 
 
-def candidate_plans(n, k, total_width, adapters, sms):
+def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     """The default plan and the alternatives its choice weighs (whole column blocks of every width that
-    fits, stream-K at several block shapes), plus warps and pipeline depth around the default."""
+    fits, stream-K at several block shapes for 16-row tiles), plus warps and pipeline depth around the
+    default; for tiles over 16 rows the default may be None (three kernels), leaving the whole-block ones."""
     from dataclasses import replace
 
     from vllm_bdlora.kernels.decode_lora import decode_plan, make_plan, whole_block_step
 
-    default = decode_plan(n, k, total_width, adapters, sms)
-    shrink, room = default.chunks, sms - default.chunks
-    plans = [default]
+    default = decode_plan(n, k, total_width, adapters, sms, block_m)
+    shrink = default.chunks if default else decode_plan(n, k, total_width, adapters, sms).chunks
+    room = sms - shrink
+    plans = [default] if default else []
     for block_n in (16, 32, 64, 128):
         if -(-n // block_n) <= room:
-            for block_k in (whole_block_step(block_n), max(64, whole_block_step(block_n) // 2)):
-                plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=False))
-    for block_n, block_k in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)):
-        plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
-                               gemv_programs=room))  # fmt: skip
-    for warps, stages in ((8, 4), (4, 3), (4, 6), (2, 4)):
-        plans.append(replace(default, num_warps=warps, num_stages=stages))
-    for shrink_programs in (8, 16, 32):  # the default's GEMV with another share of SMs left to the shrink
-        plans.append(make_plan(n, k, total_width, shrink_programs, block_n=default.block_n, block_k=default.block_k,
-                               stream_k=default.stream_k, gemv_programs=sms - shrink_programs))  # fmt: skip
+            step = whole_block_step(block_n, block_m)
+            for block_k in (step, max(64, step // 2)):
+                plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=False,
+                                       block_m=block_m))  # fmt: skip
+    if block_m == 16:
+        for block_n, block_k in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)):
+            plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
+                                   gemv_programs=room))  # fmt: skip
+    if default:
+        for warps, stages in ((8, 4), (4, 3), (4, 6), (2, 4)):
+            plans.append(replace(default, num_warps=warps, num_stages=stages))
+        for shrink_programs in (8, 16, 32):  # the default's GEMV with another share of SMs left to the shrink
+            plans.append(make_plan(n, k, total_width, shrink_programs, block_n=default.block_n,
+                                   block_k=default.block_k, stream_k=default.stream_k,
+                                   gemv_programs=sms - shrink_programs, block_m=block_m))  # fmt: skip
     return [plan for plan in dict.fromkeys(plans) if plan.programs <= sms]  # the barrier needs them all resident
 
 
@@ -123,7 +134,8 @@ def configs_point(tp, name, k, heights, tokens, adapters):
     base_us = time_cuda(lambda: layer["x"] @ layer["weight"].T, graph_repeats=10)["median_ms"] * 1e3
     rows = []
     sms = decode_lora._sm_count(0)
-    for i, plan in enumerate(candidate_plans(n, k, total_width, adapters, sms)):
+    default = decode_lora.decode_plan(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens))
+    for plan in candidate_plans(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens)):
         state = decode_lora.new_decode_state(total_width, "cuda", plan)
 
         def run(plan=plan, state=state):
@@ -134,7 +146,7 @@ def configs_point(tp, name, k, heights, tokens, adapters):
         for _ in range(3):
             torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
         us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
-        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "default": i == 0,
+        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "default": plan == default,
                      "plan": describe(plan), "us": round(us, 2), "base_gemm_us": round(base_us, 2),
                      "over_base": round(us / base_us, 3)})  # fmt: skip
         print(rows[-1], flush=True)
@@ -210,7 +222,7 @@ def report(json_path: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", default="4,2,1")
-    p.add_argument("--tokens", default="1,4,16")
+    p.add_argument("--tokens", default="1,4,16,32,64")
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip

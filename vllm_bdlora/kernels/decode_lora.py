@@ -22,12 +22,16 @@ The barrier needs every program resident at once, so the grid never has more pro
 (`decode_plan` plans none larger, and returns None on a GPU too small to leave the GEMV an SM; the layer op
 then keeps its three-kernel path). Its state lives in one
 int32 tensor per layer (`new_decode_state`): one word holding the epoch (high 16 bits) and the arrivals
-(low 16 bits), two S buffers, and the stream-K partial sums. Every program arrives once (whole-block GEMV
-programs at their start, reading the count only after their loads; stream-K and shrink programs after their
-atomics); the waiters go as soon as the count reaches the grid size, and the last arrival then resets the
-count and moves the epoch. S buffers alternate by epoch parity, and each launch zeroes the buffer the next
-launch adds into, so no launch needs a zero-fill kernel of its own and nothing depends on the host: CUDA
-graphs replay it as is. Launches of one layer never overlap (one stream), which the parity relies on.
+(low 16 bits), one holding the rows of the last launch, two S buffers, and the stream-K partial sums. Every
+program arrives once (whole-block GEMV programs at their start, reading the count only after their loads;
+stream-K and shrink programs after their atomics); the waiters go as soon as the count reaches the grid size,
+and the last arrival then resets the count and moves the epoch. S buffers alternate by epoch parity, and each
+launch zeroes, in the buffer the next launch adds into, the rows the previous launch used there, so no launch
+needs a zero-fill kernel of its own and nothing depends on the host: CUDA graphs replay it as is. Launches of
+one layer never overlap (one stream), which the parity relies on.
+
+Batches run in tiles of 16, 32 or 64 token rows (`ROW_TILES`; the batch's tile picks the plan): decode steps
+of up to 64 requests are one kernel per layer. Tiles over 16 rows take whole column blocks only.
 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
@@ -49,12 +53,16 @@ import torch
 import triton
 import triton.language as tl
 
-# The kernel keeps every token's rows in one 16-row tile (the smallest tl.dot); larger batches use the layer
-# op's three-kernel path, whose launches amortise over the tokens.
-DECODE_MAX_TOKENS = 16
-_TILE_M = 16
+# The kernel keeps every token's rows in one tile of 16 (the smallest tl.dot), 32 or 64 rows; larger batches
+# (prefill, mixed steps) use the layer op's three-kernel path, whose launches amortise over the tokens.
+ROW_TILES = (16, 32, 64)
+DECODE_MAX_TOKENS = ROW_TILES[-1]
+# Stream-K keeps partial sums for one 16-row tile: at 64 rows they would take 7 MB per gate_up_proj at TP=1.
+_STREAM_K_ROWS = 16
 _SHRINK_PROGRAMS_PER_SLOT, _MAX_SHRINK_PROGRAMS = 4, 32
-_STATE_HEADER = 1  # one int32 word before the S buffers: epoch (high 16 bits) and arrivals (low 16 bits)
+# Two int32 words before the S buffers: the barrier (epoch in the high 16 bits, arrivals in the low 16) and
+# the rows the previous launch added into its S buffer (the rows the next launch but one must find zeroed).
+_STATE_HEADER = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class DecodePlan:
     chunks: int  # shrink programs: each an even share of the hidden dimension's shrink steps
     num_stages: int = 4
     num_warps: int = 4
+    block_m: int = 16  # token rows (one of ROW_TILES): the batches of up to this many tokens it serves
 
     @property
     def programs(self) -> int:
@@ -81,11 +90,13 @@ class DecodePlan:
 
 
 def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs: int, *, block_n: int,
-              block_k: int, stream_k: bool, gemv_programs: int = 0, num_stages: int = 4,
-              num_warps: int = 4) -> DecodePlan:  # fmt: skip
+              block_k: int, stream_k: bool, gemv_programs: int = 0, num_stages: int = 4, num_warps: int = 4,
+              block_m: int = 16) -> DecodePlan:  # fmt: skip
     """A launch with these choices (the benchmark's configuration sweep builds its candidates here). Whole
     column blocks take one GEMV program each; stream-K shares tiles × hidden steps evenly over at most
     `gemv_programs`. Shrink programs: at most `shrink_programs`, none without a share of the hidden dimension."""
+    if block_m not in ROW_TILES or (stream_k and block_m > _STREAM_K_ROWS):
+        raise ValueError(f"no decode plan for {block_m}-row tiles{' with stream-K' if stream_k else ''}")
     tiles = triton.cdiv(out_features, block_n)
     k_steps = triton.cdiv(hidden, block_k)
     if stream_k:
@@ -95,12 +106,21 @@ def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs:
         steps, gemv_programs = k_steps, tiles
     shrink_k = _shrink_step(total_width)
     chunks = max(1, min(shrink_programs, triton.cdiv(hidden, shrink_k)))
-    return DecodePlan(block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, chunks, num_stages, num_warps)
+    return DecodePlan(
+        block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, chunks, num_stages, num_warps, block_m
+    )
 
 
-def whole_block_step(block_n: int) -> int:
-    """The GEMV's hidden step for whole column blocks of `block_n`: some 16 kB of W per pipeline stage."""
-    return max(64, min(512, 8192 // block_n))
+def whole_block_step(block_n: int, block_m: int = 16) -> int:
+    """The GEMV's hidden step for whole column blocks of `block_n`: some 24 kB of X and W per pipeline stage
+    (16 kB of W for 16-row tiles; fewer hidden steps per stage for 64 rows, or four stages would not fit in
+    shared memory)."""
+    return max(64, min(512, 1 << (16384 // (block_n + block_m)).bit_length() - 1))
+
+
+def row_tile(tokens: int) -> int:
+    """The tile of token rows a batch of `tokens` (<= DECODE_MAX_TOKENS) runs in."""
+    return next(tile for tile in ROW_TILES if tokens <= tile)
 
 
 def _shrink_step(total_width: int) -> int:
@@ -113,9 +133,12 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.cache  # asked on every call of the layer op (`usable`, then the launch): a lookup after the first
-def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int) -> DecodePlan | None:
-    """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, or None where
-    even the shrink programs would not leave one SM to the GEMV.
+def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int,
+                block_m: int = 16) -> DecodePlan | None:  # fmt: skip
+    """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, for batches in
+    tiles of `block_m` token rows, or None where even the shrink programs would not leave one SM to the GEMV
+    or (tiles over 16 rows, which have no stream-K) no whole column blocks fit: the layer op then keeps its
+    three-kernel path.
 
     Shrink programs: 4 per slot (up to 32), more where a batch of every slot's adapter would read a larger
     share of the bytes (A against W). A shrink program computes every adapter of the batch over its slice of
@@ -134,7 +157,16 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     whole 64-column blocks, 23.1-24.3 as stream-K; o_proj at TP=4: 6.6 on 64 whole blocks, 7.5 as stream-K
     on 128 programs): stream-K's partial sums make an extra round trip through L2 after the barrier.
     gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against the three kernels'
-    73.9."""
+    73.9.
+
+    Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, however few (qkv_proj at TP=4:
+    48 blocks of 32), each stage with fewer hidden steps (`whole_block_step`), and only in layers with one
+    LoRA slot. Per decoder layer on an H200 (bench/results/kernels-h200-s15) one adapter at 32 and 64 tokens
+    took 11-18% less time than the three kernels at TP=2 and 4, but a batch mixing 4 adapters 2-15% more (the
+    finish runs one B load and dot per adapter of the batch after the barrier), and the layer cannot know
+    before the launch how many adapters a batch mixes."""
+    if block_m > 16 and slots > 1:
+        return None
     slots = max(1, slots)
     w_elems, a_elems = out_features * hidden, min(slots, 4) * total_width * hidden
     by_bytes = math.ceil(sms * a_elems / (a_elems + w_elems))
@@ -143,34 +175,57 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     room = sms - shrink
     if room < 1:
         return None
-    for block_n in (16, 32, 64, 128):
+    for block_n in (16, 32, 64, 128) if block_m <= _STREAM_K_ROWS else (32, 64, 128):
         if triton.cdiv(out_features, block_n) <= room:
             if block_n > 16:  # the shrink takes the SMs the blocks leave (up to 32)
                 spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - triton.cdiv(out_features, block_n)))
-                return make_plan(out_features, hidden, total_width, spare, block_n=block_n,
-                                 block_k=whole_block_step(block_n), stream_k=False)  # fmt: skip
+                step = whole_block_step(block_n, block_m)
+                return make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step,
+                                 stream_k=False, block_m=block_m)  # fmt: skip
             break
+    if block_m > _STREAM_K_ROWS:
+        return None
     block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
                      gemv_programs=room)  # fmt: skip
 
 
-def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device) -> DecodePlan | None:
+def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device,
+             block_m: int = 16) -> DecodePlan | None:  # fmt: skip
     """decode_plan on this device's SM count; None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return decode_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0))
+    return decode_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0), block_m)
 
 
 def state_words(total_width: int, plan: DecodePlan | None) -> int:
-    return _STATE_HEADER + 2 * _TILE_M * total_width + _TILE_M * (plan.partial_columns if plan else 0)
+    """Header, two S buffers of DECODE_MAX_TOKENS rows (a layer's launches change tiles from step to step),
+    stream-K partial sums."""
+    partials = _STREAM_K_ROWS * plan.partial_columns if plan else 0
+    return _STATE_HEADER + 2 * DECODE_MAX_TOKENS * total_width + partials
 
 
 def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -> torch.Tensor:
-    """A layer's barrier word, S buffers and (for a stream-K `plan`) partial sums: int32, all zero (the
-    float32 buffers as their bits)."""
+    """A layer's barrier words, S buffers and (for a stream-K `plan`, which the 16-row plan of a layer may be)
+    partial sums: int32, all zero (the float32 buffers as their bits). Tiles over 16 rows need no more."""
     return torch.zeros(state_words(total_width, plan), dtype=torch.int32, device=device)
+
+
+_max_tokens = DECODE_MAX_TOKENS
+
+
+def set_max_tokens(tokens: int) -> None:
+    """Serve batches of up to `tokens` (one of ROW_TILES) with this kernel in this process; larger ones take
+    the three-kernel path (the plugin's "one_launch_max_tokens" setting)."""
+    global _max_tokens
+    if tokens not in ROW_TILES:
+        raise ValueError(f"the one-launch kernel's token limit must be one of {list(ROW_TILES)}, got {tokens!r}")
+    _max_tokens = tokens
+
+
+def max_tokens() -> int:
+    return _max_tokens
 
 
 def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
@@ -178,9 +233,9 @@ def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots:
     """Whether the layer op may run this kernel for a batch of `tokens` on `device` (with the layer's decode
     `state`: only if it is large enough for this GPU's plan; a state made on a GPU with another SM count may
     not be, and the layer then keeps the three-kernel path rather than fail)."""
-    if tokens > DECODE_MAX_TOKENS or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if tokens > max_tokens() or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    plan = plan_for(out_features, hidden, total_width, slots, device)
+    plan = plan_for(out_features, hidden, total_width, slots, device, row_tile(tokens))
     return plan is not None and (state is None or state.numel() >= state_words(total_width, plan))
 
 
@@ -267,14 +322,15 @@ def _decode_lora_linear_kernel(
     stride_out, stride_al, stride_ar, stride_bl, stride_bn, stride_wt,
     PHASE: tl.constexpr, STREAM_K: tl.constexpr, NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHRINK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHRINK_K: tl.constexpr, S_ROWS: tl.constexpr,
+    R_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Programs below `gemv_programs` run the GEMV and then finish column blocks; the rest compute S. PHASE 0:
     one launch with the in-kernel barrier. PHASE 1: the shrink, stream-K partial sums and every arrival;
     PHASE 2: the rest, after a PHASE 1 launch (the launch boundary stands in for the barrier)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    s_buffers = (state_ptr + 1).to(tl.pointer_type(tl.float32))
+    s_buffers = (state_ptr + 2).to(tl.pointer_type(tl.float32))  # after the barrier word and the rows word
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     safe_rows = tl.where(row_ok, rows, 0)
@@ -284,39 +340,49 @@ def _decode_lora_linear_kernel(
         if PHASE == 2:
             return
         epoch = (tl.atomic_add(state_ptr, 0) >> 16) & 0xFFFF  # cannot move before this program arrives
-        s_now = s_buffers + (epoch & 1) * BLOCK_M * TOTAL_W
+        s_now = s_buffers + (epoch & 1) * S_ROWS * TOTAL_W
         rs = tl.arange(0, BLOCK_R)
-        if pid == gemv_programs:  # the next launch adds into the other buffer; the previous one read it and ended
-            s_next = s_buffers + ((epoch + 1) & 1) * BLOCK_M * TOTAL_W
-            tl.store(s_next + rows[:, None] * TOTAL_W + rs[None, :], tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
-                     mask=(rs < TOTAL_W)[None, :])  # fmt: skip
         chunk, chunks, shrink_steps = pid - gemv_programs, programs - gemv_programs, tl.cdiv(hidden, SHRINK_K)
         k_lo = (chunk * shrink_steps // chunks) * SHRINK_K  # every chunk >= 1 step: chunks <= shrink_steps
         k_hi = tl.minimum(((chunk + 1) * shrink_steps // chunks) * SHRINK_K, hidden)
         for slot in range(0, n_slots):
             mine = row_slots == slot
             if tl.sum(mine.to(tl.int32), 0) > 0:
-                w = tl.load(widths_ptr + (rs // WIDTH) * stride_wt + slot, mask=rs < TOTAL_W, other=0)
-                r_ok = (rs < TOTAL_W) & (rs % WIDTH < w)
-                safe_rs = tl.where(r_ok, rs, 0)
-                acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, SHRINK_K):
-                    ks = k0 + tl.arange(0, SHRINK_K)
-                    k_ok = ks < k_hi
-                    x = tl.load(x_ptr + safe_rows[:, None] * stride_x + ks[None, :], mask=mine[:, None] & k_ok[None, :],
-                                other=0.0)  # fmt: skip
-                    a = tl.load(a_ptr + slot * stride_al + safe_rs[None, :] * stride_ar + ks[:, None],
-                                mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
-                    acc += tl.dot(x, a)
-                tl.atomic_add(s_now + rows[:, None] * TOTAL_W + rs[None, :], acc, mask=mine[:, None] & r_ok[None, :],
-                              sem="relaxed")  # fmt: skip
+                # R_CHUNK columns of S at a time: a 64-row tile's whole width would not fit in registers
+                for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
+                    rc = r0 + tl.arange(0, R_CHUNK)
+                    w = tl.load(widths_ptr + (rc // WIDTH) * stride_wt + slot, mask=rc < TOTAL_W, other=0)
+                    r_ok = (rc < TOTAL_W) & (rc % WIDTH < w)
+                    safe_rc = tl.where(r_ok, rc, 0)
+                    acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
+                    for k0 in range(k_lo, k_hi, SHRINK_K):
+                        ks = k0 + tl.arange(0, SHRINK_K)
+                        k_ok = ks < k_hi
+                        x = tl.load(x_ptr + safe_rows[:, None] * stride_x + ks[None, :],
+                                    mask=mine[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                        a = tl.load(a_ptr + slot * stride_al + safe_rc[None, :] * stride_ar + ks[:, None],
+                                    mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
+                        acc += tl.dot(x, a)
+                    tl.atomic_add(s_now + rows[:, None] * TOTAL_W + rc[None, :], acc,
+                                  mask=mine[:, None] & r_ok[None, :], sem="relaxed")  # fmt: skip
         _arrive(state_ptr, programs)
+        if pid == gemv_programs:
+            # The next launch adds into the other buffer, which the previous launch added into (in the rows it
+            # had, recorded in the rows word; tiles change from step to step) and read before it ended. No
+            # program of this launch touches it: zeroed after arriving, off the barrier's path.
+            s_next = s_buffers + ((epoch + 1) & 1) * S_ROWS * TOTAL_W
+            used = tl.load(state_ptr + 1)
+            for r0 in range(0, used, 16):
+                zero_rows = r0 + tl.arange(0, 16)
+                tl.store(s_next + zero_rows[:, None] * TOTAL_W + rs[None, :], tl.zeros((16, BLOCK_R), dtype=tl.float32),
+                         mask=(zero_rows < used)[:, None] & (rs < TOTAL_W)[None, :])  # fmt: skip
+            tl.store(state_ptr + 1, n_rows)
         return
 
     if PHASE == 2:
         epoch = ((tl.atomic_add(state_ptr, 0) >> 16) - 1) & 0xFFFF  # the PHASE 1 launch has moved it
     if STREAM_K:  # ---- an even run of (column block, hidden step) pairs, partial sums added into `partials`
-        partials = s_buffers + 2 * BLOCK_M * TOTAL_W
+        partials = s_buffers + 2 * S_ROWS * TOTAL_W
         partial_stride = tiles * BLOCK_N
         if PHASE != 2:
             k_steps = tl.cdiv(hidden, BLOCK_K)
@@ -338,7 +404,7 @@ def _decode_lora_linear_kernel(
                 return
         if PHASE == 0:
             _wait(state_ptr, epoch, programs)
-        s_now = s_buffers + (epoch & 1) * BLOCK_M * TOTAL_W
+        s_now = s_buffers + (epoch & 1) * S_ROWS * TOTAL_W
         for tile in range(pid, tiles, gemv_programs):  # the column blocks this program owns
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             sum_ptrs = partials + rows[:, None] * partial_stride + cols[None, :]
@@ -363,7 +429,7 @@ def _decode_lora_linear_kernel(
         if PHASE == 0:
             epoch = _settle(state_ptr, old, programs)
             _wait(state_ptr, epoch, programs)
-        s_now = s_buffers + (epoch & 1) * BLOCK_M * TOTAL_W
+        s_now = s_buffers + (epoch & 1) * S_ROWS * TOTAL_W
         _finish(acc, pid * BLOCK_N, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots,
                 n_slots, n_cols, stride_out, stride_bl, stride_bn, stride_wt, NUM_SLICES, TOTAL_W, WIDTH, BLOCK_W,
                 HAS_BIAS, BLOCK_N)  # fmt: skip
@@ -379,16 +445,18 @@ def decode_lora_linear(
     this plan (by default `decode_plan` for the layer and GPU). phases=2 runs the shrink as a launch of its
     own (no in-kernel barrier: what the interpreter can run)."""
     tokens, hidden = x.shape
-    if tokens > _TILE_M:
-        raise ValueError(f"decode_lora_linear takes at most {_TILE_M} tokens, got {tokens}")
+    if tokens > DECODE_MAX_TOKENS:
+        raise ValueError(f"decode_lora_linear takes at most {DECODE_MAX_TOKENS} tokens, got {tokens}")
     for t in (x, weight, lora_a, lora_b, out):
         if t.stride(-1) != 1:
             raise ValueError(f"decode_lora_linear needs unit stride in the last dimension, got {tuple(t.shape)}")
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 1 << 20
-    plan = plan or decode_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms)
+    plan = plan or decode_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms, row_tile(tokens))
     if plan is None:
-        raise ValueError(f"a layer of {weight.shape[0]} outputs needs more programs than the GPU's {sms} SMs")
+        raise ValueError(f"no one-launch plan for a layer of {weight.shape[0]} outputs, {tokens} tokens, {sms} SMs")
+    if tokens > plan.block_m:
+        raise ValueError(f"{tokens} tokens do not fit the plan's tile of {plan.block_m} rows")
     if plan.programs > sms:
         raise ValueError(f"{plan} launches more programs than the GPU's {sms} SMs: the barrier could wait forever")
     if state.numel() < state_words(total_width, plan):
@@ -401,11 +469,13 @@ def decode_lora_linear(
         x.stride(0), weight.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0),
     )  # fmt: skip
+    block_r = max(16, triton.next_power_of_2(total_width))
     constants = dict(
         STREAM_K=plan.stream_k, NUM_SLICES=slices, TOTAL_W=total_width, WIDTH=width,
-        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=max(16, triton.next_power_of_2(total_width)),
-        HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0, BLOCK_M=_TILE_M, BLOCK_N=plan.block_n,
-        BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=block_r, R_CHUNK=min(block_r, 8192 // plan.block_m),
+        HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0, BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k, S_ROWS=DECODE_MAX_TOKENS,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     grid = (plan.programs,)
     if phases == 2:

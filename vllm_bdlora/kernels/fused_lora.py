@@ -165,7 +165,7 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
     are shared by layers of equal shape and cached on disk by Triton, in one directory whatever vLLM's
     configuration (triton_cache.py). `decode_weight`: the layer runs the one-launch decode kernel over this
-    base weight (one variant, compiled here with a scratch state). Returns the launches made."""
+    base weight (a variant per tile of token rows, compiled here with a scratch state). Returns the launches made."""
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())
@@ -200,15 +200,18 @@ def _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, sc
         fused_expand(scratch_y, shrunk_by_split[split_k], lora_b, groups, slot_widths, slice_bounds, None,
                      scale_table, bias, config, overwrite)  # fmt: skip
     launches = len(shrinks) + len(expands)
-    if decode_weight is not None and decode_lora.usable(
-        rows, *decode_weight.shape, lora_a.shape[1], lora_a.shape[0], x.device
-    ):
-        slots = torch.full((rows,), -1, dtype=torch.long, device=x.device)
-        plan = decode_lora.plan_for(*decode_weight.shape, lora_a.shape[1], lora_a.shape[0], x.device)
-        state = decode_lora.new_decode_state(lora_a.shape[1], x.device, plan)
-        decode_lora.decode_lora_linear(scratch_y, scratch_x, decode_weight, lora_a, lora_b, slot_widths, slice_bounds,
-                                       slots, state, bias)  # fmt: skip
-        launches += 1
+    if decode_weight is None:
+        return launches
+    shape = (*decode_weight.shape, lora_a.shape[1], lora_a.shape[0])  # out, hidden, LoRA width, slots
+    plan = decode_lora.plan_for(*shape, x.device)  # the layer's state is made for the 16-row plan
+    state = decode_lora.new_decode_state(lora_a.shape[1], x.device, plan)
+    for tile in decode_lora.ROW_TILES:  # one variant per tile of token rows the layer can launch
+        if decode_lora.usable(tile, *shape, x.device, state):
+            decode_lora.decode_lora_linear(
+                x.new_zeros(tile, lora_b.shape[1]), x.new_zeros(tile, x.shape[1]), decode_weight, lora_a, lora_b,
+                slot_widths, slice_bounds, torch.full((tile,), -1, dtype=torch.long, device=x.device), state, bias,
+            )  # fmt: skip
+            launches += 1
     return launches
 
 

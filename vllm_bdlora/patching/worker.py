@@ -87,6 +87,10 @@ def patch_lora_manager() -> bool:
                     "drop --fully-sharded-loras."
                 )
             per_rank_width(lora_config.max_lora_rank, tp_size)
+            if uses_fused_kernels(settings.lora_kernels):
+                from vllm_bdlora.kernels import decode_lora
+
+                decode_lora.set_max_tokens(settings.one_launch_max_tokens)
             with selecting_bd_layers(
                 dora=settings.dora, lora_kernels=settings.lora_kernels, one_launch_decode=settings.one_launch_decode
             ):
@@ -111,8 +115,9 @@ def patch_lora_manager() -> bool:
                 )
                 if settings.one_launch_decode and not settings.dora:
                     lines.append(
-                        "Decode batches of up to 16 tokens: base GEMV + LoRA in one kernel per BD layer over an "
-                        'unquantized base ("one_launch_decode": false turns it off).'
+                        f"Decode batches of up to {settings.one_launch_max_tokens} tokens: base GEMV + LoRA in one "
+                        'kernel per BD layer over an unquantized base ("one_launch_max_tokens": 16 or 32 lowers the '
+                        'limit, "one_launch_decode": false turns it off).'
                     )
             else:
                 why = "not on CUDA" if kernels == "auto" else "as configured"
