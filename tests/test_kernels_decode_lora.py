@@ -122,9 +122,9 @@ def plan_of(b, tokens):
         plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=True,
                          gemv_programs=7)
         assert plan.steps_per_program % -(-hidden // block_k), plan
-    elif kind in ("whole", "stream_k"):
+    elif kind in ("whole", "stream_k"):  # larger tiles: S in chunks of 32 columns, the last past the width
         plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=False,
-                         block_m=tile)
+                         block_m=tile, shrink_columns=32 if tile > 16 else 0)
     else:  # the planner's own choice (tiles over 16 rows are planned for one-slot layers only)
         plan = plan_for(out_features, hidden, total_width, len(SLOT_WIDTHS[0]) if tile == 16 else 1, device, tile)
     assert plan.gemv_programs > 1 and plan.chunks > 1 and plan.block_m == tile, plan

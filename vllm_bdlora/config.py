@@ -33,14 +33,17 @@ class BdLoraSettings:
     # raise throughput x1.13-1.52, except TP=4 at 64 concurrent requests (x0.94, TTFT slower; not yet
     # understood): bench/results/tp{1,2}-8b-h200-s5, tp4-8b-h200-s6. "vllm" is the way back.
     lora_kernels: str = "auto"
-    # Under the fused kernels, batches of up to 16 tokens over an unquantized base run base GEMV, shrink and
-    # expand as one kernel (kernels/decode_lora.py), whose grid-wide barrier needs each of its programs on an
-    # SM at once. false: those batches take the three-kernel path too (e.g. on a GPU shared with other
-    # processes through MPS, where fewer SMs may be free than the GPU has). Per decoder layer at TP=4 the one
-    # kernel takes 1.09x the base GEMMs' time, the three 1.63x (bench/results/kernels-h200-s12).
+    # Under the fused kernels, batches of up to 16 tokens over an unquantized base (up to 64 in layers with one
+    # LoRA slot, i.e. --max-loras 1) run base GEMV, shrink and expand as one kernel (kernels/decode_lora.py),
+    # whose grid-wide barrier needs each of its programs on an SM at once. false: those batches take the
+    # three-kernel path too (e.g. on a GPU shared with other processes through MPS, where fewer SMs may be free
+    # than the GPU has). Per decoder layer at TP=4 the one kernel takes 1.09x the base GEMMs' time, the three
+    # 1.63x (bench/results/kernels-h200-s12).
     one_launch_decode: bool = True
     # The largest batch (in tokens: 16, 32 or 64) the one-launch kernel serves; 16 keeps 17-64-token decode
     # batches (concurrency above 16) on the three-kernel path, as before the kernel had 32- and 64-row tiles.
+    # Per decoder layer at 32/64 tokens (one adapter) the one kernel took 0.80/0.86x the three kernels' time
+    # at TP=2, 0.84/0.88x at TP=4, 0.88/0.99x at TP=1 (bench/results/kernels-h200-s15).
     one_launch_max_tokens: int = 64
 
     @classmethod

@@ -78,6 +78,7 @@ class DecodePlan:
     num_stages: int = 4
     num_warps: int = 4
     block_m: int = 16  # token rows (one of ROW_TILES): the batches of up to this many tokens it serves
+    shrink_columns: int = 128  # columns of S a shrink program computes at a time
 
     @property
     def programs(self) -> int:
@@ -91,10 +92,11 @@ class DecodePlan:
 
 def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs: int, *, block_n: int,
               block_k: int, stream_k: bool, gemv_programs: int = 0, num_stages: int = 4, num_warps: int = 4,
-              block_m: int = 16) -> DecodePlan:  # fmt: skip
+              block_m: int = 16, shrink_columns: int = 0) -> DecodePlan:  # fmt: skip
     """A launch with these choices (the benchmark's configuration sweep builds its candidates here). Whole
     column blocks take one GEMV program each; stream-K shares tiles × hidden steps evenly over at most
-    `gemv_programs`. Shrink programs: at most `shrink_programs`, none without a share of the hidden dimension."""
+    `gemv_programs`. Shrink programs: at most `shrink_programs`, none without a share of the hidden dimension,
+    each computing `shrink_columns` of S at a time (by default `default_shrink_columns`)."""
     if block_m not in ROW_TILES or (stream_k and block_m > _STREAM_K_ROWS):
         raise ValueError(f"no decode plan for {block_m}-row tiles{' with stream-K' if stream_k else ''}")
     tiles = triton.cdiv(out_features, block_n)
@@ -104,11 +106,11 @@ def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs:
         gemv_programs = triton.cdiv(tiles * k_steps, steps)  # the same longest run on fewer programs
     else:
         steps, gemv_programs = k_steps, tiles
-    shrink_k = _shrink_step(total_width)
+    shrink_columns = shrink_columns or default_shrink_columns(total_width, block_m)
+    shrink_k = _shrink_step(shrink_columns)
     chunks = max(1, min(shrink_programs, triton.cdiv(hidden, shrink_k)))
-    return DecodePlan(
-        block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, chunks, num_stages, num_warps, block_m
-    )
+    return DecodePlan(block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, chunks, num_stages, num_warps,
+                      block_m, shrink_columns)  # fmt: skip
 
 
 def whole_block_step(block_n: int, block_m: int = 16) -> int:
@@ -123,8 +125,14 @@ def row_tile(tokens: int) -> int:
     return next(tile for tile in ROW_TILES if tokens <= tile)
 
 
-def _shrink_step(total_width: int) -> int:
-    return max(16, min(128, 8192 // triton.next_power_of_2(total_width)))  # some 16 kB of A per step
+def default_shrink_columns(total_width: int, block_m: int) -> int:
+    """Columns of S a shrink program computes at a time: all of them, but at most 8192 accumulators (a
+    64-row tile's whole width would spill out of registers)."""
+    return min(max(16, triton.next_power_of_2(total_width)), 8192 // block_m)
+
+
+def _shrink_step(columns: int) -> int:
+    return max(16, min(128, 8192 // triton.next_power_of_2(columns)))  # some 16 kB of A per step
 
 
 @functools.cache
@@ -171,7 +179,8 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     w_elems, a_elems = out_features * hidden, min(slots, 4) * total_width * hidden
     by_bytes = math.ceil(sms * a_elems / (a_elems + w_elems))
     shrink = min(_MAX_SHRINK_PROGRAMS, max(_SHRINK_PROGRAMS_PER_SLOT * slots, by_bytes))
-    shrink = min(shrink, triton.cdiv(hidden, _shrink_step(total_width)))  # none without a share of the hidden
+    shrink_k = _shrink_step(default_shrink_columns(total_width, block_m))
+    shrink = min(shrink, triton.cdiv(hidden, shrink_k))  # none without a share of the hidden
     room = sms - shrink
     if room < 1:
         return None
@@ -348,7 +357,7 @@ def _decode_lora_linear_kernel(
         for slot in range(0, n_slots):
             mine = row_slots == slot
             if tl.sum(mine.to(tl.int32), 0) > 0:
-                # R_CHUNK columns of S at a time: a 64-row tile's whole width would not fit in registers
+                # R_CHUNK columns of S at a time (the plan's shrink_columns)
                 for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
                     rc = r0 + tl.arange(0, R_CHUNK)
                     w = tl.load(widths_ptr + (rc // WIDTH) * stride_wt + slot, mask=rc < TOTAL_W, other=0)
@@ -469,10 +478,10 @@ def decode_lora_linear(
         x.stride(0), weight.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0),
     )  # fmt: skip
-    block_r = max(16, triton.next_power_of_2(total_width))
     constants = dict(
         STREAM_K=plan.stream_k, NUM_SLICES=slices, TOTAL_W=total_width, WIDTH=width,
-        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=block_r, R_CHUNK=min(block_r, 8192 // plan.block_m),
+        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=max(16, triton.next_power_of_2(total_width)),
+        R_CHUNK=min(plan.shrink_columns, max(16, triton.next_power_of_2(total_width))),
         HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k, S_ROWS=DECODE_MAX_TOKENS,
         num_warps=plan.num_warps, num_stages=plan.num_stages,

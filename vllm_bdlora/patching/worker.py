@@ -114,10 +114,12 @@ def patch_lora_manager() -> bool:
                     "--additional-config selects vLLM's)."
                 )
                 if settings.one_launch_decode and not settings.dora:
+                    # Tiles over 16 rows serve one-slot layers only (decode_lora.decode_plan says why)
+                    limit = settings.one_launch_max_tokens if lora_config.max_loras == 1 else 16
                     lines.append(
-                        f"Decode batches of up to {settings.one_launch_max_tokens} tokens: base GEMV + LoRA in one "
-                        'kernel per BD layer over an unquantized base ("one_launch_max_tokens": 16 or 32 lowers the '
-                        'limit, "one_launch_decode": false turns it off).'
+                        f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over "
+                        'an unquantized base (up to 64 with --max-loras 1; "one_launch_max_tokens": 16 or 32 '
+                        'lowers the limit, "one_launch_decode": false turns it off).'
                     )
             else:
                 why = "not on CUDA" if kernels == "auto" else "as configured"
