@@ -226,3 +226,17 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch, rows, 
         want = lora_linear_slices_reference(b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
                                             b["slots"], b["bias"])  # fmt: skip
         torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_benchmarks_candidate_plans_fit_the_tile_and_include_the_default(block_m):
+    """`bench.kernels.decode_lora --configs` times these on a GPU host: each must be a plan the kernel can run
+    for the tile (no stream-K over 16 rows, every program resident), and the default among them."""
+    from bench.kernels.decode_lora import candidate_plans
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    plans = candidate_plans(1536, 4096, 96, 1, 132, block_m)
+    assert decode_plan(1536, 4096, 96, 1, 132, block_m) in plans
+    assert all(plan.block_m == block_m and plan.programs <= 132 for plan in plans)
+    assert any(plan.stream_k for plan in plans) == (block_m == 16)
+    assert len({(plan.block_n, plan.block_k, plan.stream_k) for plan in plans}) >= 4

@@ -170,7 +170,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, however few (qkv_proj at TP=4:
     48 blocks of 32), each stage with fewer hidden steps (`whole_block_step`), and only in layers with one
     LoRA slot. Per decoder layer on an H200 (bench/results/kernels-h200-s15) one adapter at 32 and 64 tokens
-    took 11-18% less time than the three kernels at TP=2 and 4, but a batch mixing 4 adapters 2-15% more (the
+    took 12-20% less time than the three kernels at TP=2 and 4, but a batch mixing 4 adapters 2-15% more (the
     finish runs one B load and dot per adapter of the batch after the barrier), and the layer cannot know
     before the launch how many adapters a batch mixes."""
     if block_m > 16 and slots > 1:
