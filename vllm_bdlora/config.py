@@ -76,7 +76,7 @@ class BdLoraSettings:
                 f"got {kernels!r}."
             )
         max_tokens = section.get("one_launch_max_tokens", cls.one_launch_max_tokens)
-        if max_tokens not in ONE_LAUNCH_TOKEN_LIMITS or isinstance(max_tokens, bool):
+        if max_tokens not in ONE_LAUNCH_TOKEN_LIMITS:  # True == 1 is not among them either
             raise ValueError(
                 f'additional_config["{CONFIG_KEY}"]["one_launch_max_tokens"] must be one of '
                 f"{list(ONE_LAUNCH_TOKEN_LIMITS)}, got {max_tokens!r}."

@@ -120,6 +120,12 @@ def whole_block_step(block_n: int, block_m: int = 16) -> int:
     return max(64, min(512, 1 << (16384 // (block_n + block_m)).bit_length() - 1))
 
 
+def largest_tile(slots: int) -> int:
+    """The most token rows a layer with `slots` LoRA slots runs in one launch: tiles over 16 rows serve
+    one-slot layers only (`decode_plan` says why)."""
+    return DECODE_MAX_TOKENS if slots <= 1 else ROW_TILES[0]
+
+
 def row_tile(tokens: int) -> int:
     """The tile of token rows a batch of `tokens` (<= DECODE_MAX_TOKENS) runs in."""
     return next(tile for tile in ROW_TILES if tokens <= tile)
@@ -173,7 +179,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     took 12-20% less time than the three kernels at TP=2 and 4, but a batch mixing 4 adapters 2-15% more (the
     finish runs one B load and dot per adapter of the batch after the barrier), and the layer cannot know
     before the launch how many adapters a batch mixes."""
-    if block_m > 16 and slots > 1:
+    if block_m > largest_tile(slots):
         return None
     slots = max(1, slots)
     w_elems, a_elems = out_features * hidden, min(slots, 4) * total_width * hidden

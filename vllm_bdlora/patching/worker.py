@@ -114,8 +114,9 @@ def patch_lora_manager() -> bool:
                     "--additional-config selects vLLM's)."
                 )
                 if settings.one_launch_decode and not settings.dora:
-                    # Tiles over 16 rows serve one-slot layers only (decode_lora.decode_plan says why)
-                    limit = settings.one_launch_max_tokens if lora_config.max_loras == 1 else 16
+                    from vllm_bdlora.kernels import decode_lora
+
+                    limit = min(settings.one_launch_max_tokens, decode_lora.largest_tile(lora_config.max_loras))
                     lines.append(
                         f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over "
                         'an unquantized base (up to 64 with --max-loras 1; "one_launch_max_tokens": 16 or 32 '
