@@ -23,20 +23,8 @@ import argparse
 
 import torch
 
-from bench.kernels.fused_lora import layer_op_path, make_layer, reference
+from bench.kernels.fused_lora import layer_op_path, layers, make_layer, reference
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
-
-HIDDEN, INTERMEDIATE, Q_HEADS_DIM, KV_DIM = 4096, 14336, 4096, 1024  # Llama-3.1-8B
-
-
-def layers(tp: int):
-    """(name, K, output slice heights) per GPU at this TP."""
-    return (
-        ("qkv_proj", HIDDEN, (Q_HEADS_DIM // tp, KV_DIM // tp, KV_DIM // tp)),
-        ("o_proj", Q_HEADS_DIM // tp, (HIDDEN,)),
-        ("gate_up_proj", HIDDEN, (INTERMEDIATE // tp, INTERMEDIATE // tp)),
-        ("down_proj", INTERMEDIATE // tp, (HIDDEN,)),
-    )
 
 
 def describe(plan) -> str:
@@ -52,7 +40,23 @@ def describe(plan) -> str:
     return text
 
 
-def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
+def breakdown_paths(layer, total_width, plan) -> dict:
+    """The one-launch kernel leaving out the shrink's work (GEMV, barrier and the finish's LoRA term) or the
+    finish's LoRA term (GEMV and shrink side by side, then the barrier): against the whole kernel and the
+    no-adapter run, which part sits on its critical path. Their outputs are wrong by design, so unchecked."""
+    from vllm_bdlora.kernels.decode_lora import decode_lora_linear, new_decode_state
+
+    out = torch.empty(layer["x"].shape[0], layer["weight"].shape[0], dtype=layer["x"].dtype, device="cuda")
+    paths = {}
+    for skip in ("shrink", "finish"):
+        state = new_decode_state(total_width, "cuda", plan)
+        paths[f"one_launch_no_{skip}"] = lambda skip=skip, state=state: decode_lora_linear(
+            out, layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"],
+            layer["slots"], state, skip=skip)  # fmt: skip
+    return paths
+
+
+def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False):
     from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for, row_tile
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
@@ -70,12 +74,15 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs):
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
         "one_launch_no_adapter": layer_op_path(no_adapter, new_decode_state(len(heights) * width, "cuda", plan)),
     }
+    tile_plan = plan_for(n, k, len(heights) * width, adapters, "cuda", row_tile(tokens))
+    if breakdown and tile_plan is not None:
+        paths.update(breakdown_paths(layer, len(heights) * width, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width,
-           "plan": describe(plan_for(n, k, len(heights) * width, adapters, "cuda", row_tile(tokens)))}  # fmt: skip
+           "plan": describe(tile_plan)}  # fmt: skip
     used = min(adapters, tokens)
     lora_bytes = 2 * used * (len(heights) * width * k + n * width)
     for path, fn in paths.items():
-        if path != "base_gemm":
+        if path not in ("base_gemm", "one_launch_no_shrink", "one_launch_no_finish"):
             expected = want if path != "one_launch_no_adapter" else layer["x"] @ layer["weight"].T
             for _ in range(3):  # repeated calls: the decode state's buffers alternate between them
                 torch.testing.assert_close(fn(), expected, atol=5e-2, rtol=5e-2)
@@ -224,6 +231,11 @@ def main(argv=None) -> int:
     p.add_argument("--tp", default="4,2,1")
     p.add_argument("--tokens", default="1,4,16,32,64")
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the kernel without the shrink's work, and without the finish's LoRA term",
+    )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
 
@@ -242,7 +254,7 @@ def main(argv=None) -> int:
                     if args.configs:
                         rows += configs_point(tp, layer_name, k, heights, t, a)
                     else:
-                        rows.append(bench_point(tp, layer_name, k, heights, t, a, copy_gbs))
+                        rows.append(bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown))
     return finish(args.out, name, rows, copy_gbs, chosen_report)
 
 

@@ -1,4 +1,4 @@
-"""The whole LoRA-adapted layer (base GEMM + LoRA) at Llama-3.1-8B TP=4 per-GPU shapes: vLLM's path
+"""The whole LoRA-adapted layer (base GEMM + LoRA) at Llama-3.1-8B per-GPU shapes (TP=4 unless --tp): vLLM's path
 (cuBLAS GEMM, then its Triton shrink and expand kernels, as its GPU punica wrapper calls them) against the
 fused kernels of vllm_bdlora.kernels.fused_lora: the custom op BD layers call (layer_op), and its two
 orders on their own: shrink + delta-writing expand + cuBLAS GEMM accumulating onto it (delta_first),
@@ -21,18 +21,26 @@ import argparse
 from dataclasses import asdict
 
 import torch
+import triton
 
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
 
-# (name, K = input features per GPU, output slice heights per GPU): Llama-3.1-8B at TP=4.
-LAYERS = (
-    ("qkv_proj", 4096, (1024, 256, 256)),
-    ("o_proj", 1024, (4096,)),
-    ("gate_up_proj", 4096, (3584, 3584)),
-    ("down_proj", 3584, (4096,)),
-)
+HIDDEN, INTERMEDIATE, Q_HEADS_DIM, KV_DIM = 4096, 14336, 4096, 1024  # Llama-3.1-8B
+
+
+def layers(tp: int):
+    """(name, K = input features per GPU, output slice heights per GPU): Llama-3.1-8B at this TP."""
+    return (
+        ("qkv_proj", HIDDEN, (Q_HEADS_DIM // tp, KV_DIM // tp, KV_DIM // tp)),
+        ("o_proj", Q_HEADS_DIM // tp, (HIDDEN,)),
+        ("gate_up_proj", HIDDEN, (INTERMEDIATE // tp, INTERMEDIATE // tp)),
+        ("down_proj", INTERMEDIATE // tp, (HIDDEN,)),
+    )
+
+
+LAYERS = layers(4)
 TOKENS = (1, 16, 64, 1024, 2048, 4096, 8192)
-WIDTH = 32  # a BD r'=128 adapter at TP=4 (per-GPU width)
+WIDTH = 32  # a BD r'=128 adapter at TP=4 (per-GPU width 128 / TP)
 GRAPH_REPEATS = 10
 
 
@@ -161,9 +169,10 @@ def candidate_configs(tokens, k, width, slices):
     lin = linear_config(tokens)
     whole = all_slices_block(width, slices)
     if tokens <= 64:
-        shrinks = {s} | {LaunchConfig(16, bn, 128, split_k=sk, num_stages=2) for bn in (s.block_n, whole)
-                         for sk in (4, 8, 16)}  # fmt: skip
-        expands = {e} | {LaunchConfig(16, bn, e.block_k, num_stages=2) for bn in (32, 128, 256)}
+        rows = sorted({16, max(16, triton.next_power_of_2(tokens))})  # 16-row tiles, or all tokens in one
+        shrinks = {s} | {LaunchConfig(bm, bn, 128, split_k=sk, num_stages=2) for bm in rows
+                         for bn in (s.block_n, whole) for sk in (4, 8, 16)}  # fmt: skip
+        expands = {e} | {LaunchConfig(bm, bn, e.block_k, num_stages=2) for bm in rows for bn in (32, 64, 128, 256)}
         linears = {lin} | {LaunchConfig(16, bn, bk, num_stages=st) for bn, bk, st in
                            ((16, 256, 4), (32, 256, 3), (64, 128, 4), (64, 64, 5))}  # fmt: skip
         return shrinks, expands, linears
@@ -179,12 +188,14 @@ def candidate_configs(tokens, k, width, slices):
     return shrinks, expands, linears
 
 
-def tune_point(layer, want, tokens, k, width) -> dict:
-    """Best configuration per fused path, varying one kernel's launch configuration at a time around the
-    defaults (each checked against the reference)."""
+def tune_point(layer, want, tokens, k, width, paths=PATHS) -> dict:
+    """Best configuration per fused path (of `paths`), varying one kernel's launch configuration at a time
+    around the defaults (each checked against the reference)."""
     shrinks, expands, linears = candidate_configs(tokens, k, width, layer["widths"].shape[0])
     found = {}
     for index, (path, others) in enumerate(zip(PATHS, (expands, expands, linears), strict=True)):
+        if path not in paths:
+            continue
         trials = [(s, None) for s in shrinks] + [(None, o) for o in others]  # None: the default
         timed = []
         for shrink_cfg, other_cfg in trials:
@@ -203,13 +214,13 @@ def tune_point(layer, want, tokens, k, width) -> dict:
     return found
 
 
-def bench_point(name, k, heights, tokens, adapters, width, tune):
+def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4):
     layer = make_layer(k, heights, tokens, adapters, width)
     want = reference(layer)
     paths = {"vllm": vllm_path(layer), "layer_op": layer_op_path(layer),
              **dict(zip(PATHS, fused_paths(layer), strict=True)),
              "base_gemm_only": lambda: layer["x"] @ layer["weight"].T}  # fmt: skip
-    row = {"layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": sum(heights),
+    row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": sum(heights),
            "slices": len(heights), "width": width}  # fmt: skip
     for path, fn in paths.items():
         if fn is None:
@@ -224,7 +235,7 @@ def bench_point(name, k, heights, tokens, adapters, width, tune):
         row[f"{path}_ms"] = round(time_cuda(fn, graph_repeats=GRAPH_REPEATS)["median_ms"], 5)
         row[f"{path}_eager_ms"] = round(time_cuda(fn)["median_ms"], 5)
     if tune:
-        row.update(tune_point(layer, want, tokens, k, width))
+        row.update(tune_point(layer, want, tokens, k, width, tune))
     if row["vllm_ms"]:
         for path in ("layer_op", *PATHS, *(f"tuned_{p}" for p in PATHS)):
             if row.get(f"{path}_ms"):
@@ -263,7 +274,7 @@ def report(json_path: str) -> str:
         )
     lines += [
         "- times: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls (ms per call); bf16; "
-        "Llama-3.1-8B TP=4 per-GPU shapes, per-GPU LoRA width "
+        f"Llama-3.1-8B TP={rows[0].get('tp', 4)} per-GPU shapes, per-GPU LoRA width "
         f"{rows[0]['width']} (BD r'=128)",
         "- paths: **layer op** = the custom op BD layers call with `lora_kernels: fused`/`auto` over an "
         "unquantized base (our shrink, then from 2048 tokens our expand writing delta + bias and cuBLAS "
@@ -274,13 +285,13 @@ def report(json_path: str) -> str:
         "the layer op's added time",
         "",
     ]
-    tuned = any("tuned_delta_first_ms" in r for r in rows)
+    tuned = [path for path in PATHS if any(f"tuned_{path}_ms" in r for r in rows)]
     for adapters in sorted({r["adapters"] for r in rows}):
         lines += [f"## {adapters} adapter(s) per batch", "",
                   "| layer | tokens | base GEMM ms (TFLOP/s) | vLLM ms | layer op ms (×) | delta first ms (×) "
                   "| fused expand ms (×) | fused GEMM ms (×) | LoRA cost vLLM / layer op, µs (LoRA GB/s) |"
-                  + (" tuned delta first ms (×) |" if tuned else ""),
-                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if tuned else "")]  # fmt: skip
+                  + "".join(f" tuned {path.replace('_', ' ')} ms (×) |" for path in tuned),
+                  "|---|---|---|---|---|---|---|---|---|" + "---|" * len(tuned)]  # fmt: skip
         for r in (r for r in rows if r["adapters"] == adapters):
             lines.append(
                 f"| {r['layer']} | {r['tokens']} | {r['base_gemm_only_ms']:.4f} ({r['base_gemm_tflops']}) | "
@@ -292,7 +303,10 @@ def report(json_path: str) -> str:
                 f"{_or_dash(r.get('vllm_lora_overhead_ms'), '.1f', 1e3)} / "
                 f"{r['layer_op_lora_overhead_ms'] * 1e3:.1f} "
                 f"({r.get('layer_op_lora_gbs', '-')}) |"
-                + (f" {r['tuned_delta_first_ms']:.4f} ({r.get('tuned_delta_first_speedup', '-')}) |" if tuned else "")
+                + "".join(
+                    f" {_or_dash(r.get(f'tuned_{path}_ms'), '.4f')} ({r.get(f'tuned_{path}_speedup', '-')}) |"
+                    for path in tuned
+                )
             )
         lines.append("")
     lines += ["## Targets (issue 5): the layer op", ""]
@@ -315,15 +329,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
-    p.add_argument("--width", type=int, default=WIDTH, help="per-GPU LoRA width (BD r' / TP)")
-    p.add_argument("--tune", action="store_true", help="also time candidate launch configurations")
+    p.add_argument("--tp", type=int, default=4, help="Llama-3.1-8B per-GPU layer shapes at this TP")
+    p.add_argument("--width", type=int, help="per-GPU LoRA width (default: BD r'=128 / TP)")
+    p.add_argument(
+        "--tune",
+        nargs="?",
+        const=",".join(PATHS),
+        default="",
+        help=f"also time candidate launch configurations of these paths (bare: all of {','.join(PATHS)})",
+    )
     started = kernel_bench_cli(p, argv, report, "fused_lora")
     if started is None:
         return 0
     args, copy_gbs, _, _ = started
+    width, tune = args.width or 128 // args.tp, tuple(filter(None, args.tune.split(",")))
     rows = [
-        bench_point(name, k, heights, int(t), int(n), args.width, args.tune)
-        for name, k, heights in LAYERS
+        bench_point(name, k, heights, int(t), int(n), width, tune, args.tp)
+        for name, k, heights in layers(args.tp)
         for n in args.adapters.split(",")
         for t in args.tokens.split(",")
     ]

@@ -304,15 +304,15 @@ def _gemv(x_ptr, w_ptr, stride_x, stride_w, safe_rows, row_ok, safe_cols, k_lo, 
 def _finish(acc, n0, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots, n_slots,
             n_cols, stride_out, stride_bl, stride_bn, stride_wt,
             NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Column block n0's X·Wᵀ sum + bias + S·B[slot]ᵀ of each token's slot, written once."""
+            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ADD_LORA: tl.constexpr):  # fmt: skip
+    """Column block n0's X·Wᵀ sum + bias + S·B[slot]ᵀ of each token's slot (unless not ADD_LORA), written once."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     safe_cols = tl.where(col_ok, cols, 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + safe_cols).to(tl.float32)[None, :]
     ws = tl.arange(0, BLOCK_W)
-    for slot in range(0, n_slots):
+    for slot in range(0, n_slots if ADD_LORA else 0):
         mine = row_slots == slot
         if tl.sum(mine.to(tl.int32), 0) > 0:
             for j in tl.static_range(NUM_SLICES):
@@ -338,7 +338,7 @@ def _decode_lora_linear_kernel(
     PHASE: tl.constexpr, STREAM_K: tl.constexpr, NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHRINK_K: tl.constexpr, S_ROWS: tl.constexpr,
-    R_CHUNK: tl.constexpr,
+    R_CHUNK: tl.constexpr, SKIP: tl.constexpr,
 ):  # fmt: skip
     """Programs below `gemv_programs` run the GEMV and then finish column blocks; the rest compute S. PHASE 0:
     one launch with the in-kernel barrier. PHASE 1: the shrink, stream-K partial sums and every arrival;
@@ -360,7 +360,7 @@ def _decode_lora_linear_kernel(
         chunk, chunks, shrink_steps = pid - gemv_programs, programs - gemv_programs, tl.cdiv(hidden, SHRINK_K)
         k_lo = (chunk * shrink_steps // chunks) * SHRINK_K  # every chunk >= 1 step: chunks <= shrink_steps
         k_hi = tl.minimum(((chunk + 1) * shrink_steps // chunks) * SHRINK_K, hidden)
-        for slot in range(0, n_slots):
+        for slot in range(0, n_slots if SKIP != 1 else 0):
             mine = row_slots == slot
             if tl.sum(mine.to(tl.int32), 0) > 0:
                 # R_CHUNK columns of S at a time (the plan's shrink_columns)
@@ -427,7 +427,7 @@ def _decode_lora_linear_kernel(
             acc = tl.load(sum_ptrs, mask=sum_mask, other=0.0, cache_modifier=".cg")
             _finish(acc, tile * BLOCK_N, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok,
                     row_slots, n_slots, n_cols, stride_out, stride_bl, stride_bn, stride_wt, NUM_SLICES, TOTAL_W,
-                    WIDTH, BLOCK_W, HAS_BIAS, BLOCK_N)  # fmt: skip
+                    WIDTH, BLOCK_W, HAS_BIAS, BLOCK_N, SKIP != 2)  # fmt: skip
             # Zeroed for the next launch only after the output is written: Triton may re-issue the load above
             # where its value is used (rather than convert its register layout), and a re-issued load after
             # this store read zeros (rows of every other column wrong with a bias, Triton 3.6 on an H200)
@@ -447,18 +447,19 @@ def _decode_lora_linear_kernel(
         s_now = s_buffers + (epoch & 1) * S_ROWS * TOTAL_W
         _finish(acc, pid * BLOCK_N, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots,
                 n_slots, n_cols, stride_out, stride_bl, stride_bn, stride_wt, NUM_SLICES, TOTAL_W, WIDTH, BLOCK_W,
-                HAS_BIAS, BLOCK_N)  # fmt: skip
+                HAS_BIAS, BLOCK_N, SKIP != 2)  # fmt: skip
 
 
 def decode_lora_linear(
     out, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots, state, bias=None,
-    plan: DecodePlan | None = None, phases: int = 1,
+    plan: DecodePlan | None = None, phases: int = 1, skip: str | None = None,
 ):  # fmt: skip
     """out (tokens <= 16, out_features) = X·Wᵀ (+ bias) + each token's LoRA delta, every slice of a packed
     layer (lora_a (slots, slices·width, in), lora_b (slots, out_features, width), slot_widths (slices,
     slots), token_slots (>= tokens,) slot or -1), rounded once. `state`: the layer's `new_decode_state` for
     this plan (by default `decode_plan` for the layer and GPU). phases=2 runs the shrink as a launch of its
-    own (no in-kernel barrier: what the interpreter can run)."""
+    own (no in-kernel barrier: what the interpreter can run). skip ("shrink" or "finish"; the benchmark's
+    breakdown only, the output is then wrong) leaves out the shrink's work or the finish's LoRA term."""
     tokens, hidden = x.shape
     if tokens > DECODE_MAX_TOKENS:
         raise ValueError(f"decode_lora_linear takes at most {DECODE_MAX_TOKENS} tokens, got {tokens}")
@@ -490,7 +491,7 @@ def decode_lora_linear(
         R_CHUNK=min(plan.shrink_columns, max(16, triton.next_power_of_2(total_width))),
         HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k, S_ROWS=DECODE_MAX_TOKENS,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SKIP={None: 0, "shrink": 1, "finish": 2}[skip], num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     grid = (plan.programs,)
     if phases == 2:
