@@ -77,6 +77,19 @@ def test_tiles_over_16_rows_take_whole_blocks_in_one_slot_layers_only(out_featur
     assert (block_m + plan.block_n) * plan.block_k * 2 * plan.num_stages <= 160 * 1024
 
 
+def test_shrink_programs_split_a_wide_s_between_them_in_large_tiles():
+    """qkv_proj at TP=1 (S 384 wide) in 64-row tiles computes S 128 columns at a time: rather than every
+    shrink program adding all three chunks into S (each element added to by every program), each chunk has a
+    third of the programs, each over a longer share of the hidden dimension. Narrow S keeps one group."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    wide = decode_plan(6144, 4096, 384, 1, 132, 64)
+    assert wide.shrink_columns == 128 and wide.shrink_groups == 3
+    assert wide.chunks % 3 == 0 and wide.chunks // 3 <= -(-4096 // wide.shrink_k) and wide.programs <= 132
+    assert decode_plan(6144, 4096, 384, 1, 132, 16).shrink_groups == 1
+    assert decode_plan(1536, 4096, 96, 1, 132, 64).shrink_groups == 1
+
+
 def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_kernels(monkeypatch):
     """A layer's state is sized for the plan of the GPU it was made on; on a GPU whose plan needs more (another
     SM count), the op must take the three-kernel path, not raise in the middle of a forward. So must batches
@@ -122,9 +135,12 @@ def plan_of(b, tokens):
         plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=True,
                          gemv_programs=7)
         assert plan.steps_per_program % -(-hidden // block_k), plan
-    elif kind in ("whole", "stream_k"):  # larger tiles: S in chunks of 32 columns, the last past the width
-        plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=False,
-                         block_m=tile, shrink_columns=32 if tile > 16 else 0)
+    elif kind in ("whole", "stream_k"):
+        # larger tiles: S in chunks of 32 columns (the last past the width), each chunk its own shrink
+        # programs, which split the hidden dimension two ways
+        plan = make_plan(out_features, hidden, total_width, 6 if tile > 16 else 3, block_n=16, block_k=block_k,
+                         stream_k=False, block_m=tile, shrink_columns=32 if tile > 16 else 0)
+        assert tile == 16 or (plan.shrink_groups, plan.chunks) == (3, 6), plan
     else:  # the planner's own choice (tiles over 16 rows are planned for one-slot layers only)
         plan = plan_for(out_features, hidden, total_width, len(SLOT_WIDTHS[0]) if tile == 16 else 1, device, tile)
     assert plan.gemv_programs > 1 and plan.chunks > 1 and plan.block_m == tile, plan
@@ -142,7 +158,12 @@ for call, tokens in enumerate(sizes):
     if call == 0:
         state = new_decode_state(total_width, device, plan_of(b, 1))  # the layer's: made for its 16-row plan
     slots = b["slots"].clone()
-    slots[torch.arange(tokens, device=device) % 5 == call % 5] = call % len(SLOT_WIDTHS[0])
+    if call % 3 == 2:  # one adapter among the tokens that have one (most decode steps), some tokens without
+        slots[(slots >= 0) & (slots < len(SLOT_WIDTHS[0]))] = call % len(SLOT_WIDTHS[0])
+    else:
+        slots[torch.arange(tokens, device=device) % 5 == call % 5] = call % len(SLOT_WIDTHS[0])
+    if call == len(sizes) - 1:
+        slots[0] = 99  # a batch whose only slot is stale: no adapter, nothing read past the buffers
     want = lora_linear_slices_reference(b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
                                         slots, b["bias"] if call % 2 else None)
     out = torch.full_like(want, float("nan"))

@@ -37,6 +37,8 @@ def describe(plan) -> str:
         text += f", {plan.num_warps} warps {plan.num_stages} stages"
     if plan.block_m != 16:
         text += f", {plan.block_m}-row tile"
+    if plan.shrink_groups > 1:
+        text += f", S in {plan.shrink_groups} column groups"
     return text
 
 

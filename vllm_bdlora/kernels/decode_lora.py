@@ -74,11 +74,12 @@ class DecodePlan:
     gemv_programs: int  # one per column block, or with stream_k as many as share the steps evenly
     stream_k: bool
     steps_per_program: int  # hidden steps (of block_k) per GEMV program: with stream_k a run across blocks
-    chunks: int  # shrink programs: each an even share of the hidden dimension's shrink steps
+    chunks: int  # shrink programs: each a group of S's columns over an even share of the hidden dimension
     num_stages: int = 4
     num_warps: int = 4
     block_m: int = 16  # token rows (one of ROW_TILES): the batches of up to this many tokens it serves
     shrink_columns: int = 128  # columns of S a shrink program computes at a time
+    shrink_groups: int = 1  # the shrink programs split S's columns (in shrink_columns) this many ways
 
     @property
     def programs(self) -> int:
@@ -96,7 +97,9 @@ def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs:
     """A launch with these choices (the benchmark's configuration sweep builds its candidates here). Whole
     column blocks take one GEMV program each; stream-K shares tiles × hidden steps evenly over at most
     `gemv_programs`. Shrink programs: at most `shrink_programs`, none without a share of the hidden dimension,
-    each computing `shrink_columns` of S at a time (by default `default_shrink_columns`)."""
+    each computing `shrink_columns` of S at a time (by default `default_shrink_columns`); where S is wider
+    than that, the programs split its column chunks between them, each over a longer share of the hidden
+    dimension, so fewer programs add into each element of S."""
     if block_m not in ROW_TILES or (stream_k and block_m > _STREAM_K_ROWS):
         raise ValueError(f"no decode plan for {block_m}-row tiles{' with stream-K' if stream_k else ''}")
     tiles = triton.cdiv(out_features, block_n)
@@ -108,9 +111,10 @@ def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs:
         steps, gemv_programs = k_steps, tiles
     shrink_columns = shrink_columns or default_shrink_columns(total_width, block_m)
     shrink_k = _shrink_step(shrink_columns)
-    chunks = max(1, min(shrink_programs, triton.cdiv(hidden, shrink_k)))
-    return DecodePlan(block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, chunks, num_stages, num_warps,
-                      block_m, shrink_columns)  # fmt: skip
+    groups = max(1, min(triton.cdiv(total_width, shrink_columns), shrink_programs))
+    hidden_shares = max(1, min(shrink_programs // groups, triton.cdiv(hidden, shrink_k)))
+    return DecodePlan(block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, groups * hidden_shares,
+                      num_stages, num_warps, block_m, shrink_columns, groups)  # fmt: skip
 
 
 def whole_block_step(block_n: int, block_m: int = 16) -> int:
@@ -338,7 +342,7 @@ def _decode_lora_linear_kernel(
     PHASE: tl.constexpr, STREAM_K: tl.constexpr, NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHRINK_K: tl.constexpr, S_ROWS: tl.constexpr,
-    R_CHUNK: tl.constexpr, SKIP: tl.constexpr,
+    R_CHUNK: tl.constexpr, SHRINK_GROUPS: tl.constexpr, SKIP: tl.constexpr,
 ):  # fmt: skip
     """Programs below `gemv_programs` run the GEMV and then finish column blocks; the rest compute S. PHASE 0:
     one launch with the in-kernel barrier. PHASE 1: the shrink, stream-K partial sums and every arrival;
@@ -357,14 +361,17 @@ def _decode_lora_linear_kernel(
         epoch = (tl.atomic_add(state_ptr, 0) >> 16) & 0xFFFF  # cannot move before this program arrives
         s_now = s_buffers + (epoch & 1) * S_ROWS * TOTAL_W
         rs = tl.arange(0, BLOCK_R)
-        chunk, chunks, shrink_steps = pid - gemv_programs, programs - gemv_programs, tl.cdiv(hidden, SHRINK_K)
-        k_lo = (chunk * shrink_steps // chunks) * SHRINK_K  # every chunk >= 1 step: chunks <= shrink_steps
-        k_hi = tl.minimum(((chunk + 1) * shrink_steps // chunks) * SHRINK_K, hidden)
+        # this program's column chunks (every SHRINK_GROUPS-th of R_CHUNK columns) over its hidden share: each
+        # element of S is added to by the programs of one group only
+        chunk, shrink_steps = pid - gemv_programs, tl.cdiv(hidden, SHRINK_K)
+        shares = (programs - gemv_programs) // SHRINK_GROUPS
+        group, share = chunk % SHRINK_GROUPS, chunk // SHRINK_GROUPS
+        k_lo = (share * shrink_steps // shares) * SHRINK_K  # every share >= 1 step: shares <= shrink_steps
+        k_hi = tl.minimum(((share + 1) * shrink_steps // shares) * SHRINK_K, hidden)
         for slot in range(0, n_slots if SKIP != 1 else 0):
             mine = row_slots == slot
             if tl.sum(mine.to(tl.int32), 0) > 0:
-                # R_CHUNK columns of S at a time (the plan's shrink_columns)
-                for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
+                for r0 in range(group * R_CHUNK, TOTAL_W, SHRINK_GROUPS * R_CHUNK):
                     rc = r0 + tl.arange(0, R_CHUNK)
                     w = tl.load(widths_ptr + (rc // WIDTH) * stride_wt + slot, mask=rc < TOTAL_W, other=0)
                     r_ok = (rc < TOTAL_W) & (rc % WIDTH < w)
@@ -489,6 +496,7 @@ def decode_lora_linear(
         STREAM_K=plan.stream_k, NUM_SLICES=slices, TOTAL_W=total_width, WIDTH=width,
         BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=max(16, triton.next_power_of_2(total_width)),
         R_CHUNK=min(plan.shrink_columns, max(16, triton.next_power_of_2(total_width))),
+        SHRINK_GROUPS=plan.shrink_groups,
         HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k, S_ROWS=DECODE_MAX_TOKENS,
         SKIP={None: 0, "shrink": 1, "finish": 2}[skip], num_warps=plan.num_warps, num_stages=plan.num_stages,
