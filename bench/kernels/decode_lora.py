@@ -215,6 +215,18 @@ def report(json_path: str) -> str:
             f"{r['one_launch_of_copy_bw']:.0%}) | {r['one_launch_speedup']}× | {r['one_launch_no_adapter_us']} "
             f"({r['one_launch_no_adapter_over_base']}) |" + (f" {r['plan']} |" if with_plans else "")
         )
+    broken_down = [r for r in rows if "one_launch_no_shrink_us" in r]
+    if broken_down:
+        lines += ["", "Where the one-launch kernel's LoRA part goes (`--breakdown`), µs over the no-adapter run: the "
+                  "finish's LoRA term (the kernel without the shrink's work) and the shrink past the GEMV (the "
+                  "kernel without the finish's LoRA term); the outputs of those two runs are wrong by design.", "",
+                  "| TP | layer | tokens | adapters | one launch | no adapter | finish's LoRA term | shrink past the "
+                  "GEMV |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in broken_down:
+            base = r["one_launch_no_adapter_us"]
+            lines.append(f"| {r['tp']} | {r['layer']} | {r['tokens']} | {r['adapters']} | {r['one_launch_us']} | "
+                         f"{base} | {r['one_launch_no_shrink_us'] - base:+.2f} | "
+                         f"{r['one_launch_no_finish_us'] - base:+.2f} |")  # fmt: skip
     lines += ["", "Per decoder layer (the four kinds summed), 1 adapter:", ""]
     lines += ["| TP | tokens | base µs | three kernels µs (×base) | one launch µs (×base) |", "|---|---|---|---|---|"]
     for tp in dict.fromkeys(r["tp"] for r in rows):
