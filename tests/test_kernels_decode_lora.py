@@ -2,6 +2,8 @@
 reference in Triton's interpreter (CPU, the shrink as its own launch) and compiled with the in-kernel barrier
 (GPU), over repeated calls (the state's S buffers alternate) and CUDA-graph replays."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,6 +90,8 @@ def test_shrink_programs_split_a_wide_s_between_them_in_large_tiles():
     assert wide.chunks % 3 == 0 and wide.chunks // 3 <= -(-4096 // wide.shrink_k) and wide.programs <= 132
     assert decode_plan(6144, 4096, 384, 1, 132, 16).shrink_groups == 1
     assert decode_plan(1536, 4096, 96, 1, 132, 64).shrink_groups == 1
+    with pytest.raises(ValueError, match="do not split into 3 column groups"):
+        dataclasses.replace(wide, chunks=wide.chunks + 1)
 
 
 def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_kernels(monkeypatch):

@@ -82,6 +82,10 @@ class DecodePlan:
     shrink_columns: int = 128  # columns of S a shrink program computes at a time
     shrink_groups: int = 1  # the shrink programs split S's columns (in shrink_columns) this many ways
 
+    def __post_init__(self):
+        if self.chunks % self.shrink_groups:  # the kernel gives each group chunks // shrink_groups programs
+            raise ValueError(f"{self.chunks} shrink programs do not split into {self.shrink_groups} column groups")
+
     @property
     def programs(self) -> int:
         return self.gemv_programs + self.chunks
