@@ -237,6 +237,8 @@ def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -
 
 
 _max_tokens = DECODE_MAX_TOKENS
+# decode_lora_linear's `skip` (the benchmark's breakdown) as the kernel's SKIP
+_SKIPS = {None: 0, "shrink": 1, "finish": 2}
 
 
 def set_max_tokens(tokens: int) -> None:
@@ -466,9 +468,9 @@ def decode_lora_linear(
     out, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots, state, bias=None,
     plan: DecodePlan | None = None, phases: int = 1, skip: str | None = None,
 ):  # fmt: skip
-    """out (tokens <= 16, out_features) = X·Wᵀ (+ bias) + each token's LoRA delta, every slice of a packed
-    layer (lora_a (slots, slices·width, in), lora_b (slots, out_features, width), slot_widths (slices,
-    slots), token_slots (>= tokens,) slot or -1), rounded once. `state`: the layer's `new_decode_state` for
+    """out (tokens <= DECODE_MAX_TOKENS, out_features) = X·Wᵀ (+ bias) + each token's LoRA delta, every slice
+    of a packed layer (lora_a (slots, slices·width, in), lora_b (slots, out_features, width), slot_widths
+    (slices, slots), token_slots (>= tokens,) slot or -1), rounded once. `state`: the layer's `new_decode_state` for
     this plan (by default `decode_plan` for the layer and GPU). phases=2 runs the shrink as a launch of its
     own (no in-kernel barrier: what the interpreter can run). skip ("shrink" or "finish"; the benchmark's
     breakdown only, the output is then wrong) leaves out the shrink's work or the finish's LoRA term."""
@@ -497,14 +499,13 @@ def decode_lora_linear(
         x.stride(0), weight.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0),
     )  # fmt: skip
+    block_r = max(16, triton.next_power_of_2(total_width))
     constants = dict(
         STREAM_K=plan.stream_k, NUM_SLICES=slices, TOTAL_W=total_width, WIDTH=width,
-        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=max(16, triton.next_power_of_2(total_width)),
-        R_CHUNK=min(plan.shrink_columns, max(16, triton.next_power_of_2(total_width))),
-        SHRINK_GROUPS=plan.shrink_groups,
-        HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k, S_ROWS=DECODE_MAX_TOKENS,
-        SKIP={None: 0, "shrink": 1, "finish": 2}[skip], num_warps=plan.num_warps, num_stages=plan.num_stages,
+        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=block_r, R_CHUNK=min(plan.shrink_columns, block_r),
+        SHRINK_GROUPS=plan.shrink_groups, HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k,
+        S_ROWS=DECODE_MAX_TOKENS, SKIP=_SKIPS[skip], num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     grid = (plan.programs,)
     if phases == 2:

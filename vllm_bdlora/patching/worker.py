@@ -119,8 +119,9 @@ def patch_lora_manager() -> bool:
                     limit = min(settings.one_launch_max_tokens, decode_lora.largest_tile(lora_config.max_loras))
                     lines.append(
                         f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over "
-                        'an unquantized base (up to 64 with --max-loras 1; "one_launch_max_tokens": 16 or 32 '
-                        'lowers the limit, "one_launch_decode": false turns it off).'
+                        f"an unquantized base (up to {decode_lora.DECODE_MAX_TOKENS} with --max-loras 1; "
+                        '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it '
+                        "off)."
                     )
             else:
                 why = "not on CUDA" if kernels == "auto" else "as configured"
