@@ -42,20 +42,23 @@ def describe(plan) -> str:
     return text
 
 
-def breakdown_paths(layer, total_width, plan) -> dict:
-    """The one-launch kernel leaving out the shrink's work (GEMV, barrier and the finish's LoRA term) or the
-    finish's LoRA term (GEMV and shrink side by side, then the barrier): against the whole kernel and the
-    no-adapter run, which part sits on its critical path. Their outputs are wrong by design, so unchecked."""
+def kernel_call(layer, plan, skip=None):
+    """The one-launch kernel called directly under `plan` (with a decode state of its own), not through the
+    layer op: a callable returning the output."""
     from vllm_bdlora.kernels.decode_lora import decode_lora_linear, new_decode_state
 
     out = torch.empty(layer["x"].shape[0], layer["weight"].shape[0], dtype=layer["x"].dtype, device="cuda")
-    paths = {}
-    for skip in ("shrink", "finish"):
-        state = new_decode_state(total_width, "cuda", plan)
-        paths[f"one_launch_no_{skip}"] = lambda skip=skip, state=state: decode_lora_linear(
-            out, layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"],
-            layer["slots"], state, skip=skip)  # fmt: skip
-    return paths
+    state = new_decode_state(layer["lora_a"].shape[1], "cuda", plan)
+    args = (out, layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"],
+            layer["slots"], state)  # fmt: skip
+    return lambda: decode_lora_linear(*args, plan=plan, skip=skip)
+
+
+def breakdown_paths(layer, plan) -> dict:
+    """The one-launch kernel leaving out the shrink's work (GEMV, barrier and the finish's LoRA term) or the
+    finish's LoRA term (GEMV and shrink side by side, then the barrier): against the whole kernel and the
+    no-adapter run, which part sits on its critical path. Their outputs are wrong by design, so unchecked."""
+    return {f"one_launch_no_{skip}": kernel_call(layer, plan, skip) for skip in ("shrink", "finish")}
 
 
 def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False):
@@ -78,7 +81,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     }
     tile_plan = plan_for(n, k, len(heights) * width, adapters, "cuda", row_tile(tokens))
     if breakdown and tile_plan is not None:
-        paths.update(breakdown_paths(layer, len(heights) * width, tile_plan))
+        paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width,
            "plan": describe(tile_plan)}  # fmt: skip
     used = min(adapters, tokens)
@@ -139,19 +142,12 @@ def configs_point(tp, name, k, heights, tokens, adapters):
     width = 128 // tp
     layer = make_layer(k, heights, tokens, adapters, width)
     want, n, total_width = reference(layer), sum(heights), len(heights) * width
-    out = torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda")
     base_us = time_cuda(lambda: layer["x"] @ layer["weight"].T, graph_repeats=10)["median_ms"] * 1e3
     rows = []
     sms = decode_lora._sm_count(0)
     default = decode_lora.decode_plan(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens))
     for plan in candidate_plans(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens)):
-        state = decode_lora.new_decode_state(total_width, "cuda", plan)
-
-        def run(plan=plan, state=state):
-            return decode_lora.decode_lora_linear(out, layer["x"], layer["weight"], layer["lora_a"], layer["lora_b"],
-                                                  layer["widths"], layer["bounds"], layer["slots"], state,
-                                                  plan=plan)  # fmt: skip
-
+        run = kernel_call(layer, plan)
         for _ in range(3):
             torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
         us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
