@@ -62,21 +62,33 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
 
 
 @pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("hidden", [4096, 14336])
 @pytest.mark.parametrize("out_features", [16, 1536, 4096, 7168, 14336, 28672])
-def test_tiles_over_16_rows_take_whole_blocks_in_one_slot_layers_only(out_features, block_m):
-    """Stream-K keeps partial sums for 16 rows only; a batch mixing adapters runs slower in the larger tiles
-    than on three kernels, so layers with several LoRA slots keep the three kernels above 16 tokens. Each
-    stage's X and W tiles must leave room for four stages in an H100's 227 kB of shared memory."""
+def test_tiles_over_16_rows_in_one_slot_layers_only(out_features, hidden, block_m):
+    """A batch mixing adapters runs slower in the larger tiles than on three kernels, so layers with several
+    LoRA slots keep the three kernels above 16 tokens. Layers too wide for whole blocks keep them too (stream-K's
+    partial sums for 64 rows would take megabytes); narrow ones take stream-K in 32-row tiles and whole 16-column
+    blocks in 64-row tiles; the rest whole blocks of 32-128 columns, 6 stages deep where the hidden loop is long.
+    The stages must fit in an H100's 227 kB of shared memory with room to spare."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
-    assert decode_plan(out_features, 4096, 96, 4, 132, block_m) is None
-    plan = decode_plan(out_features, 4096, 96, 1, 132, block_m)
+    assert decode_plan(out_features, hidden, 96, 4, 132, block_m) is None
+    plan = decode_plan(out_features, hidden, 96, 1, 132, block_m)
     if out_features > 128 * (132 - 4):
         assert plan is None  # gate_up_proj at TP=1: no whole blocks fit
         return
-    assert not plan.stream_k and plan.block_m == block_m and 32 <= plan.block_n <= 128 and plan.programs <= 132
-    assert plan.gemv_programs * plan.block_n >= out_features
-    assert (block_m + plan.block_n) * plan.block_k * 2 * plan.num_stages <= 160 * 1024
+    assert plan.block_m == block_m and plan.programs <= 132
+    narrow = -(-out_features // 16) <= 132 - plan.chunks
+    assert plan.stream_k == (narrow and block_m == 32)
+    if plan.stream_k:
+        assert plan.block_n == 64 and plan.steps_per_program * plan.gemv_programs >= plan.tiles * hidden // plan.block_k
+    else:
+        assert plan.block_n == 16 if narrow else 32 <= plan.block_n <= 128
+        assert plan.gemv_programs * plan.block_n >= out_features
+    stage = (block_m + plan.block_n) * plan.block_k * 2
+    assert stage * plan.num_stages <= 160 * 1024
+    assert plan.num_stages == (6 if not plan.stream_k and -(-hidden // plan.block_k) >= 48 and 6 * stage <= 150 * 1024
+                               else 4)  # fmt: skip
 
 
 def test_shrink_programs_split_a_wide_s_between_them_in_large_tiles():
@@ -95,7 +107,7 @@ def test_shrink_programs_split_a_wide_s_between_them_in_large_tiles():
 
 
 def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_kernels(monkeypatch):
-    """A layer's state is sized for the plan of the GPU it was made on; on a GPU whose plan needs more (another
+    """A layer's state is sized for the plans of the GPU it was made on; on a GPU whose plan needs more (another
     SM count), the op must take the three-kernel path, not raise in the middle of a forward. So must batches
     over the largest row tile, or over the configured limit."""
     from vllm_bdlora.kernels import decode_lora
@@ -104,13 +116,15 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
     cuda = torch.device("cuda", 0)
     plan = decode_lora.plan_for(1536, 4096, 96, 1, cuda)
     assert plan.stream_k  # its partial sums make the state larger than a whole-block plan's
-    made_for_it = decode_lora.new_decode_state(96, "cpu", plan)
+    made_for_it = torch.zeros(decode_lora.layer_state_words(1536, 4096, 96, 1, cuda), dtype=torch.int32)
     made_elsewhere = decode_lora.new_decode_state(
         96, "cpu", decode_lora.decode_plan(1536, 4096, 96, 1, 60)
     )  # whole blocks
     assert decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_for_it)
     assert not decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_elsewhere)
-    assert decode_lora.usable(64, 1536, 4096, 96, 1, cuda, made_for_it)  # whole blocks of 32 columns, 64 rows
+    for tokens in (16, 32, 64):  # the layer's state serves every tile's plan (32 rows: stream-K, more partials)
+        assert decode_lora.usable(tokens, 1536, 4096, 96, 1, cuda, made_for_it)
+    assert not decode_lora.usable(32, 1536, 4096, 96, 1, cuda, decode_lora.new_decode_state(96, "cpu", plan))
     assert not decode_lora.usable(65, 1536, 4096, 96, 1, cuda, made_for_it)  # more tokens than the largest tile
     decode_lora.set_max_tokens(16)  # the "one_launch_max_tokens" setting
     try:
@@ -124,22 +138,22 @@ KERNEL_CHECK = """
 import sys, torch
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch
 from vllm_bdlora.kernels.decode_lora import (DECODE_MAX_TOKENS, decode_lora_linear, make_plan, new_decode_state,
-                                             plan_for, row_tile, whole_block_step)
+                                             plan_for, row_tile, state_words, whole_block_step)
 from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 device, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[5])
 phases, hidden, kind = int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
 
 
 def plan_of(b, tokens):
-    # Forced plans: several programs share the shrink, the output columns and (stream-K, 16-row tiles only)
-    # each block's hidden steps, the runs crossing from one column block into the next
+    # Forced plans: several programs share the shrink, the output columns and (stream-K) each block's hidden
+    # steps, the runs crossing from one column block into the next
     out_features, total_width, tile = b["weight"].shape[0], b["lora_a"].shape[1], row_tile(tokens)
     block_k = min(64 if hidden < 1024 else 256, whole_block_step(16, tile))
-    if kind == "stream_k" and tile == 16:
-        plan = make_plan(out_features, hidden, total_width, 3, block_n=16, block_k=block_k, stream_k=True,
-                         gemv_programs=7)
+    if kind == "stream_k":  # in larger tiles, S's chunks split as below
+        plan = make_plan(out_features, hidden, total_width, 6 if tile > 16 else 3, block_n=16, block_k=block_k,
+                         stream_k=True, gemv_programs=7, block_m=tile, shrink_columns=32 if tile > 16 else 0)
         assert plan.steps_per_program % -(-hidden // block_k), plan
-    elif kind in ("whole", "stream_k"):
+    elif kind == "whole":
         # larger tiles: S in chunks of 32 columns (the last past the width), each chunk its own shrink
         # programs, which split the hidden dimension two ways
         plan = make_plan(out_features, hidden, total_width, 6 if tile > 16 else 3, block_n=16, block_k=block_k,
@@ -159,8 +173,9 @@ for call, tokens in enumerate(sizes):
     if tokens > 1:
         b["slots"][1] = 99  # a stale slot number past the buffers (graph padding rows): no adapter, no fault
     total_width = b["lora_a"].shape[1]
-    if call == 0:
-        state = new_decode_state(total_width, device, plan_of(b, 1))  # the layer's: made for its 16-row plan
+    if call == 0:  # the layer's: made for the largest of its plans
+        state = new_decode_state(total_width, device, max((plan_of(b, tile) for tile in (1, 32, 64)),
+                                                          key=lambda plan: state_words(total_width, plan)))
     slots = b["slots"].clone()
     if call % 3 == 2:  # one adapter among the tokens that have one (most decode steps), some tokens without
         slots[(slots >= 0) & (slots < len(SLOT_WIDTHS[0]))] = call % len(SLOT_WIDTHS[0])
@@ -212,7 +227,7 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch, rows, 
     """The op as BD layers call it with their decode state, captured at `rows` rows and replayed 50 times with
     the slots (vLLM's per-step metadata) changing between replays: each replay right, none stalls."""
     from vllm_bdlora.kernels import decode_lora
-    from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for
+    from vllm_bdlora.kernels.decode_lora import layer_decode_state
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
     launched = []
@@ -223,8 +238,7 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch, rows, 
         b.update(lora_a=b["lora_a"][:1].contiguous(), lora_b=b["lora_b"][:1].contiguous(),
                  widths=b["widths"][:, :1].contiguous(), slots=b["slots"].clamp(max=0))  # fmt: skip
     groups = group_tokens(b["slots"], slots_n)
-    plan = plan_for(b["weight"].shape[0], 512, b["lora_a"].shape[1], slots_n, "cuda")
-    state = new_decode_state(b["lora_a"].shape[1], "cuda", plan)
+    state = layer_decode_state(b["weight"].shape[0], 512, b["lora_a"].shape[1], slots_n, "cuda")
     out = torch.empty(rows, b["weight"].shape[0], dtype=torch.bfloat16, device="cuda")
 
     def step():
@@ -256,12 +270,12 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch, rows, 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_the_benchmarks_candidate_plans_fit_the_tile_and_include_the_default(block_m):
     """`bench.kernels.decode_lora --configs` times these on a GPU host: each must be a plan the kernel can run
-    for the tile (no stream-K over 16 rows, every program resident), and the default among them."""
+    for the tile (every program resident), and the default among them."""
     from bench.kernels.decode_lora import candidate_plans
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
     plans = candidate_plans(1536, 4096, 96, 1, 132, block_m)
     assert decode_plan(1536, 4096, 96, 1, 132, block_m) in plans
     assert all(plan.block_m == block_m and plan.programs <= 132 for plan in plans)
-    assert any(plan.stream_k for plan in plans) == (block_m == 16)
+    assert any(plan.stream_k for plan in plans)
     assert len({(plan.block_n, plan.block_k, plan.stream_k) for plan in plans}) >= 4

@@ -51,7 +51,7 @@ import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm
 import vllm_bdlora.kernels.fused_lora  # noqa: F401  (registers torch.ops.vllm_bdlora.fused_lora_slices_)
 from vllm_bdlora.compat import token_groups
 from vllm_bdlora.config import BdLoraSettings
-from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for
+from vllm_bdlora.kernels.decode_lora import layer_decode_state
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
 # What the BD layers being built should do; set only inside `selecting_bd_layers` (outside it no BD layer is
@@ -159,8 +159,8 @@ class BlockDiagonalLoRALayer:
         # that kernel never materialises, so they keep the three-kernel path).
         self.decode_state: torch.Tensor | None = None
         if self.fused_kernels and _one_launch_decode and not _serving_dora and torch.device(self.device).type == "cuda":
-            plan = plan_for(sum(heights), self.input_size, len(heights) * width, max_loras, self.device)
-            self.decode_state = new_decode_state(len(heights) * width, self.device, plan)
+            self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width, max_loras,
+                                                   self.device)  # fmt: skip
         self.dora_scale: torch.Tensor | None = None
         if _serving_dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)

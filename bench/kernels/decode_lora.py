@@ -62,7 +62,7 @@ def breakdown_paths(layer, plan) -> dict:
 
 
 def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False):
-    from vllm_bdlora.kernels.decode_lora import new_decode_state, plan_for, row_tile
+    from vllm_bdlora.kernels.decode_lora import layer_decode_state, plan_for, row_tile
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
     width = 128 // tp
@@ -71,13 +71,13 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     n = sum(heights)
     no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
     no_adapter["groups"] = group_tokens(no_adapter["slots"], adapters)
-    plan = plan_for(n, k, len(heights) * width, adapters, "cuda")  # the layer's state is made for this one
+    shape = (n, k, len(heights) * width, adapters, "cuda")
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
         "three_kernels": layer_op_path(layer),
-        "one_launch": layer_op_path(layer, new_decode_state(len(heights) * width, "cuda", plan)),
+        "one_launch": layer_op_path(layer, layer_decode_state(*shape)),
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
-        "one_launch_no_adapter": layer_op_path(no_adapter, new_decode_state(len(heights) * width, "cuda", plan)),
+        "one_launch_no_adapter": layer_op_path(no_adapter, layer_decode_state(*shape)),
     }
     tile_plan = plan_for(n, k, len(heights) * width, adapters, "cuda", row_tile(tokens))
     if breakdown and tile_plan is not None:
@@ -104,9 +104,10 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
 
 
 def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
-    """The default plan and the alternatives its choice weighs (whole column blocks of every width that
-    fits, stream-K at several block shapes for 16-row tiles), plus warps and pipeline depth around the
-    default; for tiles over 16 rows the default may be None (three kernels), leaving the whole-block ones."""
+    """The default plan and the alternatives its choice weighs (whole column blocks of every width that fits,
+    stream-K at several block shapes; in larger tiles blocks of 32-128 columns, whose stages hold fewer hidden
+    steps), plus warps and pipeline depth around the default; for tiles over 16 rows the default may be None (three
+    kernels), leaving the whole-block ones."""
     from dataclasses import replace
 
     from vllm_bdlora.kernels.decode_lora import decode_plan, make_plan, whole_block_step
@@ -122,9 +123,12 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
                 plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=False,
                                        block_m=block_m))  # fmt: skip
     if block_m == 16:
-        for block_n, block_k in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)):
-            plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
-                                   gemv_programs=room))  # fmt: skip
+        stream_k_blocks = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256))
+    else:  # X is read by every program: wider blocks read it fewer times, split over the hidden dimension
+        stream_k_blocks = [(bn, bk) for bn in (32, 64, 128) for bk in (whole_block_step(bn, block_m), 64)]
+    for block_n, block_k in dict.fromkeys(stream_k_blocks):
+        plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
+                               gemv_programs=room, block_m=block_m))  # fmt: skip
     if default:
         for warps, stages in ((8, 4), (4, 3), (4, 6), (2, 4)):
             plans.append(replace(default, num_warps=warps, num_stages=stages))

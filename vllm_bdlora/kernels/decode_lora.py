@@ -32,7 +32,8 @@ needs a zero-fill kernel of its own and nothing depends on the host: CUDA graphs
 one layer never overlap (one stream), which the parity relies on.
 
 Batches run in tiles of 16, 32 or 64 token rows (`ROW_TILES`; the batch's tile picks the plan): decode steps
-of up to 64 requests are one kernel per layer. Tiles over 16 rows take whole column blocks only.
+of up to 64 requests are one kernel per layer. Tiles over 16 rows take stream-K only in narrow layers (its
+partial sums for 64 rows of a wide layer would take megabytes).
 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
@@ -58,8 +59,12 @@ import triton.language as tl
 # (prefill, mixed steps) use the layer op's three-kernel path, whose launches amortise over the tokens.
 ROW_TILES = (16, 32, 64)
 DECODE_MAX_TOKENS = ROW_TILES[-1]
-# Stream-K keeps partial sums for one 16-row tile: at 64 rows they would take 7 MB per gate_up_proj at TP=1.
+# Layers too wide for whole column blocks take stream-K in 16-row tiles only: at 64 rows its partial sums would
+# take 7 MB per gate_up_proj at TP=1 (narrow layers' stream-K plans in larger tiles keep a few hundred kB).
 _STREAM_K_ROWS = 16
+# Whole-block programs of larger tiles with at least this many hidden steps pipeline 6 stages deep where those
+# fit in this much shared memory (a stage of whole_block_step is 24-32 kB; H100s and H200s have 227 kB).
+_DEEP_PIPELINE_STEPS, _DEEP_PIPELINE_BYTES = 48, 150 * 1024
 _SHRINK_PROGRAMS_PER_SLOT, _MAX_SHRINK_PROGRAMS = 4, 32
 # Two int32 words before the S buffers: the barrier (epoch in the high 16 bits, arrivals in the low 16) and
 # the rows the previous launch added into its S buffer (the rows the next launch but one must find zeroed).
@@ -105,8 +110,8 @@ def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs:
     each computing `shrink_columns` of S at a time (by default `default_shrink_columns`); where S is wider
     than that, the programs split its column chunks between them, each over a longer share of the hidden
     dimension, so fewer programs add into each element of S."""
-    if block_m not in ROW_TILES or (stream_k and block_m > _STREAM_K_ROWS):
-        raise ValueError(f"no decode plan for {block_m}-row tiles{' with stream-K' if stream_k else ''}")
+    if block_m not in ROW_TILES:
+        raise ValueError(f"no decode plan for {block_m}-row tiles")
     tiles = triton.cdiv(out_features, block_n)
     k_steps = triton.cdiv(hidden, block_k)
     if stream_k:
@@ -160,8 +165,8 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
                 block_m: int = 16) -> DecodePlan | None:  # fmt: skip
     """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, for batches in
     tiles of `block_m` token rows, or None where even the shrink programs would not leave one SM to the GEMV
-    or (tiles over 16 rows, which have no stream-K) no whole column blocks fit: the layer op then keeps its
-    three-kernel path.
+    or (tiles over 16 rows) no whole column blocks fit a wide layer: the layer op then keeps its three-kernel
+    path.
 
     Shrink programs: 4 per slot (up to 32), more where a batch of every slot's adapter would read a larger
     share of the bytes (A against W). A shrink program computes every adapter of the batch over its slice of
@@ -182,12 +187,16 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against the three kernels'
     73.9.
 
-    Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, however few (qkv_proj at TP=4:
-    48 blocks of 32), each stage with fewer hidden steps (`whole_block_step`), and only in layers with one
-    LoRA slot. Per decoder layer on an H200 (bench/results/kernels-h200-s15) one adapter at 32 and 64 tokens
-    took 12-20% less time than the three kernels at TP=2 and 4, but a batch mixing 4 adapters 2-15% more (the
-    finish runs one B load and dot per adapter of the batch after the barrier), and the layer cannot know
-    before the launch how many adapters a batch mixes."""
+    Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, each stage with fewer hidden steps
+    (`whole_block_step`), 6 stages deep where a program's hidden loop is long (down_proj at TP=1, 64 rows: 49.8 ->
+    42.8 µs; at TP=2 26.1 -> 22.5; gate_up_proj at TP=2 -3 to -5%; bench/results/kernels-h200-s17); narrow layers,
+    where blocks of 32 would leave half the SMs idle (qkv_proj at TP=4: 48 of them), take stream-K over 64-column
+    blocks in 32-row tiles (13.1 -> 9.8-10.1 µs) and whole 16-column blocks in 64-row tiles (13.8 -> 12.1-12.4;
+    stream-K's 64-row partial sums cost more there). Only layers with one LoRA slot use these tiles. Per decoder
+    layer on an H200 (bench/results/kernels-h200-s15) one adapter at 32 and 64 tokens took 12-20% less time than the
+    three kernels at TP=2 and 4, but a batch mixing 4 adapters 2-15% more (the finish runs one B load and dot per
+    adapter of the batch after the barrier), and the layer cannot know before the launch how many adapters a batch
+    mixes."""
     if block_m > largest_tile(slots):
         return None
     slots = max(1, slots)
@@ -199,19 +208,36 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     room = sms - shrink
     if room < 1:
         return None
-    for block_n in (16, 32, 64, 128) if block_m <= _STREAM_K_ROWS else (32, 64, 128):
+    if triton.cdiv(out_features, 16) <= room:  # few outputs: 32-column blocks would leave half the SMs idle
+        if block_m == ROW_TILES[-1]:
+            return _whole_block_plan(out_features, hidden, total_width, shrink, sms, 16, block_m)
+        if block_m == 16:
+            block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
+            return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
+                             gemv_programs=room)  # fmt: skip
+        spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - triton.cdiv(out_features, 16)))
+        return make_plan(out_features, hidden, total_width, spare, block_n=64, block_k=whole_block_step(64, block_m),
+                         stream_k=True, gemv_programs=sms - spare, block_m=block_m)  # fmt: skip
+    for block_n in (32, 64, 128):
         if triton.cdiv(out_features, block_n) <= room:
-            if block_n > 16:  # the shrink takes the SMs the blocks leave (up to 32)
-                spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - triton.cdiv(out_features, block_n)))
-                step = whole_block_step(block_n, block_m)
-                return make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step,
-                                 stream_k=False, block_m=block_m)  # fmt: skip
-            break
+            return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
     if block_m > _STREAM_K_ROWS:
         return None
     block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
                      gemv_programs=room)  # fmt: skip
+
+
+def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m) -> DecodePlan:
+    """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Tiles
+    over 16 rows, whose stages hold fewer hidden steps, pipeline 6 stages deep where a program's loop is long."""
+    blocks = triton.cdiv(out_features, block_n)
+    spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - blocks))
+    step = whole_block_step(block_n, block_m)
+    long_loop = block_m > 16 and triton.cdiv(hidden, step) >= _DEEP_PIPELINE_STEPS
+    stages = 6 if long_loop and 6 * 2 * (block_m + block_n) * step <= _DEEP_PIPELINE_BYTES else 4  # 16-bit X, W
+    return make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step, stream_k=False,
+                     block_m=block_m, num_stages=stages)  # fmt: skip
 
 
 def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device,
@@ -226,7 +252,7 @@ def plan_for(out_features: int, hidden: int, total_width: int, slots: int, devic
 def state_words(total_width: int, plan: DecodePlan | None) -> int:
     """Header, two S buffers of DECODE_MAX_TOKENS rows (a layer's launches change tiles from step to step),
     stream-K partial sums."""
-    partials = _STREAM_K_ROWS * plan.partial_columns if plan else 0
+    partials = plan.block_m * plan.partial_columns if plan else 0
     return _STATE_HEADER + 2 * DECODE_MAX_TOKENS * total_width + partials
 
 
@@ -234,6 +260,19 @@ def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -
     """A layer's barrier words, S buffers and (for a stream-K `plan`, which the 16-row plan of a layer may be)
     partial sums: int32, all zero (the float32 buffers as their bits). Tiles over 16 rows need no more."""
     return torch.zeros(state_words(total_width, plan), dtype=torch.int32, device=device)
+
+
+def layer_state_words(out_features: int, hidden: int, total_width: int, slots: int, device) -> int:
+    """The state_words of a layer's decode state: enough for the plan of every tile on this device (a narrow
+    layer's plan may be stream-K, with partial sums, in some tiles and not in others)."""
+    plans = (plan_for(out_features, hidden, total_width, slots, device, tile) for tile in ROW_TILES)
+    return max(state_words(total_width, plan) for plan in plans)
+
+
+def layer_decode_state(out_features: int, hidden: int, total_width: int, slots: int, device) -> torch.Tensor:
+    """A layer's barrier words, S buffers and partial sums for every tile's plan on this device: int32, zero."""
+    words = layer_state_words(out_features, hidden, total_width, slots, device)
+    return torch.zeros(words, dtype=torch.int32, device=device)
 
 
 _max_tokens = DECODE_MAX_TOKENS

@@ -203,8 +203,7 @@ def _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, sc
     if decode_weight is None:
         return launches
     shape = (*decode_weight.shape, lora_a.shape[1], lora_a.shape[0])  # out, hidden, LoRA width, slots
-    plan = decode_lora.plan_for(*shape, x.device)  # the layer's state is made for the 16-row plan
-    state = decode_lora.new_decode_state(lora_a.shape[1], x.device, plan)
+    state = decode_lora.layer_decode_state(*shape, x.device)
     for tile in decode_lora.ROW_TILES:  # one variant per tile of token rows the layer can launch
         if decode_lora.usable(tile, *shape, x.device, state):
             decode_lora.decode_lora_linear(
