@@ -317,6 +317,16 @@ def test_launch_variants_cover_every_batch_size(hidden, width, slices):
         assert (expand_config(tokens, width, slices), shrink.split_k, overwrite) in expands, tokens
 
 
+def test_decode_shrink_splits_the_hidden_dimension_fewer_ways_above_16_tokens():
+    """At 17-64 tokens the three-kernel path's shrink cuts the hidden dimension 8 ways, not 16, except where it
+    is long (down_proj at TP=1 and 2), where 16 stayed faster (bench/results/kernels-h200-s17)."""
+    from vllm_bdlora.kernels.fused_lora import shrink_config
+
+    assert [shrink_config(t, 4096, 32, 3).split_k for t in (1, 16, 17, 64)] == [16, 16, 8, 8]
+    assert shrink_config(64, 1024, 32).split_k == 8 and shrink_config(64, 14336, 32).split_k == 16
+    assert shrink_config(65, 4096, 32).block_m == 64  # larger batches: the prefill configuration
+
+
 def compiled_variants(kernel) -> int | None:
     """How many variants Triton's JIT cache holds for a kernel (None where this Triton keeps them elsewhere)."""
     caches = getattr(kernel, "device_caches", None)

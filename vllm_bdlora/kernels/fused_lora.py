@@ -99,11 +99,13 @@ def all_slices_block(width: int, slices: int) -> int:
 
 def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> LaunchConfig:
     """Decode-sized batches: a column block per slice and the hidden dimension cut into up to 16 parts, so
-    the A reads spread over the SMs. Larger ones: one column block for all slices where they fit (X read
-    once), the hidden dimension cut until the grid has some 256 programs (a power of two parts, so few
-    kernel variants exist to compile)."""
+    the A reads spread over the SMs (8 parts above 16 tokens unless the hidden dimension is long: at 32 and 64
+    tokens, 8 took 2-9% less time than 16 for qkv_proj and o_proj, 8-13% for gate_up_proj at TP=1, but down_proj
+    at TP=1 up to 5% more; bench/results/kernels-h200-s17). Larger ones: one column block for all slices where
+    they fit (X read once), the hidden dimension cut until the grid has some 256 programs (a power of two parts,
+    so few kernel variants exist to compile)."""
     if tokens <= 64:
-        parts = max(1, min(16, hidden // 64))
+        parts = max(1, min(16 if tokens <= 16 or hidden > 4096 else 8, hidden // 64))
         per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
         return LaunchConfig(16, per_slice, 128 if hidden // parts >= 128 else 64, split_k=parts)
     whole = all_slices_block(width, slices)
