@@ -257,8 +257,8 @@ def state_words(total_width: int, plan: DecodePlan | None) -> int:
 
 
 def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -> torch.Tensor:
-    """A layer's barrier words, S buffers and (for a stream-K `plan`, which the 16-row plan of a layer may be)
-    partial sums: int32, all zero (the float32 buffers as their bits). Tiles over 16 rows need no more."""
+    """Barrier words, S buffers and (for a stream-K `plan`) partial sums for one plan: int32, all zero (the
+    float32 buffers as their bits). A layer, whose plan changes with the tile, takes `layer_decode_state`."""
     return torch.zeros(state_words(total_width, plan), dtype=torch.int32, device=device)
 
 
