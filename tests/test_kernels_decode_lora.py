@@ -134,6 +134,29 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
         decode_lora.set_max_tokens(decode_lora.DECODE_MAX_TOKENS)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_only_16_bit_layers_take_the_one_launch_kernel(monkeypatch, dtype):
+    """Decode plans size their pipeline stages (up to 6 in 32/64-row tiles) for 16-bit X and W; a float32 layer
+    would need twice the shared memory and fail to compile mid-serving, so the layer op keeps its other path."""
+    from tests.test_kernels_fused_lora import mixed_batch
+    from vllm_bdlora.kernels import decode_lora
+    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_
+    from vllm_bdlora.kernels.reference import lora_linear_slices_reference
+
+    launched = []
+    monkeypatch.setattr(decode_lora, "usable", lambda *args: True)  # as on a GPU with the SMs for the grid
+    monkeypatch.setattr(decode_lora, "decode_lora_linear", lambda *args, **kwargs: launched.append(args))
+    b = mixed_batch(tokens=8, hidden=64, dtype=dtype)
+    out = torch.zeros(8, b["weight"].shape[0], dtype=dtype)
+    fused_lora_slices_(out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"],
+                       weight=b["weight"], decode_state=torch.zeros(64, dtype=torch.int32))  # fmt: skip
+    assert bool(launched) == (dtype == torch.bfloat16)
+    if not launched:
+        want = lora_linear_slices_reference(b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
+                                            b["slots"])  # fmt: skip
+        torch.testing.assert_close(out, want)
+
+
 KERNEL_CHECK = """
 import sys, torch
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch

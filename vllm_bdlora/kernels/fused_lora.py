@@ -564,11 +564,12 @@ def fused_lora_slices_(
     With `weight` (total height, in) the op runs the base GEMM too and output's contents are ignored:
     output = X·Wᵀ + bias + delta, in `delta_then_gemm` order for packed layers from DELTA_FIRST_MIN_TOKENS
     tokens (not for the DoRA compose, which needs the base output), else the GEMM first. With `decode_state`
-    (the layer's `decode_lora.new_decode_state`) too, batches of up to DECODE_MAX_TOKENS tokens run all of it
+    (the layer's `decode_lora.layer_decode_state`) too, batches of up to DECODE_MAX_TOKENS tokens run all of it
     as one kernel (`decode_lora.decode_lora_linear`) where the GPU has the SMs for its grid."""
     tokens = x.shape[0]
     delta_first_layer = x.is_cuda and scale_table is None and slot_widths.shape[0] > 1 and weight is not None
-    one_launch = decode_state is not None and weight is not None and scale_table is None
+    # decode plans size their pipeline stages for 16-bit X and W: a float32 layer keeps the three kernels
+    one_launch = decode_state is not None and weight is not None and scale_table is None and weight.element_size() == 2
     if x.is_cuda and group_slot is not None:
         warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, group_slot.shape[0], scale_table, bias, delta_first_layer,
                 weight if one_launch else None)  # fmt: skip
