@@ -208,31 +208,33 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     room = sms - shrink
     if room < 1:
         return None
-    if triton.cdiv(out_features, 16) <= room:  # few outputs: 32-column blocks would leave half the SMs idle
-        if block_m == ROW_TILES[-1]:
-            return _whole_block_plan(out_features, hidden, total_width, shrink, sms, 16, block_m)
-        if block_m == 16:
-            block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
-            return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
-                             gemv_programs=room)  # fmt: skip
-        spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - triton.cdiv(out_features, 16)))
+    narrow = triton.cdiv(out_features, 16) <= room  # few outputs: 32-column blocks would leave half the SMs idle
+    if narrow and block_m == ROW_TILES[-1]:
+        return _whole_block_plan(out_features, hidden, total_width, shrink, sms, 16, block_m)
+    if narrow and block_m > _STREAM_K_ROWS:
+        spare = _shrink_beside(shrink, sms, triton.cdiv(out_features, 16))
         return make_plan(out_features, hidden, total_width, spare, block_n=64, block_k=whole_block_step(64, block_m),
                          stream_k=True, gemv_programs=sms - spare, block_m=block_m)  # fmt: skip
-    for block_n in (32, 64, 128):
-        if triton.cdiv(out_features, block_n) <= room:
-            return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
-    if block_m > _STREAM_K_ROWS:
-        return None
+    if not narrow:
+        for block_n in (32, 64, 128):
+            if triton.cdiv(out_features, block_n) <= room:
+                return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
+        if block_m > _STREAM_K_ROWS:
+            return None
     block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
                      gemv_programs=room)  # fmt: skip
 
 
+def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
+    """Shrink programs beside `gemv_blocks` GEMV programs: the SMs those leave, at least `shrink`, at most 32."""
+    return min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - gemv_blocks))
+
+
 def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m) -> DecodePlan:
     """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Tiles
     over 16 rows, whose stages hold fewer hidden steps, pipeline 6 stages deep where a program's loop is long."""
-    blocks = triton.cdiv(out_features, block_n)
-    spare = min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - blocks))
+    spare = _shrink_beside(shrink, sms, triton.cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
     long_loop = block_m > 16 and triton.cdiv(hidden, step) >= _DEEP_PIPELINE_STEPS
     stages = 6 if long_loop and 6 * 2 * (block_m + block_n) * step <= _DEEP_PIPELINE_BYTES else 4  # 16-bit X, W
@@ -507,12 +509,12 @@ def decode_lora_linear(
     out, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots, state, bias=None,
     plan: DecodePlan | None = None, phases: int = 1, skip: str | None = None,
 ):  # fmt: skip
-    """out (tokens <= DECODE_MAX_TOKENS, out_features) = X·Wᵀ (+ bias) + each token's LoRA delta, every slice
-    of a packed layer (lora_a (slots, slices·width, in), lora_b (slots, out_features, width), slot_widths
-    (slices, slots), token_slots (>= tokens,) slot or -1), rounded once. `state`: the layer's `new_decode_state` for
-    this plan (by default `decode_plan` for the layer and GPU). phases=2 runs the shrink as a launch of its
-    own (no in-kernel barrier: what the interpreter can run). skip ("shrink" or "finish"; the benchmark's
-    breakdown only, the output is then wrong) leaves out the shrink's work or the finish's LoRA term."""
+    """out (tokens <= DECODE_MAX_TOKENS, out_features) = X·Wᵀ (+ bias) + each token's LoRA delta, every slice of a
+    packed layer (lora_a (slots, slices·width, in), lora_b (slots, out_features, width), slot_widths (slices,
+    slots), token_slots (>= tokens,) slot or -1), rounded once. `state`: the layer's `layer_decode_state`, or a
+    `new_decode_state` for this plan (by default `decode_plan` for the layer and GPU). phases=2 runs the shrink as a
+    launch of its own (no in-kernel barrier: what the interpreter can run). skip ("shrink" or "finish"; the
+    benchmark's breakdown only, the output is then wrong) leaves out the shrink's work or the finish's LoRA term."""
     tokens, hidden = x.shape
     if tokens > DECODE_MAX_TOKENS:
         raise ValueError(f"decode_lora_linear takes at most {DECODE_MAX_TOKENS} tokens, got {tokens}")
