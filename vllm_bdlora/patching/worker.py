@@ -68,6 +68,7 @@ def patch_lora_manager() -> bool:
     """Build BD layers when `additional_config["bdlora"]` is on, and log how they shard adapters."""
     from vllm.lora.model_manager import LoRAModelManager
 
+    from vllm_bdlora.kernels import decode_lora
     from vllm_bdlora.layers import describe_sharding, selecting_bd_layers, uses_fused_kernels
 
     require_parameters(LoRAModelManager.__init__, ("lora_config", "vllm_config"), "LoRAModelManager.__init__")
@@ -88,8 +89,6 @@ def patch_lora_manager() -> bool:
                 )
             per_rank_width(lora_config.max_lora_rank, tp_size)
             if uses_fused_kernels(settings.lora_kernels):
-                from vllm_bdlora.kernels import decode_lora
-
                 decode_lora.set_max_tokens(settings.one_launch_max_tokens)
             with selecting_bd_layers(
                 dora=settings.dora, lora_kernels=settings.lora_kernels, one_launch_decode=settings.one_launch_decode
@@ -114,8 +113,6 @@ def patch_lora_manager() -> bool:
                     "--additional-config selects vLLM's)."
                 )
                 if settings.one_launch_decode and not settings.dora:
-                    from vllm_bdlora.kernels import decode_lora
-
                     limit = min(settings.one_launch_max_tokens, decode_lora.largest_tile(lora_config.max_loras))
                     lines.append(
                         f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over "
