@@ -24,17 +24,22 @@ import torch
 import triton
 
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
+from bench.shapes import SHAPES
 
-HIDDEN, INTERMEDIATE, Q_HEADS_DIM, KV_DIM = 4096, 14336, 4096, 1024  # Llama-3.1-8B
 
+def layers(tp: int, shape: str = "llama-3.1-8b"):
+    """(name, K = input features per GPU, output slice heights per GPU): the packed projections vLLM adapts, of
+    a bench.shapes model at this TP."""
+    proj = SHAPES[shape].projections()
 
-def layers(tp: int):
-    """(name, K = input features per GPU, output slice heights per GPU): Llama-3.1-8B at this TP."""
+    def heights(*names):
+        return tuple(proj[name][1] // tp for name in names)
+
     return (
-        ("qkv_proj", HIDDEN, (Q_HEADS_DIM // tp, KV_DIM // tp, KV_DIM // tp)),
-        ("o_proj", Q_HEADS_DIM // tp, (HIDDEN,)),
-        ("gate_up_proj", HIDDEN, (INTERMEDIATE // tp, INTERMEDIATE // tp)),
-        ("down_proj", INTERMEDIATE // tp, (HIDDEN,)),
+        ("qkv_proj", proj["q_proj"][0], heights("q_proj", "k_proj", "v_proj")),
+        ("o_proj", proj["o_proj"][0] // tp, (proj["o_proj"][1],)),
+        ("gate_up_proj", proj["gate_proj"][0], heights("gate_proj", "up_proj")),
+        ("down_proj", proj["down_proj"][0] // tp, (proj["down_proj"][1],)),
     )
 
 
