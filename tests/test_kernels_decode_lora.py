@@ -20,8 +20,8 @@ def test_reference_matches_a_per_token_loop():
 
 
 @pytest.mark.parametrize("slots", [1, 4, 16])
-@pytest.mark.parametrize("out_features", [16, 1536, 4096, 7168, 14336, 28672, 33792])
-@pytest.mark.parametrize("hidden", [1024, 4096, 14336])
+@pytest.mark.parametrize("out_features", [16, 1280, 1536, 2560, 4096, 7168, 8192, 14336, 28672, 33792])
+@pytest.mark.parametrize("hidden", [1024, 3584, 4096, 8192, 14336])  # Llama-3.1-8B and -70B at TP 1-8
 def test_plan_covers_the_layer_without_more_programs_than_sms(out_features, hidden, slots):
     """The barrier waits for every program: a grid larger than the SMs could wait on one never scheduled.
     Every output column and every hidden step of W is some GEMV program's, every hidden index some shrink
@@ -62,8 +62,8 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
 
 
 @pytest.mark.parametrize("block_m", [32, 64])
-@pytest.mark.parametrize("hidden", [4096, 14336])
-@pytest.mark.parametrize("out_features", [16, 1536, 4096, 7168, 14336, 28672])
+@pytest.mark.parametrize("hidden", [4096, 8192, 14336])
+@pytest.mark.parametrize("out_features", [16, 1280, 1536, 2560, 4096, 7168, 14336, 28672])
 def test_tiles_over_16_rows_in_one_slot_layers_only(out_features, hidden, block_m):
     """A batch mixing adapters runs slower in the larger tiles than on three kernels, so layers with several
     LoRA slots keep the three kernels above 16 tokens. Layers too wide for whole blocks keep them too (stream-K's
