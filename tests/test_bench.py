@@ -401,3 +401,32 @@ def test_decode_kernel_report_rebuilds_the_committed_one_from_its_json(tmp_path)
     text = open(report(str(tmp_path / "decode_lora.json"))).read()
     assert text == open(os.path.join(run, "decode_lora.md")).read()
     assert "| 4 | 1 | 40.8 | 66.0 (1.62) | 45.3 (1.11) |" in text
+
+
+def test_decode_kernel_benchmark_times_70b_layers_at_tp8_on_one_gpu(tmp_path):
+    """--model-shape llama-3.1-70b --tp 8 times the layers one GPU of a TP=8 70B server runs (no 8-GPU host
+    needed), and its report names that shape instead of 8B's."""
+    import shutil
+
+    from bench.kernels.decode_lora import main, report
+    from bench.kernels.fused_lora import layers
+
+    assert layers(8, "llama-3.1-70b") == (
+        ("qkv_proj", 8192, (1024, 128, 128)),
+        ("o_proj", 1024, (8192,)),
+        ("gate_up_proj", 8192, (3584, 3584)),
+        ("down_proj", 3584, (8192,)),
+    )
+    with pytest.raises(SystemExit) as typo:
+        main(["--model-shape", "llama-3.1-7b", "--out", str(tmp_path)])  # refused, not timed as 8B
+    assert typo.value.code == 2
+    if not torch.cuda.is_available():  # past the argument check, the benchmark asks for its GPU
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            main(["--model-shape", "llama-3.1-70b", "--tp", "8", "--out", str(tmp_path)])
+    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s11")
+    shutil.copy(os.path.join(run, "decode_lora.json"), tmp_path / "decode_lora.json")
+    data = json.loads((tmp_path / "decode_lora.json").read_text())
+    data["rows"] = [{"shape": "llama-3.1-70b", **row} for row in data["rows"]]
+    (tmp_path / "decode_lora.json").write_text(json.dumps(data))
+    text = open(report(str(tmp_path / "decode_lora.json"))).read()
+    assert "Llama-3.1-70B per-GPU shapes" in text and "Llama-3.1-8B" not in text

@@ -1,8 +1,10 @@
 """Decode-sized batches through a whole adapted layer: the one-launch kernel (kernels/decode_lora.py)
 against the layer op's three-kernel path (cuBLAS GEMM, routed shrink, fused expand) and the base GEMM
-alone, at Llama-3.1-8B per-GPU shapes for TP = 1, 2, 4 with BD r'=128 (per-GPU LoRA width 128 / TP).
+alone, at Llama-3.1-8B's (or --model-shape's) per-GPU shapes for TP = 1, 2, 4 (--tp) with BD r'=128 (per-GPU
+LoRA width 128 / TP).
 
     python -m bench.kernels.decode_lora --out bench/results/kernels-h200-s12
+    python -m bench.kernels.decode_lora --model-shape llama-3.1-70b --tp 8,4 --out DIR   # one GPU, TP=8's layers
 
 Both LoRA paths are the custom op BD layers call (`fused_lora_slices_` over an unquantized base), without
 and with the layer's decode state; each is checked against the torch reference first. Times: median of 200
@@ -25,6 +27,15 @@ import torch
 
 from bench.kernels.fused_lora import layer_op_path, layers, make_layer, reference
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
+from bench.shapes import SHAPES
+
+MODEL_SHAPES = [name for name in SHAPES if name.startswith("llama-3.1-")]
+
+
+def shapes_title(rows) -> str:
+    """The reports' name of the model shape the rows were timed at, e.g. Llama-3.1-70B (JSON written before
+    --model-shape existed has no shape: 8B)."""
+    return "Llama-" + rows[0].get("shape", "llama-3.1-8b").removeprefix("llama-").upper()
 
 
 def describe(plan) -> str:
@@ -168,9 +179,9 @@ def configs_report(json_path: str) -> str:
         "One-launch decode kernel: its default plan against the alternatives (whole adapted layer, BD r'=128)",
     )
     lines += [
-        "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; Llama-3.1-8B "
-        "per-GPU shapes; ×base = over cuBLAS X·Wᵀ alone. Plans: GEMV kind, column block × hidden step, GEMV + "
-        "shrink programs. **Bold**: the fastest; (default): what `decode_plan` picks.",
+        "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; "
+        f"{shapes_title(rows)} per-GPU shapes; ×base = over cuBLAS X·Wᵀ alone. Plans: GEMV kind, column block × "
+        "hidden step, GEMV + shrink programs. **Bold**: the fastest; (default): what `decode_plan` picks.",
         "",
     ]
     shapes = dict.fromkeys((r["tp"], r["layer"], r["tokens"], r["adapters"]) for r in rows)
@@ -192,8 +203,8 @@ def report(json_path: str) -> str:
         json_path, "One-launch decode kernel vs the three-kernel layer op (whole adapted layer, BD r'=128)"
     )
     lines += [
-        "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; Llama-3.1-8B "
-        "per-GPU shapes; per-GPU LoRA width 128 / TP; tokens dealt round robin over the adapters",
+        "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; "
+        f"{shapes_title(rows)} per-GPU shapes; per-GPU LoRA width 128 / TP; tokens dealt round robin over the adapters",
         "- paths: base = cuBLAS X·Wᵀ alone; three kernels = the layer op without decode state (cuBLAS GEMM, "
         "routed shrink, fused expand); one launch = the layer op with it (kernels/decode_lora.py). "
         "one launch, no adapter = the same kernel for tokens without an adapter (its GEMV and barrier alone); "
@@ -242,7 +253,8 @@ def report(json_path: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", default="4,2,1")
+    p.add_argument("--tp", default="4,2,1", help="per-GPU layer shapes of the model at these TP sizes (1-8)")
+    p.add_argument("--model-shape", default="llama-3.1-8b", choices=MODEL_SHAPES)
     p.add_argument("--tokens", default="1,4,16,32,64")
     p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
     p.add_argument(
@@ -262,13 +274,14 @@ def main(argv=None) -> int:
     args, copy_gbs, chosen_report, name = started
     rows = []
     for tp in map(int, args.tp.split(",")):
-        for layer_name, k, heights in layers(tp):
+        for layer_name, k, heights in layers(tp, args.model_shape):
             for a in map(int, args.adapters.split(",")):
                 for t in map(int, args.tokens.split(",")):
                     if args.configs:
-                        rows += configs_point(tp, layer_name, k, heights, t, a)
+                        points = configs_point(tp, layer_name, k, heights, t, a)
                     else:
-                        rows.append(bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown))
+                        points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown)]
+                    rows += [{"shape": args.model_shape, **point} for point in points]
     return finish(args.out, name, rows, copy_gbs, chosen_report)
 
 
