@@ -61,14 +61,33 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
     assert wide.stream_k and wide.block_n == 64
 
 
+def test_narrow_layers_plans_follow_what_ran_fastest_on_an_h200():
+    """bench/results/kernels-h200-s19: Llama-3.1-70B's qkv_proj at TP=8 (1280 outputs, hidden 8192) ran ~20% faster
+    as stream-K in 128-deep steps over 64 columns than in 256-deep steps over 32, which 8B's qkv_proj keeps; in
+    64-row tiles whole 16-column blocks lost to stream-K where they leave SMs idle (TP=8: 48 blocks at 8B, 80 at
+    70B) and keep qkv_proj at TP=4, where they fill as many SMs as stream-K would (96)."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    def kind(out_features, hidden, width, block_m):
+        plan = decode_plan(out_features, hidden, width, 1, 132, block_m)
+        return plan.stream_k, plan.block_n, plan.block_k
+
+    for block_m in (16, 32, 64):
+        assert kind(1280, 8192, 48, block_m) == (True, 64, 128)  # 70B qkv_proj at TP=8
+    assert kind(768, 4096, 48, 16) == kind(1536, 4096, 96, 16) == (True, 32, 256)  # 8B qkv_proj at TP=8, TP=4
+    assert kind(768, 4096, 48, 64) == (True, 64, 128)
+    assert kind(1536, 4096, 96, 64) == (False, 16, 128)
+
+
 @pytest.mark.parametrize("block_m", [32, 64])
 @pytest.mark.parametrize("hidden", [4096, 8192, 14336])
 @pytest.mark.parametrize("out_features", [16, 1280, 1536, 2560, 4096, 7168, 14336, 28672])
 def test_tiles_over_16_rows_in_one_slot_layers_only(out_features, hidden, block_m):
     """A batch mixing adapters runs slower in the larger tiles than on three kernels, so layers with several
     LoRA slots keep the three kernels above 16 tokens. Layers too wide for whole blocks keep them too (stream-K's
-    partial sums for 64 rows would take megabytes); narrow ones take stream-K in 32-row tiles and whole 16-column
-    blocks in 64-row tiles; the rest whole blocks of 32-128 columns, 6 stages deep where the hidden loop is long.
+    partial sums for 64 rows would take megabytes); narrow ones take stream-K in 32-row tiles, and in 64-row tiles
+    unless whole 16-column blocks would fill as many SMs; the rest whole blocks of 32-128 columns, 6 stages deep
+    where the hidden loop is long.
     The stages must fit in an H100's 227 kB of shared memory with room to spare."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
@@ -78,8 +97,10 @@ def test_tiles_over_16_rows_in_one_slot_layers_only(out_features, hidden, block_
         assert plan is None  # gate_up_proj at TP=1: no whole blocks fit
         return
     assert plan.block_m == block_m and plan.programs <= 132
-    narrow = -(-out_features // 16) <= 132 - plan.chunks
-    assert plan.stream_k == (narrow and block_m == 32)
+    blocks_of_16 = -(-out_features // 16)
+    narrow = blocks_of_16 <= 132 - plan.chunks
+    fills_stream_k_programs = blocks_of_16 >= 0.9 * (132 - plan.chunks)
+    assert plan.stream_k == (narrow and (block_m == 32 or not fills_stream_k_programs))
     if plan.stream_k:
         assert plan.block_n == 64 and plan.steps_per_program * plan.gemv_programs >= plan.tiles * hidden // plan.block_k
     else:

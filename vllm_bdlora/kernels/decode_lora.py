@@ -66,6 +66,9 @@ _STREAM_K_ROWS = 16
 # fit in this much shared memory (a stage of whole_block_step is 24-32 kB; H100s and H200s have 227 kB).
 _DEEP_PIPELINE_STEPS, _DEEP_PIPELINE_BYTES = 48, 150 * 1024
 _SHRINK_PROGRAMS_PER_SLOT, _MAX_SHRINK_PROGRAMS = 4, 32
+# Narrow layers with a hidden dimension this long take stream-K in 128-deep steps over 64-column blocks in 16-row
+# tiles, not 256-deep over 32 (Llama-3.1-70B's qkv_proj at TP=8; `decode_plan` has the measurements).
+_LONG_HIDDEN = 8192
 # Two int32 words before the S buffers: the barrier (epoch in the high 16 bits, arrivals in the low 16) and
 # the rows the previous launch added into its S buffer (the rows the next launch but one must find zeroed).
 _STATE_HEADER = 2
@@ -185,18 +188,23 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     whole 64-column blocks, 23.1-24.3 as stream-K; o_proj at TP=4: 6.6 on 64 whole blocks, 7.5 as stream-K
     on 128 programs): stream-K's partial sums make an extra round trip through L2 after the barrier.
     gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against the three kernels'
-    73.9.
+    73.9. Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over
+    64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
+    (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9
+    µs slower at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
 
     Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, each stage with fewer hidden steps
     (`whole_block_step`), 6 stages deep where a program's hidden loop is long (down_proj at TP=1, 64 rows: 49.8 ->
     42.8 µs; at TP=2 26.1 -> 22.5; gate_up_proj at TP=2 -3 to -5%; bench/results/kernels-h200-s17); narrow layers,
     where blocks of 32 would leave half the SMs idle (qkv_proj at TP=4: 48 of them), take stream-K over 64-column
-    blocks in 32-row tiles (13.1 -> 9.8-10.1 µs) and whole 16-column blocks in 64-row tiles (13.8 -> 12.1-12.4;
-    stream-K's 64-row partial sums cost more there). Only layers with one LoRA slot use these tiles. Per decoder
-    layer on an H200 (bench/results/kernels-h200-s15) one adapter at 32 and 64 tokens took 12-20% less time than the
-    three kernels at TP=2 and 4, but a batch mixing 4 adapters 2-15% more (the finish runs one B load and dot per
-    adapter of the batch after the barrier), and the layer cannot know before the launch how many adapters a batch
-    mixes."""
+    blocks in 32-row tiles (13.1 -> 9.8-10.1 µs), and in 64-row tiles too unless whole 16-column blocks fill at
+    least 90% of the programs stream-K would run: qkv_proj at TP=4 (96 blocks of 16 against 96 programs) ran
+    12.1-12.3 µs on whole blocks, 11.8-13.3 as stream-K (s17, s19); at TP=8 whole blocks left SMs idle and lost,
+    12.35 -> 10.6 µs as stream-K (8B, 48 blocks), 19.8 -> 14.2 (70B, 80 blocks; bench/results/kernels-h200-s19).
+    Only layers with one LoRA slot use these tiles. Per decoder layer on an H200 (bench/results/kernels-h200-s15)
+    one adapter at 32 and 64 tokens took 12-20% less time than the three kernels at TP=2 and 4, but a batch mixing
+    4 adapters 2-15% more (the finish runs one B load and dot per adapter of the batch after the barrier), and the
+    layer cannot know before the launch how many adapters a batch mixes."""
     if block_m > largest_tile(slots):
         return None
     slots = max(1, slots)
@@ -208,11 +216,12 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     room = sms - shrink
     if room < 1:
         return None
-    narrow = triton.cdiv(out_features, 16) <= room  # few outputs: 32-column blocks would leave half the SMs idle
-    if narrow and block_m == ROW_TILES[-1]:
-        return _whole_block_plan(out_features, hidden, total_width, shrink, sms, 16, block_m)
+    blocks_of_16 = triton.cdiv(out_features, 16)
+    narrow = blocks_of_16 <= room  # few outputs: 32-column blocks would leave half the SMs idle
     if narrow and block_m > _STREAM_K_ROWS:
-        spare = _shrink_beside(shrink, sms, triton.cdiv(out_features, 16))
+        spare = _shrink_beside(shrink, sms, blocks_of_16)
+        if block_m == ROW_TILES[-1] and blocks_of_16 * 10 >= 9 * (sms - spare):
+            return _whole_block_plan(out_features, hidden, total_width, shrink, sms, 16, block_m)
         return make_plan(out_features, hidden, total_width, spare, block_n=64, block_k=whole_block_step(64, block_m),
                          stream_k=True, gemv_programs=sms - spare, block_m=block_m)  # fmt: skip
     if not narrow:
@@ -221,8 +230,11 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
                 return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
         if block_m > _STREAM_K_ROWS:
             return None
-    block_n = 64 if triton.cdiv(out_features, 64) >= room else 32
-    return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=256, stream_k=True,
+    if narrow and hidden >= _LONG_HIDDEN:
+        block_n, block_k = 64, 128
+    else:
+        block_n, block_k = (64 if triton.cdiv(out_features, 64) >= room else 32), 256
+    return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
                      gemv_programs=room)  # fmt: skip
 
 
