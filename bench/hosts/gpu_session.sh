@@ -10,8 +10,8 @@
 #     SHAPE=llama-3.1-70b picks another model shape (results in tp$TP-70b).
 #   bash bench/hosts/gpu_session.sh queue "[NAME=VALUE ...] SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the
 #     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone
-#   bash bench/hosts/gpu_session.sh watch SECONDS      # keep the host held, then bring back /root/results (and
-#     the FlashInfer JIT cache, for `install` on a later host)
+#   bash bench/hosts/gpu_session.sh watch SECONDS      # keep the host held (at most SECONDS: it returns when the
+#     queue is done), then bring back /root/results (and the FlashInfer JIT cache, for `install` on a later host)
 #     A call that returns kills what it started, and a server start cut by the call's 10-minute limit is
 #     lost; `queue` runs its sweeps one after another in a new session (setsid), which lives until the host
 #     goes back, so no server start is wasted at call boundaries. Follow it with back-to-back `watch` calls
@@ -79,7 +79,10 @@ watch)
   # A host released between calls (30 s idle) comes back bare: say so at once rather than sleep on it (session 10
   # lost 9 minutes of device time that way).
   if [ ! -e /root/queue.log ]; then echo "no /root/queue.log: this is a fresh host; bring-up and queue again"; exit 3; fi
-  sleep "${2:-500}"; date +%T; grep "^== " /root/queue.log
+  # Up to SECONDS, but back as soon as the queue has finished: sleeping past its end costs device time for nothing.
+  deadline=$(( $(date +%s) + ${2:-500} ))
+  while (( $(date +%s) < deadline )) && ! grep -q "^== .* queue done" /root/queue.log; do sleep 5; done
+  date +%T; grep "^== " /root/queue.log
   for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
     ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
   mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C /root/results .
