@@ -430,3 +430,29 @@ def test_decode_kernel_benchmark_times_70b_layers_at_tp8_on_one_gpu(tmp_path):
     (tmp_path / "decode_lora.json").write_text(json.dumps(data))
     text = open(report(str(tmp_path / "decode_lora.json"))).read()
     assert "Llama-3.1-70B per-GPU shapes" in text and "Llama-3.1-8B" not in text
+
+
+def test_compile_time_benchmark_compiles_a_layers_variants_for_a_gpu_without_one(tmp_path, monkeypatch):
+    """The first-start compile benchmark compiles, for sm_90 and without launching, every variant `warm_up` would
+    (shrink and expand configurations, one decode-kernel variant per row tile), timing each by kernel; the
+    machine's own Triton driver (none on CPU) is back in place afterwards."""
+    from triton.runtime import driver
+
+    from bench.kernels.compile_time import compile_layer, compile_only, forget_compiled_kernels
+    from vllm_bdlora.kernels.decode_lora import ROW_TILES
+    from vllm_bdlora.kernels.fused_lora import launch_variants
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # nothing found compiled from an earlier run
+    before = driver._active
+    forget_compiled_kernels()
+    heights = (512, 128, 128)  # qkv_proj of a small model, LoRA width 16
+    with compile_only(90) as seconds:
+        launches = compile_layer(512, heights, 16, decode=True)
+    shrinks, expands = launch_variants(512, 16, 3, True)
+    assert launches == len(shrinks) + len(expands) + len(ROW_TILES)
+    assert len(seconds["_routed_shrink_kernel"]) == len(shrinks)
+    assert len(seconds["_fused_expand_kernel"]) == len(expands)
+    assert len(seconds["_decode_lora_linear_kernel"]) == len(ROW_TILES)
+    assert all(s > 0 for times in seconds.values() for s in times)
+    assert any(name.endswith(".cubin") for _, _, files in os.walk(tmp_path) for name in files)  # sm_90 binaries
+    assert driver._active is before

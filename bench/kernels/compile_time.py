@@ -1,0 +1,243 @@
+"""How long a server's first start spends compiling the LoRA kernels, measured on any machine, GPU or not.
+
+A BD layer's first call compiles every kernel variant it can launch (`fused_lora.warm_up`: routed shrink and
+fused expand configurations for 1-65536 tokens, and with a decode state the one-launch decode kernel for each
+tile of token rows); Triton caches them on disk, so this is paid once per LoRA width and layer kind on a host
+with an empty cache. On an H200 a TP=1 server of BD r'=512 adapters spent ~250 s there before its CUDA-graph
+capture (`bench/results/tp1-8b-h200-s19-r256/logs/`), against seconds at r'=128. Compiling for a GPU needs no
+GPU: Triton lowers to PTX and runs the `ptxas` its wheel ships. This benchmark hands Triton a driver that names
+a CUDA target (sm_90 by default: H100/H200) and makes every kernel call compile without launching, then
+compiles each layer's variants as `warm_up` would, with a fresh Triton cache per LoRA width, and times each
+compile by kernel.
+
+    python -m bench.kernels.compile_time --tp 1 --widths 128,512 --out bench/results/compile-time
+
+Seconds are this machine's (Triton's passes and ptxas run on the CPU, one variant after another as in
+`warm_up`); a GPU host's CPU compiles faster or slower, but the shares per kernel and width carry over. Checked
+with Triton 3.9 (the CPU install); the driver stand-in uses Triton's internals (`JITFunction.run`,
+`_do_compile`, `runtime.driver.set_active`) and may need adjusting for another Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import platform
+import tempfile
+import time
+
+import torch
+
+from bench.kernels.fused_lora import layers
+from bench.kernels.harness import write_results
+from bench.shapes import SHAPES
+
+MODEL_SHAPES = [name for name in SHAPES if name.startswith("llama-3.1-")]
+H200_SMS = 132
+
+
+@contextlib.contextmanager
+def compile_only(arch: int = 90):
+    """Within: Triton kernel calls compile for CUDA compute capability `arch` and launch nothing, whatever GPU
+    the machine has; yields a dict of compile seconds by kernel name (one entry per variant compiled)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class CompileTarget(DriverBase):
+        @classmethod
+        def is_active(cls):
+            return True
+
+        def map_python_to_cpp_type(self, ty):
+            from triton.backends.nvidia.driver import ty_to_cpp
+
+            return ty_to_cpp(ty)
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def set_current_device(self, device):
+            pass
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise NotImplementedError("compile_only launches nothing")
+
+        def get_device_interface(self):
+            raise NotImplementedError("compile_only launches nothing")
+
+        def get_empty_cache_for_benchmark(self):
+            raise NotImplementedError("compile_only launches nothing")
+
+        def clear_cache(self, cache):
+            pass
+
+    seconds = collections.defaultdict(list)
+    run, do_compile = JITFunction.run, JITFunction._do_compile
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def timed_compile(self, *args, **kwargs):
+        started = time.perf_counter()
+        kernel = do_compile(self, *args, **kwargs)
+        seconds[self.fn.__name__].append(time.perf_counter() - started)
+        return kernel
+
+    previous = driver._active  # None until something asked for the active driver (on CPU, asking would raise)
+    driver.set_active(CompileTarget())
+    JITFunction.run, JITFunction._do_compile = compile_instead, timed_compile
+    try:
+        yield seconds
+    finally:
+        JITFunction.run, JITFunction._do_compile = run, do_compile
+        driver._active = previous
+
+
+def forget_compiled_kernels() -> None:
+    """Drop the plugin kernels' in-memory variants, so that the next width compiles all of its own (a server
+    start has none in memory)."""
+    from triton.runtime.jit import JITFunction
+
+    from vllm_bdlora.kernels import decode_lora, fused_lora
+
+    for module in (fused_lora, decode_lora):
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                value.device_caches.clear()
+
+
+def compile_layer(k: int, heights: tuple[int, ...], width: int, decode: bool) -> int:
+    """Compile what `warm_up` compiles for a one-slot BD layer of this shape and LoRA width (the decode
+    kernel's variants too, as on a GPU of H200_SMS SMs with `decode`); returns the variants launched."""
+    from vllm_bdlora.kernels import decode_lora
+    from vllm_bdlora.kernels.fused_lora import _compile_variants
+
+    slices, out_features = len(heights), sum(heights)
+    bf16 = dict(dtype=torch.bfloat16)
+    x = torch.zeros(16, k, **bf16)
+    lora_a = torch.zeros(1, slices * width, k, **bf16)
+    lora_b = torch.zeros(1, out_features, width, **bf16)
+    widths = torch.full((slices, 1), width, dtype=torch.int32)
+    bounds = torch.tensor([sum(heights[:j]) for j in range(slices + 1)], dtype=torch.int32)
+    launches = _compile_variants(x, lora_a, lora_b, widths, bounds, 2, None, None, slices > 1, None)
+    if not decode:
+        return launches
+    weight = torch.zeros(out_features, k, **bf16)
+    for tile in decode_lora.ROW_TILES:  # on CPU `usable` says no: plan as a GPU of H200_SMS SMs would
+        plan = decode_lora.decode_plan(out_features, k, slices * width, 1, H200_SMS, tile)
+        if plan is None:
+            continue
+        state = torch.zeros(decode_lora.state_words(slices * width, plan), dtype=torch.int32)
+        decode_lora.decode_lora_linear(torch.zeros(tile, out_features, **bf16), torch.zeros(tile, k, **bf16),
+                                       weight, lora_a, lora_b, widths, bounds, torch.zeros(tile, dtype=torch.long),
+                                       state, plan=plan)  # fmt: skip
+        launches += 1
+    return launches
+
+
+def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool) -> list[dict]:
+    rows = []
+    for width in widths:
+        forget_compiled_kernels()
+        with tempfile.TemporaryDirectory() as cache, _triton_cache(cache), compile_only(arch) as seconds:
+            for name, k, heights in layers(tp, shape):  # in a decoder layer's order, one cache as a server has
+                before = {kernel: len(times) for kernel, times in seconds.items()}
+                started = time.perf_counter()
+                launches = compile_layer(k, heights, width, decode)
+                row = {"shape": shape, "tp": tp, "layer": name, "width": width, "arch": f"sm_{arch}",
+                       "variants": launches, "seconds": round(time.perf_counter() - started, 2)}  # fmt: skip
+                for kernel, times in seconds.items():
+                    new = times[before.get(kernel, 0) :]
+                    row[f"{kernel}_compiled"] = len(new)
+                    row[f"{kernel}_seconds"] = round(sum(new), 2)
+                    row[f"{kernel}_max_seconds"] = round(max(new, default=0.0), 2)
+                rows.append(row)
+                print({key: value for key, value in row.items() if not key.endswith("max_seconds")}, flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def _triton_cache(path: str):
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
+
+
+KERNELS = ("_routed_shrink_kernel", "_fused_expand_kernel", "_decode_lora_linear_kernel")
+
+
+def report(json_path: str) -> str:
+    import json
+
+    with open(json_path) as f:
+        results = json.load(f)
+    env, rows = results["environment"], results["rows"]
+    lines = [
+        "# First-start compile time of the LoRA kernels, by layer and LoRA width",
+        "",
+        f"- compiled for `{rows[0]['arch']}` on {results['cpu']}, torch `{env['torch']}`, triton `{env['triton']}`,"
+        f" {env['time']}",
+        f"- command: `{env['command']}`",
+        "- seconds: Triton's compile of each variant `warm_up` launches (one after another, a fresh cache per width;"
+        " variants shared between layers compile once, in the first layer that launches them); no GPU needed",
+        "",
+        "| TP | layer | width | variants | seconds | "
+        + " | ".join(f"{kernel.strip('_')} compiled, s (slowest)" for kernel in KERNELS)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(KERNELS),
+    ]
+    for row in rows:
+        cells = [
+            f"{row.get(kernel + '_compiled', 0)}, {row.get(kernel + '_seconds', 0.0)}"
+            f" ({row.get(kernel + '_max_seconds', 0.0)})"
+            for kernel in KERNELS
+        ]
+        lines.append(f"| {row['tp']} | {row['layer']} | {row['width']} | {row['variants']} | {row['seconds']} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    totals = collections.defaultdict(float)
+    for row in rows:
+        totals[(row["tp"], row["width"])] += row["seconds"]
+    lines += ["", "Per server start (the four layer kinds):", ""]
+    lines += [f"- TP={tp}, width {width}: {seconds:.1f} s" for (tp, width), seconds in totals.items()]
+    out = os.path.join(os.path.dirname(json_path), "compile_time.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1, help="per-GPU layer shapes at this TP size")
+    p.add_argument("--model-shape", default="llama-3.1-8b", choices=MODEL_SHAPES)
+    p.add_argument("--widths", default="128,512", help="per-GPU LoRA widths (vLLM's --max-lora-rank, or r'/TP for BD)")
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: H100/H200)")
+    p.add_argument("--no-decode", action="store_true", help="leave out the one-launch decode kernel's variants")
+    args = p.parse_args(argv)
+    rows = measure(args.tp, args.model_shape, [int(w) for w in args.widths.split(",")], args.arch, not args.no_decode)
+    cpu = f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
+    print(report(write_results(args.out, "compile_time", rows, {"cpu": cpu})))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
