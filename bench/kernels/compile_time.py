@@ -4,7 +4,7 @@ A BD layer's first call compiles every kernel variant it can launch (`fused_lora
 fused expand configurations for 1-65536 tokens, and with a decode state the one-launch decode kernel for each
 tile of token rows); Triton caches them on disk, so this is paid once per LoRA width and layer kind on a host
 with an empty cache. On an H200 a TP=1 server of BD r'=512 adapters spent ~250 s there before its CUDA-graph
-capture (`bench/results/tp1-8b-h200-s19-r256/logs/`); its r'=128 servers found theirs in the host's cache.
+capture (`bench/results/tp1-8b-h200-s19-r256/logs/`), against 42 s at r'=128 (`tp1-8b-h200-s18/logs/`).
 Compiling for a GPU needs no
 GPU: Triton lowers to PTX and runs the `ptxas` its wheel ships. This benchmark hands Triton a driver that names
 a CUDA target (sm_90 by default: H100/H200) and makes every kernel call compile without launching, then
