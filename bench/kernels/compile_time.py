@@ -105,6 +105,7 @@ def compile_only(arch: int = 90):
     finally:
         JITFunction.run, JITFunction._do_compile = run, do_compile
         driver._active = previous
+        forget_compiled_kernels()  # compiled for `arch`: never to be launched on this machine's own GPU
 
 
 def forget_compiled_kernels() -> None:
