@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import platform
 import tempfile
@@ -150,7 +151,12 @@ def compile_layer(k: int, heights: tuple[int, ...], width: int, decode: bool) ->
     return launches
 
 
-def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool) -> list[dict]:
+def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool, threads: int = 1) -> list[dict]:
+    """Rows of compile seconds per layer and width. threads > 1: as `warm_up` compiles, all of a layer's variants
+    at once on a pool of `threads`, then its launches (which find them compiled); the rows then hold each
+    layer's wall time, not each kernel's."""
+    from vllm_bdlora.kernels.compile_ahead import compile_concurrently
+
     rows = []
     for width in widths:
         forget_compiled_kernels()
@@ -158,10 +164,14 @@ def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool) -> 
             for name, k, heights in layers(tp, shape):  # in a decoder layer's order, one cache as a server has
                 before = {kernel: len(times) for kernel, times in seconds.items()}
                 started = time.perf_counter()
-                launches = compile_layer(k, heights, width, decode)
+                layer = functools.partial(compile_layer, k, heights, width, decode)
+                if threads > 1 and not compile_concurrently(layer, threads):
+                    raise SystemExit("compiling on threads failed (see the warning above)")
+                launches = layer()
                 row = {"shape": shape, "tp": tp, "layer": name, "width": width, "arch": f"sm_{arch}",
-                       "variants": launches, "seconds": round(time.perf_counter() - started, 2)}  # fmt: skip
-                for kernel, times in seconds.items():
+                       "threads": threads, "variants": launches,
+                       "seconds": round(time.perf_counter() - started, 2)}  # fmt: skip
+                for kernel, times in seconds.items() if threads == 1 else ():
                     new = times[before.get(kernel, 0) :]
                     row[f"{kernel}_compiled"] = len(new)
                     row[f"{kernel}_seconds"] = round(sum(new), 2)
@@ -202,24 +212,29 @@ def report(json_path: str) -> str:
         "- seconds: Triton's compile of each variant `warm_up` launches (one after another, a fresh cache per width;"
         " variants shared between layers compile once, in the first layer that launches them); no GPU needed",
         "",
-        "| TP | layer | width | variants | seconds | "
+        "| TP | layer | width | threads | variants | seconds | "
         + " | ".join(f"{kernel.strip('_')} compiled, s (slowest)" for kernel in KERNELS)
         + " |",
-        "|---|---|---|---|---|" + "---|" * len(KERNELS),
+        "|---|---|---|---|---|---|" + "---|" * len(KERNELS),
     ]
     for row in rows:
-        cells = [
-            f"{row.get(kernel + '_compiled', 0)}, {row.get(kernel + '_seconds', 0.0)}"
-            f" ({row.get(kernel + '_max_seconds', 0.0)})"
-            for kernel in KERNELS
-        ]
-        lines.append(f"| {row['tp']} | {row['layer']} | {row['width']} | {row['variants']} | {row['seconds']} | "
-                     + " | ".join(cells) + " |")  # fmt: skip
+        cells = (
+            [
+                f"{row.get(kernel + '_compiled', 0)}, {row.get(kernel + '_seconds', 0.0)}"
+                f" ({row.get(kernel + '_max_seconds', 0.0)})"
+                for kernel in KERNELS
+            ]
+            if row.get("threads", 1) == 1
+            else ["— (compiled side by side)"] * len(KERNELS)
+        )
+        lines.append(f"| {row['tp']} | {row['layer']} | {row['width']} | {row.get('threads', 1)} | {row['variants']} "
+                     f"| {row['seconds']} | " + " | ".join(cells) + " |")  # fmt: skip
     totals = collections.defaultdict(float)
     for row in rows:
-        totals[(row["tp"], row["width"])] += row["seconds"]
+        totals[(row["tp"], row["width"], row.get("threads", 1))] += row["seconds"]
     lines += ["", "Per server start (the four layer kinds):", ""]
-    lines += [f"- TP={tp}, width {width}: {seconds:.1f} s" for (tp, width), seconds in totals.items()]
+    lines += [f"- TP={tp}, width {width}, {threads} thread(s): {seconds:.1f} s"
+              for (tp, width, threads), seconds in totals.items()]  # fmt: skip
     out = os.path.join(os.path.dirname(json_path), "compile_time.md")
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -234,8 +249,12 @@ def main(argv=None) -> int:
     p.add_argument("--widths", default="128,512", help="per-GPU LoRA widths (vLLM's --max-lora-rank, or r'/TP for BD)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: H100/H200)")
     p.add_argument("--no-decode", action="store_true", help="leave out the one-launch decode kernel's variants")
+    p.add_argument("--threads", default="1", help="comma-separated: 1 = one compile at a time (times each kernel),"
+                   " N = a layer's variants on N threads as warm_up compiles them")  # fmt: skip
     args = p.parse_args(argv)
-    rows = measure(args.tp, args.model_shape, [int(w) for w in args.widths.split(",")], args.arch, not args.no_decode)
+    widths = [int(w) for w in args.widths.split(",")]
+    rows = [row for threads in map(int, args.threads.split(","))
+            for row in measure(args.tp, args.model_shape, widths, args.arch, not args.no_decode, threads)]  # fmt: skip
     cpu = f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
     print(report(write_results(args.out, "compile_time", rows, {"cpu": cpu})))
     return 0

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_bdlora.kernels.compile_ahead import launch
+
 # The kernel keeps every token's rows in one tile of 16 (the smallest tl.dot), 32 or 64 rows; larger batches
 # (prefill, mixed steps) use the layer op's three-kernel path, whose launches amortise over the tokens.
 ROW_TILES = (16, 32, 64)
@@ -562,8 +564,8 @@ def decode_lora_linear(
     )  # fmt: skip
     grid = (plan.programs,)
     if phases == 2:
-        _decode_lora_linear_kernel[grid](*common, PHASE=1, **constants)
-        _decode_lora_linear_kernel[grid](*common, PHASE=2, **constants)
+        launch(_decode_lora_linear_kernel, grid, *common, PHASE=1, **constants)
+        launch(_decode_lora_linear_kernel, grid, *common, PHASE=2, **constants)
     else:
-        _decode_lora_linear_kernel[grid](*common, PHASE=0, **constants)
+        launch(_decode_lora_linear_kernel, grid, *common, PHASE=0, **constants)
     return out

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from vllm_bdlora.kernels import decode_lora
+from vllm_bdlora.kernels.compile_ahead import compile_concurrently, compile_threads, launch
 from vllm_bdlora.kernels.op_library import define_op
 from vllm_bdlora.kernels.triton_cache import CACHE_DIR_ENV, plugin_cache_dir
 
@@ -166,21 +167,26 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     that no batch size compiles one while serving (a compile stalls every request in the batch for about
     a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
     are shared by layers of equal shape and cached on disk by Triton, in one directory whatever vLLM's
-    configuration (triton_cache.py). `decode_weight`: the layer runs the one-launch decode kernel over this
-    base weight (a variant per tile of token rows, compiled here with a scratch state). Returns the launches made."""
+    configuration (triton_cache.py). The variants compile on several threads first (compile_ahead.py).
+    `decode_weight`: the layer runs the one-launch decode kernel over this base weight (a variant per tile of
+    token rows, compiled here with a scratch state). Returns the launches made."""
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())
     started = time.perf_counter()
+    variants = (x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias, delta_first,
+                decode_weight)  # fmt: skip
+    threads = compile_threads()
     with plugin_cache_dir():
-        launches = _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias,
-                                     delta_first, decode_weight)  # fmt: skip
+        on_threads = compile_concurrently(lambda: _compile_variants(*variants), threads)  # launches nothing
+        launches = _compile_variants(*variants)
     seconds = time.perf_counter() - started
     if seconds > 1.0:  # compiled rather than found in Triton's caches: say where start-up time went
         logger.info(
             "vllm-bdlora: compiled the fused LoRA kernels for layers of %d slice(s), LoRA width %d, input %d "
-            "(%d variants, %.1f s); Triton caches them in %s for the next start.",
+            "(%d variants, %.1f s, %s); Triton caches them in %s for the next start.",
             slot_widths.shape[0], lora_b.shape[2], x.shape[1], launches, seconds,
+            f"on {threads} threads" if on_threads else "one at a time",
             os.environ.get(CACHE_DIR_ENV, "its cache directory"),
         )  # fmt: skip
     return launches
@@ -446,7 +452,7 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
     k_per_split = triton.cdiv(triton.cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
     out = torch.empty(cfg.split_k, x.shape[0], total_width, dtype=torch.float32, device=x.device)
     grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(total_width, cfg.block_n) * cfg.split_k)
-    _routed_shrink_kernel[grid](
+    launch(_routed_shrink_kernel, grid,
         x, lora_a, out, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, slot_widths,
         x.shape[1], total_width, total_width // slices, k_per_split, x.stride(0), lora_a.stride(0),
         lora_a.stride(1), out.stride(0), out.stride(1), slot_widths.stride(0),
@@ -479,7 +485,7 @@ def fused_expand(
     grid = _groups_grid(groups, y.shape[0], cfg.block_m, triton.cdiv(y.shape[1], cfg.block_n))
     if overwrite:
         grid = (grid[0], n_groups + 1, grid[2])  # the extra group: rows past the grouped tokens
-    _fused_expand_kernel[grid](
+    launch(_fused_expand_kernel, grid,
         y, shrunk, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start,
         slot_widths, slice_bounds, _optional(slot_scales, slice_bounds), _optional(scale_table, slice_bounds),
         _optional(bias, slice_bounds), y.shape[0], y.shape[1], n_groups, y.stride(0), shrunk.stride(0),

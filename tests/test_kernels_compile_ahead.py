@@ -1,0 +1,59 @@
+"""Compiling a layer's kernel variants on threads before `warm_up` launches them (kernels/compile_ahead.py)."""
+
+import logging
+import os
+
+from vllm_bdlora.kernels.compile_ahead import compile_concurrently, compile_threads, launch
+
+
+class RecordingKernel:
+    """Stands in for a Triton kernel: records whether it was launched or only compiled."""
+
+    def __init__(self):
+        self.calls = []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("compiled", grid, args))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("launched", grid, args))
+
+
+def test_launches_inside_compile_concurrently_only_compile_and_launch_again_after():
+    kernel = RecordingKernel()
+    launch(kernel, (1,), "x")
+    assert compile_concurrently(lambda: launch(kernel, (2,), "y"), threads=2)
+    launch(kernel, (3,), "z")
+    assert kernel.calls == [("launched", (1,), ("x",)), ("compiled", (2,), ("y",)), ("launched", (3,), ("z",))]
+    assert 1 <= compile_threads() <= 8
+
+
+def test_a_failure_while_compiling_on_threads_is_logged_and_leaves_launches_to_compile_as_before(caplog):
+    kernel = RecordingKernel()
+
+    def fails():
+        launch(kernel, (1,), "x")
+        raise RuntimeError("internals moved")
+
+    with caplog.at_level(logging.WARNING, logger="vllm.bdlora"):
+        assert compile_concurrently(fails, threads=2) is False
+    assert "RuntimeError: internals moved" in caplog.text and "one at a time" in caplog.text
+    launch(kernel, (2,), "y")
+    assert kernel.calls[-1] == ("launched", (2,), ("y",))
+
+
+def test_a_layers_variants_compile_on_threads_and_its_launches_then_compile_nothing(tmp_path, monkeypatch):
+    """The real kernels, compiled for sm_90 on this machine (bench/kernels/compile_time.py's stand-in target):
+    every variant `warm_up` launches compiles on the pool, and the launches after it find each one compiled."""
+    from bench.kernels.compile_time import compile_layer, compile_only, forget_compiled_kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    forget_compiled_kernels()
+    with compile_only(90) as seconds:
+        layer = lambda: compile_layer(512, (512, 128, 128), 16, decode=True)  # noqa: E731
+        assert compile_concurrently(layer, threads=2)
+        cubins = sum(name.endswith(".cubin") for _, _, files in os.walk(tmp_path) for name in files)
+        compiled_before = sum(map(len, seconds.values()))
+        launches = layer()
+        assert sum(map(len, seconds.values())) == compiled_before  # no compile left for the launches
+    assert cubins == launches  # one binary per variant, all compiled on the pool

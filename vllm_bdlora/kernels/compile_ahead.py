@@ -1,0 +1,63 @@
+"""Compile a layer's kernel variants on several threads before launching any of them.
+
+`fused_lora.warm_up` launches every variant a layer can use, once, so that serving never compiles; launched one
+after another, the first start of a server spends 42 s compiling at LoRA width 128 and 201 s at 512 (Llama-3.1-8B,
+TP=1: bench/results/compile-time-cpu-s19). Compiles overlap well on threads (on 2 cores, 23.6 and 106.3 s
+instead), and Triton's `AsyncCompileMode` (in 3.6 and 3.9, the versions of vLLM 0.26 and 0.32; a Triton without
+it compiles one at a time as before) hands the compiles of `warmup` calls to an executor. So `warm_up` first
+runs its launch sequence with every launch made a `warmup` call (`launch`), the compiles on a thread pool, and
+then launches as before, finding each variant compiled. The kernels are the same either way: this changes when
+they compile, not what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+
+logger = logging.getLogger("vllm.bdlora")
+
+_compiling_only: ContextVar[bool] = ContextVar("vllm_bdlora_compiling_only", default=False)
+MAX_THREADS = 8
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), or inside `compile_concurrently` its compile alone (nothing runs)."""
+    if _compiling_only.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def compile_threads() -> int:
+    """Threads for the compiles: this process's CPUs (a TP worker may be pinned to a few), at most MAX_THREADS."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cpus))
+
+
+def compile_concurrently(launch_all, threads: int | None = None) -> bool:
+    """Call `launch_all` (which launches kernels through `launch`) with each launch compiled on a pool of
+    `threads` and none run; returns once every compile has finished. False where this Triton has no
+    AsyncCompileMode or a compile failed (logged): the caller's own launches then compile what is missing, one
+    at a time, as they always did."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # an older Triton
+        return False
+    token = _compiling_only.set(True)
+    try:
+        with ThreadPoolExecutor(threads or compile_threads(), thread_name_prefix="bdlora-compile") as pool:
+            with AsyncCompileMode(pool):
+                launch_all()
+        return True
+    except Exception as error:  # e.g. a Triton whose internals moved: serve anyway, compiling serially
+        logger.warning("vllm-bdlora: compiling the LoRA kernels on threads failed (%s: %s); compiling them one at "
+                       "a time instead.", type(error).__name__, error)  # fmt: skip
+        return False
+    finally:
+        _compiling_only.reset(token)
