@@ -13,10 +13,11 @@ compile by kernel.
 
     python -m bench.kernels.compile_time --tp 1 --widths 128,512 --out bench/results/compile-time
 
-Seconds are this machine's (Triton's passes and ptxas run on the CPU, one variant after another as in
-`warm_up`); a GPU host's CPU compiles faster or slower, but the shares per kernel and width carry over. Checked
-with Triton 3.9 (the CPU install); the driver stand-in uses Triton's internals (`JITFunction.run`,
-`_do_compile`, `runtime.driver.set_active`) and may need adjusting for another Triton.
+Seconds are this machine's (Triton's passes and ptxas run on the CPU; `--threads N` compiles each layer's
+variants on N threads as `warm_up` does); a GPU host's CPU compiles faster or slower, but the shares per kernel
+and width carry over. Checked with Triton 3.9 (the CPU install) and 3.6 (the GPU hosts':
+tests/test_kernels_compile_ahead.py passes with its wheel); the driver stand-in uses Triton's internals
+(`JITFunction.run`, `_do_compile`, `runtime.driver`) and may need adjusting for another Triton.
 """
 
 from __future__ import annotations
