@@ -30,6 +30,7 @@ import os
 import platform
 import tempfile
 import time
+from unittest import mock
 
 import torch
 
@@ -161,7 +162,11 @@ def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool, thr
     rows = []
     for width in widths:
         forget_compiled_kernels()
-        with tempfile.TemporaryDirectory() as cache, _triton_cache(cache), compile_only(arch) as seconds:
+        with (
+            tempfile.TemporaryDirectory() as cache,
+            mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": cache}),
+            compile_only(arch) as seconds,
+        ):
             for name, k, heights in layers(tp, shape):  # in a decoder layer's order, one cache as a server has
                 before = {kernel: len(times) for kernel, times in seconds.items()}
                 started = time.perf_counter()
@@ -180,19 +185,6 @@ def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool, thr
                 rows.append(row)
                 print({key: value for key, value in row.items() if not key.endswith("max_seconds")}, flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def _triton_cache(path: str):
-    old = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = path
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-        else:
-            os.environ["TRITON_CACHE_DIR"] = old
 
 
 KERNELS = ("_routed_shrink_kernel", "_fused_expand_kernel", "_decode_lora_linear_kernel")
