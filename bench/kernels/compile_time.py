@@ -34,11 +34,9 @@ from unittest import mock
 
 import torch
 
-from bench.kernels.fused_lora import layers
+from bench.kernels.fused_lora import MODEL_SHAPES, layers
 from bench.kernels.harness import write_results
-from bench.shapes import SHAPES
 
-MODEL_SHAPES = [name for name in SHAPES if name.startswith("llama-3.1-")]
 H200_SMS = 132
 
 

@@ -25,11 +25,8 @@ import argparse
 
 import torch
 
-from bench.kernels.fused_lora import layer_op_path, layers, make_layer, reference
+from bench.kernels.fused_lora import MODEL_SHAPES, layer_op_path, layers, make_layer, reference
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
-from bench.shapes import SHAPES
-
-MODEL_SHAPES = [name for name in SHAPES if name.startswith("llama-3.1-")]
 
 
 def shapes_title(rows) -> str:

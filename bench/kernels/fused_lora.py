@@ -26,6 +26,9 @@ import triton
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
 from bench.shapes import SHAPES
 
+# The model shapes `layers` serves to the kernel benchmarks' --model-shape
+MODEL_SHAPES = [name for name in SHAPES if name.startswith("llama-3.1-")]
+
 
 def layers(tp: int, shape: str = "llama-3.1-8b"):
     """(name, K = input features per GPU, output slice heights per GPU): the packed projections vLLM adapts, of
