@@ -135,11 +135,13 @@ def test_token_groups_match_vllm_kernel_metadata():
 
 
 KERNEL_CHECK = """
-import sys, torch
+import itertools, sys, torch
+from vllm_bdlora.kernels import fused_lora
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch, reference_by_slice
 from vllm_bdlora.kernels.fused_lora import LaunchConfig, delta_then_gemm, fused_expand, fused_lora_linear
 from vllm_bdlora.kernels.fused_lora import group_tokens, lora_shrink
 from vllm_bdlora.kernels.reference import lora_shrink_reference, slice_views
+unrolled = fused_lora.UNROLLED_WIDTH_STEPS
 device, dtype, tokens_list, tol = sys.argv[1], getattr(torch, sys.argv[2]), eval(sys.argv[3]), float(sys.argv[4])
 def close(got, want, what):
     if want.numel() == 0:
@@ -159,17 +161,20 @@ for tokens in tokens_list:
             for slot in range(len(SLOT_WIDTHS[0])):  # only each slot's own width is written
                 rows, w = b["slots"] == slot, int(b["widths"][j, slot])
                 close(shrunk.sum(0)[rows, j * 32 : j * 32 + w], want[rows, :w], f"shrink split_k={split_k}")
-        for dora in (False, True):
+        # rank steps inline over the buffer width (as for widths up to 128), or looped up to each slot's width
+        for dora, fused_lora.UNROLLED_WIDTH_STEPS in itertools.product((False, True), (unrolled, 0)):
             g = b["g"] if dora else None
+            how = f"dora={dora} split_k={split_k} unrolled steps={fused_lora.UNROLLED_WIDTH_STEPS}"
             args = (shrunk, b["lora_b"], groups, b["widths"], b["bounds"], b["scales"])
             got = fused_lora_linear(b["x"], b["weight"], *args, bias=b["bias"], scale_table=g)
-            close(got, reference_by_slice(b, dora, True), f"fused_lora_linear dora={dora} split_k={split_k}")
+            close(got, reference_by_slice(b, dora, True), f"fused_lora_linear {how}")
             y = (b["x"].float() @ b["weight"].float().T + b["bias"].float()).to(dtype)
             # the default tiles, and a rank step wider than the buffer (its loads masked past the width)
             for expand_cfg in (None, LaunchConfig(16, 32, 64)):
                 got = fused_expand(y.clone(), *args, scale_table=g, bias=b["bias"], config=expand_cfg)
-                close(got, reference_by_slice(b, dora, False), f"fused_expand {dora=} {expand_cfg} {split_k=}")
+                close(got, reference_by_slice(b, dora, False), f"fused_expand {how} {expand_cfg}")
                 assert torch.equal(got[~adapted], y[~adapted]), "base-model tokens must stay untouched"
+        fused_lora.UNROLLED_WIDTH_STEPS = unrolled
         garbage = torch.full_like(y, float("nan"))
         got = delta_then_gemm(b["x"], b["weight"], *args, bias=b["bias"], out=garbage)
         close(got, reference_by_slice(b, False, True), f"delta_then_gemm split_k={split_k}")

@@ -138,6 +138,17 @@ def writes_delta_first(delta_first_layer: bool, tokens: int) -> bool:
     return delta_first_layer and tokens >= DELTA_FIRST_MIN_TOKENS
 
 
+# The expand's rank steps per slice that compile inline; wider adapters loop over their own width instead.
+# Inline, a layer's expand carries slices x steps x split_k loads of S: at width 512 (32-row steps, split_k 16)
+# its slowest variant took 31-35 s to compile and a TP=1 server's first start 201 s in all
+# (bench/results/compile-time-cpu-s19). Widths up to 128 at BLOCK_K 32 (every BD r' <= 512 from TP=4 on) unroll.
+UNROLLED_WIDTH_STEPS = 4
+
+
+def unrolls_width(width: int, block_k: int) -> bool:
+    return triton.cdiv(width, block_k) <= UNROLLED_WIDTH_STEPS
+
+
 def linear_config(tokens: int) -> LaunchConfig:
     if tokens <= 64:
         return LaunchConfig(16, 32, 128, num_stages=4)
@@ -255,39 +266,55 @@ def _rows_dot(acc, x_ptr, m_ptr, rows, cols, k_lo, k_hi, stride_x, stride_m, BLO
 
 
 @triton.jit
+def _slice_step(
+    acc, s_ptr, b_ptr, rows, cols, k0, j, w, lo, hi, n0, stride_split, stride_s, stride_bn,
+    SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
+):  # fmt: skip
+    """acc += S_j[rows, k0:k0 + BLOCK_K]·B[cols, k0:k0 + BLOCK_K]ᵀ, S's columns at or past w zeroed."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
+    if EVEN_W:
+        s = tl.load(s_ptr + s_offs)
+        for part in tl.static_range(1, SPLIT_K):
+            s += tl.load(s_ptr + part * stride_split + s_offs)
+    else:
+        s = tl.load(s_ptr + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
+        for part in tl.static_range(1, SPLIT_K):
+            s += tl.load(s_ptr + part * stride_split + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
+    s = tl.where((ks < w)[None, :], s, 0.0)
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
+    if EVEN_W & (n0 >= lo) & (n0 + BLOCK_N <= hi):
+        b = tl.load(b_ptrs)
+    else:
+        b_mask = ((cols >= lo) & (cols < hi))[None, :] & (ks < WIDTH)[:, None]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    return acc + tl.dot(s.to(b.dtype), b)
+
+
+@triton.jit
 def _slices_delta(
     acc, s_ptr, b_ptr, widths_ptr, bounds_ptr, slot, rows, cols, n0, stride_split, stride_s, stride_bn, stride_w,
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_W: tl.constexpr, UNROLL_W: tl.constexpr,
 ):  # fmt: skip
     """acc += S_j[rows, :w]·B[slot, cols, :w]ᵀ for each slice j the column block [n0, n0 + BLOCK_N)
     meets, w = the slot's width in slice j (summing S's split_k parts as it loads them). rows and cols
     are valid indices; S beyond w (never written) is zeroed after loading, and B is only masked in a
-    column block that straddles two slices (or, unless EVEN_W, where BLOCK_K passes the buffer width)."""
+    column block that straddles two slices (or, unless EVEN_W, where BLOCK_K passes the buffer width).
+    UNROLL_W (`unrolls_width`): the rank steps inline over the whole buffer width, else a loop up to w."""
     for j in tl.static_range(NUM_SLICES):
         lo = tl.load(bounds_ptr + j)
         hi = tl.load(bounds_ptr + j + 1)
         w = tl.load(widths_ptr + j * stride_w + slot)
         if (n0 < hi) & (n0 + BLOCK_N > lo) & (w > 0):
-            for k0 in tl.static_range(0, WIDTH, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
-                if EVEN_W:
-                    s = tl.load(s_ptr + s_offs)
-                    for part in tl.static_range(1, SPLIT_K):
-                        s += tl.load(s_ptr + part * stride_split + s_offs)
-                else:
-                    s = tl.load(s_ptr + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
-                    for part in tl.static_range(1, SPLIT_K):
-                        s += tl.load(s_ptr + part * stride_split + s_offs, mask=(ks < WIDTH)[None, :], other=0.0)
-                s = tl.where((ks < w)[None, :], s, 0.0)
-                b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
-                if EVEN_W & (n0 >= lo) & (n0 + BLOCK_N <= hi):
-                    b = tl.load(b_ptrs)
-                else:
-                    b_mask = ((cols >= lo) & (cols < hi))[None, :] & (ks < WIDTH)[:, None]
-                    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-                acc += tl.dot(s.to(b.dtype), b)
+            if UNROLL_W:
+                for k0 in tl.static_range(0, WIDTH, BLOCK_K):
+                    acc = _slice_step(acc, s_ptr, b_ptr, rows, cols, k0, j, w, lo, hi, n0, stride_split, stride_s,
+                                      stride_bn, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K, EVEN_W)  # fmt: skip
+            else:
+                for k0 in range(0, w, BLOCK_K):
+                    acc = _slice_step(acc, s_ptr, b_ptr, rows, cols, k0, j, w, lo, hi, n0, stride_split, stride_s,
+                                      stride_bn, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K, EVEN_W)  # fmt: skip
     return acc
 
 
@@ -356,7 +383,8 @@ def _fused_expand_kernel(
     stride_y, stride_split, stride_s, stride_bl, stride_bn, stride_w, stride_g,
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, OVERWRITE: tl.constexpr, MAX_GROUPS: tl.constexpr, WIDTH: tl.constexpr,
-    EVEN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_W: tl.constexpr, UNROLL_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
     group = tl.program_id(1)
@@ -388,7 +416,7 @@ def _fused_expand_kernel(
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows, valid_cols, n0,
                           stride_split, stride_s, stride_bn, stride_w, NUM_SLICES, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K,
-                          EVEN_W)  # fmt: skip
+                          EVEN_W, UNROLL_W)  # fmt: skip
     if HAS_SCALE:
         delta = delta * tl.load(scale_ptr + slot)
     if OVERWRITE:
@@ -405,7 +433,7 @@ def _fused_lora_linear_kernel(
     widths_ptr, bounds_ptr, scale_ptr, g_ptr, bias_ptr, hidden, n_cols,
     stride_x, stride_w, stride_out, stride_split, stride_s, stride_bl, stride_bn, stride_wt, stride_g,
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr, EVEN_W: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr, EVEN_W: tl.constexpr, UNROLL_W: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
@@ -425,7 +453,7 @@ def _fused_lora_linear_kernel(
     if slot >= 0:
         delta = _slices_delta(delta, s_ptr, b_ptr + slot * stride_bl, widths_ptr, bounds_ptr, slot, rows,
                               valid_cols, n0, stride_split, stride_s, stride_bn, stride_wt, NUM_SLICES, SPLIT_K,
-                              WIDTH, BLOCK_N, BLOCK_R, EVEN_W)  # fmt: skip
+                              WIDTH, BLOCK_N, BLOCK_R, EVEN_W, UNROLL_W)  # fmt: skip
         if HAS_SCALE:
             delta = delta * tl.load(scale_ptr + slot)
     _compose_and_store(out_ptr, base, delta, rows, row_ok, cols, col_ok, slot, stride_out, g_ptr, stride_g, bias_ptr,
@@ -494,7 +522,8 @@ def fused_expand(
         NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, OVERWRITE=overwrite,
         MAX_GROUPS=triton.next_power_of_2(n_groups), WIDTH=width, EVEN_W=width % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        UNROLL_W=unrolls_width(width, cfg.block_k), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
@@ -536,7 +565,8 @@ def fused_lora_linear(
         lora_b.stride(1), slot_widths.stride(0), scale_table.stride(0) if scale_table is not None else 0,
         NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, WIDTH=width, EVEN_W=width % block_r == 0,
-        EVEN_K=x.shape[1] % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        UNROLL_W=unrolls_width(width, block_r), EVEN_K=x.shape[1] % cfg.block_k == 0, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=block_r,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
