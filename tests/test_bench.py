@@ -368,6 +368,30 @@ def test_fused_lora_report_from_a_host_without_vllm_marks_vllm_columns_unmeasure
     assert "decode (1-64 tokens): never slower than vLLM, o_proj: not measured" in text
 
 
+def test_fused_lora_benchmark_ab_tests_the_expand_width_loop_where_the_width_loops(tmp_path):
+    """Widths past UNROLLED_WIDTH_STEPS rank steps get the unrolled expand timed beside the default loop (the
+    constant raised only while the path launches), and the report gets a section comparing the two."""
+    from bench.kernels.fused_lora import report, width_loops, with_width_unrolled
+    from vllm_bdlora.kernels import fused_lora
+
+    assert width_loops(512, 1024, 3) and width_loops(256, 16, 2)
+    assert not width_loops(128, 1024, 3) and not width_loops(32, 16, 3)
+    seen = with_width_unrolled(lambda: fused_lora.unrolls_width(512, 32))()
+    assert seen and not fused_lora.unrolls_width(512, 32)
+
+    ours = {"base_gemm_only_ms": 0.5, "base_gemm_tflops": 500.0, "layer_op_ms": 0.6, "delta_first_ms": 0.61}
+    ours |= {"fused_expand_ms": 0.62, "fused_linear_ms": 0.9, "layer_op_lora_overhead_ms": 0.1}
+    ours |= {"layer_op_unrolled_ms": 0.66, "fused_expand_unrolled_ms": 0.62}
+    row = {"tp": 1, "layer": "qkv_proj", "tokens": 4096, "adapters": 1, "width": 512, "vllm_ms": None, **ours}
+    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "time": "now", "command": "python3 -m ..."}
+    (tmp_path / "fused_lora.json").write_text(
+        json.dumps({"environment": env, "copy_bandwidth_gbs": 4197, "rows": [row]})
+    )
+    text = open(report(str(tmp_path / "fused_lora.json"))).read()
+    assert "LoRA width 512 (BD r'=512)" in text
+    assert "| qkv_proj | 1 | 4096 | 0.6000 / 0.6600 (1.100) | 0.6200 / 0.6200 (1.000) |" in text
+
+
 def test_fused_lora_report_refuses_a_json_from_before_the_layer_op_and_says_why(tmp_path):
     """The first H200 run (bench/results/kernels-h200) has no layer-op columns: `--report` on it names that,
     rather than failing with a KeyError."""

@@ -222,12 +222,37 @@ def tune_point(layer, want, tokens, k, width, paths=PATHS) -> dict:
     return found
 
 
+def with_width_unrolled(fn):
+    """fn with the expand's rank steps inline whatever the width (UNROLLED_WIDTH_STEPS raised while it
+    launches, so its CUDA graph captures the unrolled variants): the other side of the width-loop A/B."""
+    from vllm_bdlora.kernels import fused_lora
+
+    def run():
+        default = fused_lora.UNROLLED_WIDTH_STEPS
+        fused_lora.UNROLLED_WIDTH_STEPS = 1 << 20
+        try:
+            return fn()
+        finally:
+            fused_lora.UNROLLED_WIDTH_STEPS = default
+
+    return run
+
+
+def width_loops(width: int, tokens: int, slices: int) -> bool:
+    from vllm_bdlora.kernels.fused_lora import expand_config, unrolls_width
+
+    return not unrolls_width(width, expand_config(tokens, width, slices).block_k)
+
+
 def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4):
     layer = make_layer(k, heights, tokens, adapters, width)
     want = reference(layer)
     paths = {"vllm": vllm_path(layer), "layer_op": layer_op_path(layer),
              **dict(zip(PATHS, fused_paths(layer), strict=True)),
              "base_gemm_only": lambda: layer["x"] @ layer["weight"].T}  # fmt: skip
+    if width_loops(width, tokens, len(heights)):  # A/B: the same paths with the expand's width loop unrolled
+        paths["layer_op_unrolled"] = with_width_unrolled(paths["layer_op"])
+        paths["fused_expand_unrolled"] = with_width_unrolled(paths["fused_expand"])
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": sum(heights),
            "slices": len(heights), "width": width}  # fmt: skip
     for path, fn in paths.items():
@@ -283,7 +308,7 @@ def report(json_path: str) -> str:
     lines += [
         "- times: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls (ms per call); bf16; "
         f"Llama-3.1-8B TP={rows[0].get('tp', 4)} per-GPU shapes, per-GPU LoRA width "
-        f"{rows[0]['width']} (BD r'=128)",
+        f"{rows[0]['width']} (BD r'={rows[0]['width'] * rows[0].get('tp', 4)})",
         "- paths: **layer op** = the custom op BD layers call with `lora_kernels: fused`/`auto` over an "
         "unquantized base (our shrink, then from 2048 tokens our expand writing delta + bias and cuBLAS "
         "accumulating X·Wᵀ onto it with beta = 1 (= delta first), below that cuBLAS GEMM then our expand adding "
@@ -330,7 +355,27 @@ def report(json_path: str) -> str:
                 continue
             verdict = "met" if all(test(x) for x in speedups) else "MISSED"
             lines.append(f"- {label}, {layer}: {min(speedups):.2f}-{max(speedups):.2f}× ({goal}): {verdict}")
+    lines += width_loop_lines(rows)
     return write_report(json_path, "fused_lora", lines)
+
+
+def width_loop_lines(rows) -> list[str]:
+    """The width-loop A/B (points whose width the expand loops over rather than unrolls)."""
+    ab = [r for r in rows if r.get("layer_op_unrolled_ms")]
+    if not ab:
+        return []
+    lines = ["", "## Expand rank steps: looped (the default past UNROLLED_WIDTH_STEPS) vs unrolled", "",
+             "Same run, same points; unrolled/looped > 1 means the loop is faster.", "",
+             "| layer | adapters | tokens | layer op looped / unrolled ms (unrolled/looped) "
+             "| fused expand looped / unrolled ms (unrolled/looped) |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in ab:
+        cells = []
+        for path in ("layer_op", "fused_expand"):
+            looped, unrolled = r.get(f"{path}_ms"), r.get(f"{path}_unrolled_ms")
+            ratio = f"{unrolled / looped:.3f}" if looped and unrolled else "-"
+            cells.append(f"{_or_dash(looped, '.4f')} / {_or_dash(unrolled, '.4f')} ({ratio})")
+        lines.append(f"| {r['layer']} | {r['adapters']} | {r['tokens']} | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 def main(argv=None) -> int:
