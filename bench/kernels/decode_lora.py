@@ -1,7 +1,7 @@
 """Decode-sized batches through a whole adapted layer: the one-launch kernel (kernels/decode_lora.py)
 against the layer op's three-kernel path (cuBLAS GEMM, routed shrink, fused expand) and the base GEMM
 alone, at Llama-3.1-8B's (or --model-shape's) per-GPU shapes for TP = 1, 2, 4 (--tp) with BD r'=128 (per-GPU
-LoRA width 128 / TP).
+LoRA width 128 / TP; --bd-rank for another r').
 
     python -m bench.kernels.decode_lora --out bench/results/kernels-h200-s12
     python -m bench.kernels.decode_lora --model-shape llama-3.1-70b --tp 8,4 --out DIR   # one GPU, TP=8's layers
@@ -69,11 +69,11 @@ def breakdown_paths(layer, plan) -> dict:
     return {f"one_launch_no_{skip}": kernel_call(layer, plan, skip) for skip in ("shrink", "finish")}
 
 
-def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False):
+def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False, bd_rank=128):
     from vllm_bdlora.kernels.decode_lora import layer_decode_state, plan_for, row_tile
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
-    width = 128 // tp
+    width = bd_rank // tp
     layer = make_layer(k, heights, tokens, adapters, width)
     want = reference(layer)
     n = sum(heights)
@@ -147,11 +147,11 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     return [plan for plan in dict.fromkeys(plans) if plan.programs <= sms]  # the barrier needs them all resident
 
 
-def configs_point(tp, name, k, heights, tokens, adapters):
+def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128):
     """Every candidate plan of one layer, each checked against the reference, then timed like the layer op."""
     from vllm_bdlora.kernels import decode_lora
 
-    width = 128 // tp
+    width = bd_rank // tp
     layer = make_layer(k, heights, tokens, adapters, width)
     want, n, total_width = reference(layer), sum(heights), len(heights) * width
     base_us = time_cuda(lambda: layer["x"] @ layer["weight"].T, graph_repeats=10)["median_ms"] * 1e3
@@ -173,7 +173,10 @@ def configs_point(tp, name, k, heights, tokens, adapters):
 def configs_report(json_path: str) -> str:
     _, rows, lines = report_start(
         json_path,
-        "One-launch decode kernel: its default plan against the alternatives (whole adapted layer, BD r'=128)",
+        lambda rows: (
+            f"One-launch decode kernel: its default plan against the alternatives (whole adapted layer, BD "
+            f"r'={bd_rank(rows)})"
+        ),
     )
     lines += [
         "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; "
@@ -195,13 +198,22 @@ def configs_report(json_path: str) -> str:
     return write_report(json_path, "decode_configs", lines)
 
 
+def bd_rank(rows) -> int:
+    """The BD r' a run's rows were made with (per-GPU width x TP; runs before --bd-rank all used 128)."""
+    return rows[0]["width"] * rows[0]["tp"] if rows else 128
+
+
 def report(json_path: str) -> str:
     _, rows, lines = report_start(
-        json_path, "One-launch decode kernel vs the three-kernel layer op (whole adapted layer, BD r'=128)"
+        json_path,
+        lambda rows: (
+            f"One-launch decode kernel vs the three-kernel layer op (whole adapted layer, BD r'={bd_rank(rows)})"
+        ),
     )
     lines += [
         "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; "
-        f"{shapes_title(rows)} per-GPU shapes; per-GPU LoRA width 128 / TP; tokens dealt round robin over the adapters",
+        f"{shapes_title(rows)} per-GPU shapes; per-GPU LoRA width {bd_rank(rows)} / TP; tokens dealt round robin over "
+        "the adapters",
         "- paths: base = cuBLAS X·Wᵀ alone; three kernels = the layer op without decode state (cuBLAS GEMM, "
         "routed shrink, fused expand); one launch = the layer op with it (kernels/decode_lora.py). "
         "one launch, no adapter = the same kernel for tokens without an adapter (its GEMV and barrier alone); "
@@ -259,6 +271,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="also time the kernel without the shrink's work, and without the finish's LoRA term",
     )
+    p.add_argument("--bd-rank", type=int, default=128, help="BD r': per-GPU LoRA width r' / TP")
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
 
@@ -275,9 +288,9 @@ def main(argv=None) -> int:
             for a in map(int, args.adapters.split(",")):
                 for t in map(int, args.tokens.split(",")):
                     if args.configs:
-                        points = configs_point(tp, layer_name, k, heights, t, a)
+                        points = configs_point(tp, layer_name, k, heights, t, a, args.bd_rank)
                     else:
-                        points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown)]
+                        points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown, args.bd_rank)]
                     rows += [{"shape": args.model_shape, **point} for point in points]
     return finish(args.out, name, rows, copy_gbs, chosen_report)
 

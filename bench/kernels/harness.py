@@ -110,11 +110,13 @@ def write_results(out_dir: str, name: str, rows: list[dict], extra: dict) -> str
     return path
 
 
-def report_start(json_path: str, title: str) -> tuple[dict, list[dict], list[str]]:
-    """A kernel report's results, rows and opening lines: title, GPU and versions (with the copy bandwidth the
-    run measured), the exact command."""
+def report_start(json_path: str, title) -> tuple[dict, list[dict], list[str]]:
+    """A kernel report's results, rows and opening lines: title (a string, or made from the rows), GPU and
+    versions (with the copy bandwidth the run measured), the exact command."""
     with open(json_path) as f:
         results = json.load(f)
+    if callable(title):
+        title = title(results["rows"])
     env = results["environment"]
     bandwidth = (
         f"; measured copy bandwidth {results['copy_bandwidth_gbs']} GB/s" if "copy_bandwidth_gbs" in results else ""
