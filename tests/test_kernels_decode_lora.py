@@ -79,6 +79,19 @@ def test_narrow_layers_plans_follow_what_ran_fastest_on_an_h200():
     assert kind(1536, 4096, 96, 64) == (False, 16, 128)
 
 
+@pytest.mark.parametrize("slots", [1, 4])
+def test_wide_layers_keep_stream_k_only_for_narrow_lora_widths(slots):
+    """bench/results/kernels-h200-s20: gate_up_proj at TP=1 (28672 outputs, no whole blocks fit) as stream-K beat
+    the three kernels at BD r'=128 (total width 256) but ran 254 µs against their 130 at r'=512 (1024), no
+    candidate plan below 151: wider LoRA keeps the three kernels. Layers with whole blocks keep the kernel."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    assert decode_plan(28672, 4096, 256, slots, 132).stream_k
+    assert decode_plan(28672, 4096, 512, slots, 132) is None
+    assert decode_plan(28672, 4096, 1024, slots, 132) is None
+    assert not decode_plan(6144, 4096, 1536, slots, 132).stream_k  # qkv_proj at TP=1, r'=512: whole blocks
+
+
 @pytest.mark.parametrize("block_m", [32, 64])
 @pytest.mark.parametrize("hidden", [4096, 8192, 14336])
 @pytest.mark.parametrize("out_features", [16, 1280, 1536, 2560, 4096, 7168, 14336, 28672])

@@ -64,6 +64,9 @@ DECODE_MAX_TOKENS = ROW_TILES[-1]
 # Layers too wide for whole column blocks take stream-K in 16-row tiles only: at 64 rows its partial sums would
 # take 7 MB per gate_up_proj at TP=1 (narrow layers' stream-K plans in larger tiles keep a few hundred kB).
 _STREAM_K_ROWS = 16
+# ... and with at most this much LoRA width in all (its slices together): wider, the finish's B loads after the
+# barrier outweigh the launches saved (`decode_plan` has the measurements).
+_STREAM_K_MAX_WIDTH = 256
 # Whole-block programs of larger tiles with at least this many hidden steps pipeline 6 stages deep where those
 # fit in this much shared memory (a stage of whole_block_step is 24-32 kB; H100s and H200s have 227 kB).
 _DEEP_PIPELINE_STEPS, _DEEP_PIPELINE_BYTES = 48, 150 * 1024
@@ -190,7 +193,9 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     whole 64-column blocks, 23.1-24.3 as stream-K; o_proj at TP=4: 6.6 on 64 whole blocks, 7.5 as stream-K
     on 128 programs): stream-K's partial sums make an extra round trip through L2 after the barrier.
     gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against the three kernels'
-    73.9. Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over
+    73.9 at BD r'=128 (total LoRA width 256); at r'=512 (1024) every stream-K candidate lost, the default 254 µs and
+    the best 151 against the three kernels' 130 (bench/results/kernels-h200-s20), so wider layers keep those.
+    Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over
     64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
     (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9
     µs slower at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
@@ -230,7 +235,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
         for block_n in (32, 64, 128):
             if triton.cdiv(out_features, block_n) <= room:
                 return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
-        if block_m > _STREAM_K_ROWS:
+        if block_m > _STREAM_K_ROWS or total_width > _STREAM_K_MAX_WIDTH:
             return None
     if narrow and hidden >= _LONG_HIDDEN:
         block_n, block_k = 64, 128
