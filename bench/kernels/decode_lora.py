@@ -163,9 +163,9 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128):
         for _ in range(3):
             torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
         us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
-        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "default": plan == default,
-                     "plan": describe(plan), "us": round(us, 2), "base_gemm_us": round(base_us, 2),
-                     "over_base": round(us / base_us, 3)})  # fmt: skip
+        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "width": width,
+                     "default": plan == default, "plan": describe(plan), "us": round(us, 2),
+                     "base_gemm_us": round(base_us, 2), "over_base": round(us / base_us, 3)})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 
@@ -199,8 +199,9 @@ def configs_report(json_path: str) -> str:
 
 
 def bd_rank(rows) -> int:
-    """The BD r' a run's rows were made with (per-GPU width x TP; runs before --bd-rank all used 128)."""
-    return rows[0]["width"] * rows[0]["tp"] if rows else 128
+    """The BD r' a run's rows were made with (per-GPU width x TP; runs before --bd-rank all used 128, and --configs
+    rows before the twentieth session record no width)."""
+    return rows[0]["width"] * rows[0]["tp"] if rows and "width" in rows[0] else 128
 
 
 def report(json_path: str) -> str:
