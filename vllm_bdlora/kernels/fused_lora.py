@@ -139,9 +139,11 @@ def writes_delta_first(delta_first_layer: bool, tokens: int) -> bool:
 
 
 # The expand's rank steps per slice that compile inline; wider adapters loop over their own width instead.
-# Inline, a layer's expand carries slices x steps x split_k loads of S: at width 512 (32-row steps, split_k 16)
+# Inline, a layer's expand carries slices x steps x split_k loads of S: at width 512 (32-wide steps, split_k 16)
 # its slowest variant took 31-35 s to compile and a TP=1 server's first start 201 s in all
-# (bench/results/compile-time-cpu-s19). Widths up to 128 at BLOCK_K 32 (every BD r' <= 512 from TP=4 on) unroll.
+# (bench/results/compile-time-cpu-s19); looped, 43.5 s; on an H200 at width 512 the unrolled expand took 0.98-1.11x
+# the looped one's time at 1024-8192 tokens (bench/results/kernels-h200-s20). Widths up to 128 at BLOCK_K 32 (every BD
+# r' <= 512 from TP=4 on) unroll.
 UNROLLED_WIDTH_STEPS = 4
 
 
