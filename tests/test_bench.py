@@ -392,6 +392,24 @@ def test_fused_lora_benchmark_ab_tests_the_expand_width_loop_where_the_width_loo
     assert "| qkv_proj | 1 | 4096 | 0.6000 / 0.6600 (1.100) | 0.6200 / 0.6200 (1.000) |" in text
 
 
+def test_fused_lora_report_lists_paths_that_failed_to_compile(tmp_path):
+    """A path that cannot run at some point (the split-graph GEMM asked for more shared memory than an H200 has at
+    width 256) is recorded, shown as "-" in its table cell and named with its error, while the others are timed."""
+    from bench.kernels.fused_lora import report
+
+    ours = {"base_gemm_only_ms": 0.05, "base_gemm_tflops": 500.0, "layer_op_ms": 0.06, "delta_first_ms": 0.061}
+    ours |= {"fused_expand_ms": 0.062, "fused_linear_ms": None, "layer_op_lora_overhead_ms": 0.01}
+    ours["fused_linear_error"] = "OutOfResources: out of resource: shared memory, Required: 278528"
+    row = {"tp": 2, "layer": "o_proj", "tokens": 1024, "adapters": 1, "width": 256, "vllm_ms": None, **ours}
+    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "time": "now", "command": "python3 -m ..."}
+    (tmp_path / "fused_lora.json").write_text(
+        json.dumps({"environment": env, "copy_bandwidth_gbs": 4197, "rows": [row]})
+    )
+    text = open(report(str(tmp_path / "fused_lora.json"))).read()
+    assert "| 0.0620 (-) | - (-) |" in text
+    assert "- o_proj, 1024 tokens, 1 adapter(s), fused_linear: OutOfResources: out of resource: shared memory" in text
+
+
 def test_fused_lora_report_refuses_a_json_from_before_the_layer_op_and_says_why(tmp_path):
     """The first H200 run (bench/results/kernels-h200) has no layer-op columns: `--report` on it names that,
     rather than failing with a KeyError."""
