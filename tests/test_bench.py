@@ -351,18 +351,22 @@ def test_llmperf_is_refused_for_many_adapter_points(tmp_path):
     assert parse_args(["--out", "x", "--load-generator", "llmperf", "--llmperf-dir", str(tmp_path), "--adapters", "1"])
 
 
+def fused_lora_report_of(tmp_path, row) -> str:
+    """bench.kernels.fused_lora's report of a one-row results JSON, as a bare H200 host without vLLM writes it."""
+    from bench.kernels.fused_lora import report
+
+    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "time": "now", "command": "python3 -m ..."}
+    results = {"environment": env, "copy_bandwidth_gbs": 4197, "rows": [{"vllm_ms": None, **row}]}
+    (tmp_path / "fused_lora.json").write_text(json.dumps(results))
+    return open(report(str(tmp_path / "fused_lora.json"))).read()
+
+
 def test_fused_lora_report_from_a_host_without_vllm_marks_vllm_columns_unmeasured(tmp_path):
     """A bare GPU host (torch + Triton, no vLLM) times only our kernels: the report must still be written,
     with vLLM's columns and the vLLM-relative targets shown as not measured (it crashed on None before)."""
-    from bench.kernels.fused_lora import report
-
     ours = {"base_gemm_only_ms": 0.0042, "base_gemm_tflops": 2.0, "layer_op_ms": 0.0096, "delta_first_ms": 0.0097}
     ours |= {"fused_expand_ms": 0.0092, "fused_linear_ms": 0.0118, "layer_op_lora_overhead_ms": 0.0054}
-    row = {"layer": "o_proj", "tokens": 16, "adapters": 1, "width": 32, "vllm_ms": None, **ours}
-    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "time": "now", "command": "python3 -m ..."}
-    results = {"environment": env, "copy_bandwidth_gbs": 4197, "rows": [row]}
-    (tmp_path / "fused_lora.json").write_text(json.dumps(results))
-    text = open(report(str(tmp_path / "fused_lora.json"))).read()
+    text = fused_lora_report_of(tmp_path, {"layer": "o_proj", "tokens": 16, "adapters": 1, "width": 32, **ours})
     assert "| o_proj | 16 | 0.0042 (2.0) | - | **0.0096 (-)** |" in text
     assert "- / 5.4" in text
     assert "decode (1-64 tokens): never slower than vLLM, o_proj: not measured" in text
@@ -371,7 +375,7 @@ def test_fused_lora_report_from_a_host_without_vllm_marks_vllm_columns_unmeasure
 def test_fused_lora_benchmark_ab_tests_the_expand_width_loop_where_the_width_loops(tmp_path):
     """Widths past UNROLLED_WIDTH_STEPS rank steps get the unrolled expand timed beside the default loop (the
     constant raised only while the path launches), and the report gets a section comparing the two."""
-    from bench.kernels.fused_lora import report, width_loops, with_width_unrolled
+    from bench.kernels.fused_lora import width_loops, with_width_unrolled
     from vllm_bdlora.kernels import fused_lora
 
     assert width_loops(512, 1024, 3) and width_loops(256, 16, 2)
@@ -382,12 +386,9 @@ def test_fused_lora_benchmark_ab_tests_the_expand_width_loop_where_the_width_loo
     ours = {"base_gemm_only_ms": 0.5, "base_gemm_tflops": 500.0, "layer_op_ms": 0.6, "delta_first_ms": 0.61}
     ours |= {"fused_expand_ms": 0.62, "fused_linear_ms": 0.9, "layer_op_lora_overhead_ms": 0.1}
     ours |= {"layer_op_unrolled_ms": 0.66, "fused_expand_unrolled_ms": 0.62}
-    row = {"tp": 1, "layer": "qkv_proj", "tokens": 4096, "adapters": 1, "width": 512, "vllm_ms": None, **ours}
-    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "time": "now", "command": "python3 -m ..."}
-    (tmp_path / "fused_lora.json").write_text(
-        json.dumps({"environment": env, "copy_bandwidth_gbs": 4197, "rows": [row]})
+    text = fused_lora_report_of(
+        tmp_path, {"tp": 1, "layer": "qkv_proj", "tokens": 4096, "adapters": 1, "width": 512, **ours}
     )
-    text = open(report(str(tmp_path / "fused_lora.json"))).read()
     assert "LoRA width 512 (BD r'=512)" in text
     assert "| qkv_proj | 1 | 4096 | 0.6000 / 0.6600 (1.100) | 0.6200 / 0.6200 (1.000) |" in text
 
@@ -395,17 +396,12 @@ def test_fused_lora_benchmark_ab_tests_the_expand_width_loop_where_the_width_loo
 def test_fused_lora_report_lists_paths_that_failed_to_compile(tmp_path):
     """A path that cannot run at some point (the split-graph GEMM asked for more shared memory than an H200 has at
     width 256) is recorded, shown as "-" in its table cell and named with its error, while the others are timed."""
-    from bench.kernels.fused_lora import report
-
     ours = {"base_gemm_only_ms": 0.05, "base_gemm_tflops": 500.0, "layer_op_ms": 0.06, "delta_first_ms": 0.061}
     ours |= {"fused_expand_ms": 0.062, "fused_linear_ms": None, "layer_op_lora_overhead_ms": 0.01}
     ours["fused_linear_error"] = "OutOfResources: out of resource: shared memory, Required: 278528"
-    row = {"tp": 2, "layer": "o_proj", "tokens": 1024, "adapters": 1, "width": 256, "vllm_ms": None, **ours}
-    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "time": "now", "command": "python3 -m ..."}
-    (tmp_path / "fused_lora.json").write_text(
-        json.dumps({"environment": env, "copy_bandwidth_gbs": 4197, "rows": [row]})
+    text = fused_lora_report_of(
+        tmp_path, {"tp": 2, "layer": "o_proj", "tokens": 1024, "adapters": 1, "width": 256, **ours}
     )
-    text = open(report(str(tmp_path / "fused_lora.json"))).read()
     assert "| 0.0620 (-) | - (-) |" in text
     assert "- o_proj, 1024 tokens, 1 adapter(s), fused_linear: OutOfResources: out of resource: shared memory" in text
 
