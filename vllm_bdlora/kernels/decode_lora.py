@@ -173,8 +173,8 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
                 block_m: int = 16) -> DecodePlan | None:  # fmt: skip
     """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, for batches in
     tiles of `block_m` token rows, or None where even the shrink programs would not leave one SM to the GEMV
-    or (tiles over 16 rows) no whole column blocks fit a wide layer: the layer op then keeps its three-kernel
-    path.
+    or no whole column blocks fit a wide layer whose tile is over 16 rows or whose LoRA is over 256 wide in all
+    (_STREAM_K_ROWS, _STREAM_K_MAX_WIDTH): the layer op then keeps its three-kernel path.
 
     Shrink programs: 4 per slot (up to 32), more where a batch of every slot's adapter would read a larger
     share of the bytes (A against W). A shrink program computes every adapter of the batch over its slice of
