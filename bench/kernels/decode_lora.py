@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from bench.kernels.fused_lora import MODEL_SHAPES, layer_op_path, layers, make_layer, reference
+from bench.kernels.fused_lora import MODEL_SHAPES, layer_op_path, layers, make_layer, reference, run_bd_rank
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
 
 
@@ -175,7 +175,7 @@ def configs_report(json_path: str) -> str:
         json_path,
         lambda rows: (
             f"One-launch decode kernel: its default plan against the alternatives (whole adapted layer, BD "
-            f"r'={bd_rank(rows)})"
+            f"r'={run_bd_rank(rows)})"
         ),
     )
     lines += [
@@ -198,23 +198,17 @@ def configs_report(json_path: str) -> str:
     return write_report(json_path, "decode_configs", lines)
 
 
-def bd_rank(rows) -> int:
-    """The BD r' a run's rows were made with (per-GPU width x TP; runs before --bd-rank all used 128, and --configs
-    rows before the twentieth session record no width)."""
-    return rows[0]["width"] * rows[0]["tp"] if rows and "width" in rows[0] else 128
-
-
 def report(json_path: str) -> str:
     _, rows, lines = report_start(
         json_path,
         lambda rows: (
-            f"One-launch decode kernel vs the three-kernel layer op (whole adapted layer, BD r'={bd_rank(rows)})"
+            f"One-launch decode kernel vs the three-kernel layer op (whole adapted layer, BD r'={run_bd_rank(rows)})"
         ),
     )
     lines += [
         "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; "
-        f"{shapes_title(rows)} per-GPU shapes; per-GPU LoRA width {bd_rank(rows)} / TP; tokens dealt round robin over "
-        "the adapters",
+        f"{shapes_title(rows)} per-GPU shapes; per-GPU LoRA width {run_bd_rank(rows)} / TP; tokens dealt round robin "
+        "over the adapters",
         "- paths: base = cuBLAS X·Wᵀ alone; three kernels = the layer op without decode state (cuBLAS GEMM, "
         "routed shrink, fused expand); one launch = the layer op with it (kernels/decode_lora.py). "
         "one launch, no adapter = the same kernel for tokens without an adapter (its GEMV and barrier alone); "

@@ -288,6 +288,12 @@ def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4):
     return row
 
 
+def run_bd_rank(rows) -> int:
+    """The BD r' a kernel benchmark's rows were made with: per-GPU width x TP (the first runs, all TP=4, record no
+    TP; decode `--configs` rows before the twentieth session record no width, and all used r'=128)."""
+    return rows[0]["width"] * rows[0].get("tp", 4) if rows and "width" in rows[0] else 128
+
+
 def _or_dash(value, spec: str, unit: float = 1.0) -> str:
     return "-" if value is None else format(value * unit, spec)
 
@@ -308,7 +314,7 @@ def report(json_path: str) -> str:
     lines += [
         "- times: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls (ms per call); bf16; "
         f"Llama-3.1-8B TP={rows[0].get('tp', 4)} per-GPU shapes, per-GPU LoRA width "
-        f"{rows[0]['width']} (BD r'={rows[0]['width'] * rows[0].get('tp', 4)})",
+        f"{rows[0]['width']} (BD r'={run_bd_rank(rows)})",
         "- paths: **layer op** = the custom op BD layers call with `lora_kernels: fused`/`auto` over an "
         "unquantized base (our shrink, then from 2048 tokens our expand writing delta + bias and cuBLAS "
         "accumulating X·Wᵀ onto it with beta = 1 (= delta first), below that cuBLAS GEMM then our expand adding "
