@@ -494,3 +494,28 @@ def test_compile_time_benchmark_compiles_a_layers_variants_for_a_gpu_without_one
     assert all(s > 0 for times in seconds.values() for s in times)
     assert any(name.endswith(".cubin") for _, _, files in os.walk(tmp_path) for name in files)  # sm_90 binaries
     assert driver._active is before
+
+
+def test_shrink_split_report_marks_the_default_and_shows_splits_not_run(tmp_path):
+    """bench.kernels.shrink_split: one row per layer point with a time per split; the report bolds the split
+    `shrink_config` picked, dashes the splits too fine for the hidden dimension, and the CLI asks for a GPU."""
+    from bench.kernels.harness import write_results
+    from bench.kernels.shrink_split import main, report, split_config
+    from vllm_bdlora.kernels.fused_lora import shrink_config
+
+    default = shrink_config(1, 4096, 512, 2)
+    assert default.split_k == 16 and split_config(default, 4096, 2).split_k == 2
+    assert split_config(default, 256, 4).block_k == 64  # a part of 64 features gets a 64-deep step
+    row = {"tp": 1, "layer": "gate_up_proj", "tokens": 1, "adapters": 1, "width": 512, "default_split": 16,
+           "split1_us": 30.0, "split2_us": 20.5, "split4_us": 18.25, "split8_us": 19.0, "split16_us": 24.0,
+           "best_split": 4, "default_over_best": 1.315, "best_gbs": 3300.0, "best_of_copy_bw": 0.8}  # fmt: skip
+    narrow = {**row, "layer": "o_proj", "width": 16, "default_split": 4, "split4_us": 5.0}
+    del narrow["split16_us"]  # 16 parts of a short hidden dimension: not run
+    path = write_results(str(tmp_path), "shrink_split", [row, narrow], {"copy_bandwidth_gbs": 4100.0})
+    text = open(report(path)).read()
+    assert "(BD r'=512)" in text
+    assert "| 1 | gate_up_proj | 512 | 1 | 1 | 30.0 | 20.5 | 18.25 | 19.0 | **24.0** | 16 | 4 | 1.315 |" in text
+    assert "| 1 | o_proj | 16 | 1 | 1 | 30.0 | 20.5 | **5.0** | 19.0 | - |" in text
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            main(["--out", str(tmp_path)])
