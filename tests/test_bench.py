@@ -504,7 +504,7 @@ def test_shrink_split_report_marks_the_default_and_shows_splits_not_run(tmp_path
     from vllm_bdlora.kernels.fused_lora import shrink_config
 
     default = shrink_config(1, 4096, 512, 2)
-    assert default.split_k == 16 and split_config(default, 4096, 2).split_k == 2
+    assert default.split_k == 2 and split_config(default, 4096, 16).split_k == 16
     assert split_config(default, 256, 4).block_k == 64  # a part of 64 features gets a 64-deep step
     row = {"tp": 1, "layer": "gate_up_proj", "tokens": 1, "adapters": 1, "width": 512, "default_split": 16,
            "split1_us": 30.0, "split2_us": 20.5, "split4_us": 18.25, "split8_us": 19.0, "split16_us": 24.0,

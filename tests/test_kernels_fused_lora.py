@@ -322,13 +322,17 @@ def test_launch_variants_cover_every_batch_size(hidden, width, slices):
         assert (expand_config(tokens, width, slices), shrink.split_k, overwrite) in expands, tokens
 
 
-def test_decode_shrink_splits_the_hidden_dimension_fewer_ways_above_16_tokens():
-    """At 17-64 tokens the three-kernel path's shrink cuts the hidden dimension 8 ways, not 16, except where it
-    is long (down_proj at TP=1 and 2), where 16 stayed faster (bench/results/kernels-h200-s17)."""
-    from vllm_bdlora.kernels.fused_lora import shrink_config
+def test_decode_shrink_splits_fewer_ways_the_wider_the_lora_and_the_shorter_the_hidden_dimension():
+    """At decode sizes the three-kernel path's shrink cuts the hidden dimension into the power of two nearest
+    sqrt(hidden / width) parts (the lower at a tie; bench/results/kernels-h200-s21), whatever the token count."""
+    from vllm_bdlora.kernels.fused_lora import decode_shrink_parts, shrink_config
 
-    assert [shrink_config(t, 4096, 32, 3).split_k for t in (1, 16, 17, 64)] == [16, 16, 8, 8]
-    assert shrink_config(64, 1024, 32).split_k == 8 and shrink_config(64, 14336, 32).split_k == 16
+    assert [shrink_config(t, 4096, 32, 3).split_k for t in (1, 16, 17, 64)] == [8, 8, 8, 8]  # 8B qkv_proj, TP=4
+    assert decode_shrink_parts(4096, 512) == 2 and decode_shrink_parts(14336, 512) == 4  # TP=1, r'=512
+    assert decode_shrink_parts(4096, 128) == 4 and decode_shrink_parts(14336, 128) == 8  # TP=1, r'=128
+    assert decode_shrink_parts(8192, 16) == 16  # 70B qkv_proj at TP=8, r'=128: at most 16 parts
+    assert decode_shrink_parts(256, 16) == 4  # each part at least 64 features
+    assert shrink_config(64, 4096, 512).block_k == 128 and shrink_config(64, 256, 16).block_k == 64
     assert shrink_config(65, 4096, 32).block_m == 64  # larger batches: the prefill configuration
 
 

@@ -98,15 +98,27 @@ def all_slices_block(width: int, slices: int) -> int:
     return min(128, triton.next_power_of_2(width * slices))
 
 
+def decode_shrink_parts(hidden: int, width: int) -> int:
+    """How many parts the shrink cuts the hidden dimension into at decode sizes: the power of two nearest
+    sqrt(hidden / width) (the lower one at a tie), 1 to 16, each part at least 64 features. More parts spread
+    the A reads over more SMs, but each expand program then reads every part of its rows' S (parts x width
+    floats per row), so the best split falls as the width grows: the shrink + expand pair timed at every split
+    (bench/results/kernels-h200-s21) took 1.02x the best split's time in all with this rule, worst case 1.14x,
+    against 1.36x and 2.79x (gate_up_proj at width 512, 16 tokens, 4 adapters: 16 parts) with the earlier
+    fixed 16 (8 from 17 tokens)."""
+    parts = 1
+    while parts < 16 and (2 * parts) ** 2 * width < 2 * hidden:
+        parts *= 2
+    return max(1, min(parts, hidden // 64))
+
+
 def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> LaunchConfig:
-    """Decode-sized batches: a column block per slice and the hidden dimension cut into up to 16 parts, so
-    the A reads spread over the SMs (8 parts above 16 tokens unless the hidden dimension is long: at 32 and 64
-    tokens, 8 took 2-9% less time than 16 for qkv_proj and o_proj, 8-13% for gate_up_proj at TP=1, but down_proj
-    at TP=1 up to 5% more; bench/results/kernels-h200-s17). Larger ones: one column block for all slices where
-    they fit (X read once), the hidden dimension cut until the grid has some 256 programs (a power of two parts,
-    so few kernel variants exist to compile)."""
+    """Decode-sized batches: a column block per slice and the hidden dimension cut into `decode_shrink_parts`,
+    so the A reads spread over the SMs. Larger ones: one column block for all slices where they fit (X read
+    once), the hidden dimension cut until the grid has some 256 programs (a power of two parts, so few kernel
+    variants exist to compile)."""
     if tokens <= 64:
-        parts = max(1, min(16 if tokens <= 16 or hidden > 4096 else 8, hidden // 64))
+        parts = decode_shrink_parts(hidden, width)
         per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
         return LaunchConfig(16, per_slice, 128 if hidden // parts >= 128 else 64, split_k=parts)
     whole = all_slices_block(width, slices)
