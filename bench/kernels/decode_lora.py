@@ -25,7 +25,14 @@ import argparse
 
 import torch
 
-from bench.kernels.fused_lora import MODEL_SHAPES, layer_op_path, layers, make_layer, reference, run_bd_rank
+from bench.kernels.fused_lora import (
+    add_layer_grid_arguments,
+    layer_grid,
+    layer_op_path,
+    make_layer,
+    reference,
+    run_bd_rank,
+)
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
 
 
@@ -257,16 +264,12 @@ def report(json_path: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", default="4,2,1", help="per-GPU layer shapes of the model at these TP sizes (1-8)")
-    p.add_argument("--model-shape", default="llama-3.1-8b", choices=MODEL_SHAPES)
-    p.add_argument("--tokens", default="1,4,16,32,64")
-    p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
+    add_layer_grid_arguments(p, tp="4,2,1", tokens="1,4,16,32,64")
     p.add_argument(
         "--breakdown",
         action="store_true",
         help="also time the kernel without the shrink's work, and without the finish's LoRA term",
     )
-    p.add_argument("--bd-rank", type=int, default=128, help="BD r': per-GPU LoRA width r' / TP")
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
 
@@ -278,15 +281,12 @@ def main(argv=None) -> int:
         return 0
     args, copy_gbs, chosen_report, name = started
     rows = []
-    for tp in map(int, args.tp.split(",")):
-        for layer_name, k, heights in layers(tp, args.model_shape):
-            for a in map(int, args.adapters.split(",")):
-                for t in map(int, args.tokens.split(",")):
-                    if args.configs:
-                        points = configs_point(tp, layer_name, k, heights, t, a, args.bd_rank)
-                    else:
-                        points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown, args.bd_rank)]
-                    rows += [{"shape": args.model_shape, **point} for point in points]
+    for tp, layer_name, k, heights, t, a in layer_grid(args):
+        if args.configs:
+            points = configs_point(tp, layer_name, k, heights, t, a, args.bd_rank)
+        else:
+            points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown, args.bd_rank)]
+        rows += [{"shape": args.model_shape, **point} for point in points]
     return finish(args.out, name, rows, copy_gbs, chosen_report)
 
 

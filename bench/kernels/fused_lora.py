@@ -288,6 +288,25 @@ def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4):
     return row
 
 
+def add_layer_grid_arguments(parser, tp: str, tokens: str) -> None:
+    """The decode-size benchmarks' grid of layer points: --tp, --model-shape, --tokens, --adapters, --bd-rank."""
+    parser.add_argument("--tp", default=tp, help="per-GPU layer shapes of the model at these TP sizes (1-8)")
+    parser.add_argument("--model-shape", default="llama-3.1-8b", choices=MODEL_SHAPES)
+    parser.add_argument("--tokens", default=tokens)
+    parser.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
+    parser.add_argument("--bd-rank", type=int, default=128, help="BD r': per-GPU LoRA width r' / TP")
+
+
+def layer_grid(args):
+    """(tp, layer name, K, output slice heights, tokens, adapters) for every point `add_layer_grid_arguments`'
+    arguments name, layer by layer."""
+    for tp in map(int, args.tp.split(",")):
+        for layer_name, k, heights in layers(tp, args.model_shape):
+            for adapters in map(int, args.adapters.split(",")):
+                for tokens in map(int, args.tokens.split(",")):
+                    yield tp, layer_name, k, heights, tokens, adapters
+
+
 def run_bd_rank(rows) -> int:
     """The BD r' a kernel benchmark's rows were made with: per-GPU width x TP (the first runs, all TP=4, record no
     TP; decode `--configs` rows before the twentieth session record no width, and all used r'=128)."""

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from bench.kernels.fused_lora import MODEL_SHAPES, layers, make_layer, run_bd_rank
+from bench.kernels.fused_lora import add_layer_grid_arguments, layer_grid, make_layer, run_bd_rank
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report, write_results
 
 SPLITS = (1, 2, 4, 8, 16)
@@ -103,23 +103,16 @@ def report(json_path: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", default="1", help="per-GPU layer shapes of the model at these TP sizes (1-8)")
-    p.add_argument("--model-shape", default="llama-3.1-8b", choices=MODEL_SHAPES)
-    p.add_argument("--tokens", default="1,16,64")
-    p.add_argument("--adapters", default="1,4", help="adapters per batch (tokens dealt round robin)")
-    p.add_argument("--bd-rank", type=int, default=128, help="BD r': per-GPU LoRA width r' / TP")
+    add_layer_grid_arguments(p, tp="1", tokens="1,16,64")
     started = kernel_bench_cli(p, argv, report, "shrink_split")
     if started is None:
         return 0
     args, copy_gbs, chosen_report, name = started
     rows = []
-    for tp in map(int, args.tp.split(",")):
-        for layer_name, k, heights in layers(tp, args.model_shape):
-            for a in map(int, args.adapters.split(",")):
-                for t in map(int, args.tokens.split(",")):
-                    rows.append(split_point(tp, layer_name, k, heights, t, a, args.bd_rank // tp, copy_gbs))
-                    # a call cut short by the host's time limit still leaves what it measured
-                    write_results(args.out, name, rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
+    for tp, layer_name, k, heights, t, a in layer_grid(args):
+        rows.append(split_point(tp, layer_name, k, heights, t, a, args.bd_rank // tp, copy_gbs))
+        # a call cut short by the host's time limit still leaves what it measured
+        write_results(args.out, name, rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
     return finish(args.out, name, rows, copy_gbs, chosen_report)
 
 
