@@ -321,8 +321,8 @@ def test_overview_compares_bd_only_with_baselines_of_the_same_run(tmp_path):
 
     runs = {
         "run-s9": [synthetic_row("bdfused", 128, 10.0, 100), synthetic_row("slora", 64, 13.0, 80)],
-        "run-s10": [synthetic_row("bdfused", 128, 8.0, 100), synthetic_row("nfs", 64, 10.0, 90),
-                  synthetic_row("base", 0, 5.0, 200)],
+        "run-s10": [{**synthetic_row("bdfused", 128, 8.0, 100), "median_itl_ms": 6.0},
+                    synthetic_row("nfs", 64, 10.0, 90), {**synthetic_row("base", 0, 5.0, 200), "median_itl_ms": 4.8}],
     }  # fmt: skip
     for run, rows in runs.items():
         (tmp_path / run).mkdir()
@@ -334,11 +334,11 @@ def test_overview_compares_bd_only_with_baselines_of_the_same_run(tmp_path):
     assert (a["run"], a["tpot_vs_slora"], a["tpot_vs_nfs"], a["tpot_over_base"]) == ("run-s9", 1.3, None, None)
     assert (b["run"], b["tpot_vs_slora"], b["tpot_vs_nfs"], b["tpot_over_base"]) == ("run-s10", None, 1.25, 1.6)
     assert b["throughput_vs_nfs"] == pytest.approx(100 / 90)
+    assert a["itl_over_base"] is None and b["itl_over_base"] == pytest.approx(1.25)  # the decode step: 6.0 / 4.8
     overview.main([str(tmp_path)])
-    assert (
-        "| `run-s10` | llama-3.1-8b | 4 | 1024/128 | 1 | 1 | fused | 64 / 128 | — | 1.25× |"
-        in (tmp_path / "overview.md").read_text()
-    )
+    text = (tmp_path / "overview.md").read_text()
+    assert "| `run-s10` | llama-3.1-8b | 4 | 1024/128 | 1 | 1 | fused | 64 / 128 | — | 1.25× |" in text
+    assert text.rstrip().endswith("| 1.60× | 1.25× |")
     assert (tmp_path / "overview.png").stat().st_size > 0
 
 
