@@ -30,8 +30,9 @@ SPLITS = (1, 2, 4, 8, 16)
 
 def split_config(default, hidden: int, split: int):
     """The default shrink configuration with another split, its hidden step no longer than a part."""
-    block_k = default.block_k if hidden // split >= default.block_k else 64
-    return replace(default, split_k=split, block_k=block_k)
+    from vllm_bdlora.kernels.fused_lora import shrink_hidden_step
+
+    return replace(default, split_k=split, block_k=min(default.block_k, shrink_hidden_step(hidden, split)))
 
 
 def split_point(tp, layer_name, k, heights, tokens, adapters, width, copy_gbs) -> dict:

@@ -112,6 +112,11 @@ def decode_shrink_parts(hidden: int, width: int) -> int:
     return max(1, min(parts, hidden // 64))
 
 
+def shrink_hidden_step(hidden: int, parts: int) -> int:
+    """The decode shrink's step over the hidden dimension: 128 deep where a part is that long, else 64."""
+    return 128 if hidden // parts >= 128 else 64
+
+
 def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> LaunchConfig:
     """Decode-sized batches: a column block per slice and the hidden dimension cut into `decode_shrink_parts`,
     so the A reads spread over the SMs. Larger ones: one column block for all slices where they fit (X read
@@ -120,7 +125,7 @@ def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> Laun
     if tokens <= 64:
         parts = decode_shrink_parts(hidden, width)
         per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
-        return LaunchConfig(16, per_slice, 128 if hidden // parts >= 128 else 64, split_k=parts)
+        return LaunchConfig(16, per_slice, shrink_hidden_step(hidden, parts), split_k=parts)
     whole = all_slices_block(width, slices)
     tiles = triton.cdiv(tokens, 64) * triton.cdiv(width * slices, whole)
     parts = max(1, min(8, hidden // 256, 256 // tiles))
