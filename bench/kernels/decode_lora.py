@@ -26,6 +26,7 @@ import argparse
 import torch
 
 from bench.kernels.fused_lora import (
+    adapter_bytes,
     add_layer_grid_arguments,
     layer_grid,
     layer_op_path,
@@ -99,8 +100,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
         paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width,
            "plan": describe(tile_plan)}  # fmt: skip
-    used = min(adapters, tokens)
-    lora_bytes = 2 * used * (len(heights) * width * k + n * width)
+    lora_bytes = adapter_bytes(tokens, adapters, k, heights, width)
     for path, fn in paths.items():
         if path not in ("base_gemm", "one_launch_no_shrink", "one_launch_no_finish"):
             expected = want if path != "one_launch_no_adapter" else layer["x"] @ layer["weight"].T

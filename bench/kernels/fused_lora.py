@@ -71,6 +71,11 @@ def make_layer(k, heights, tokens, adapters, width, seed=0):
     return layer
 
 
+def adapter_bytes(tokens: int, adapters: int, k: int, heights, width: int) -> int:
+    """Bytes of LoRA A and B a batch must read at least (bf16): every adapter its tokens use (dealt round robin)."""
+    return 2 * min(adapters, tokens) * (len(heights) * width * k + sum(heights) * width)
+
+
 def reference(layer):
     from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from bench.kernels.fused_lora import add_layer_grid_arguments, layer_grid, make_layer, run_bd_rank
+from bench.kernels.fused_lora import adapter_bytes, add_layer_grid_arguments, layer_grid, make_layer, run_bd_rank
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report, write_results
 
 SPLITS = (1, 2, 4, 8, 16)
@@ -63,8 +63,7 @@ def split_point(tp, layer_name, k, heights, tokens, adapters, width, copy_gbs) -
         times[split] = round(timed["median_ms"] * 1e3, 2)
         row[f"split{split}_us"] = times[split]
     best = min(times, key=times.get)
-    used = min(adapters, tokens)
-    moved = 2 * (x.numel() + used * (lora_a[0].numel() + lora_b[0].numel()) + 2 * base.numel())
+    moved = 2 * (x.numel() + 2 * base.numel()) + adapter_bytes(tokens, adapters, k, heights, width)
     row.update(best_split=best, default_over_best=round(times[default.split_k] / times[best], 3),
                best_gbs=round(moved / (times[best] * 1e-6) / 1e9, 1))  # fmt: skip
     row["best_of_copy_bw"] = round(row["best_gbs"] / copy_gbs, 3)
