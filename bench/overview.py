@@ -32,6 +32,7 @@ def comparisons(results_root: str) -> list[dict]:
         points = report.read_points(folder)
         for (tp, i, o, n, bs), setting in sorted(report.index(points).items()):
             base = setting.get(("base", 0))
+            base_itl = report.median_itl_ms(folder, base) if base else None
             for bd_mode, r, r_bd, bd, baselines in report.bd_comparisons(setting):
                 row = {"run": run, "shape": bd.get("model_shape") or "llama-3.1-8b", "tp": tp,
                        "tokens": f"{i}/{o}", "adapters": n, "concurrency": bs, "bd_mode": bd_mode,
@@ -42,8 +43,8 @@ def comparisons(results_root: str) -> list[dict]:
                         bd["output_throughput"] / other["output_throughput"] if other else None
                     )
                 row["tpot_over_base"] = bd["median_tpot_ms"] / base["median_tpot_ms"] if base else None
-                itl = (report.median_itl_ms(folder, bd), report.median_itl_ms(folder, base) if base else None)
-                row["itl_over_base"] = itl[0] / itl[1] if None not in itl else None
+                bd_itl = report.median_itl_ms(folder, bd)
+                row["itl_over_base"] = bd_itl / base_itl if None not in (bd_itl, base_itl) else None
                 if any(row[k] is not None for k in ("tpot_vs_slora", "tpot_vs_nfs", "tpot_over_base")):
                     rows.append(row)
     return rows
