@@ -77,17 +77,23 @@ def breakdown_paths(layer, plan) -> dict:
     return {f"one_launch_no_{skip}": kernel_call(layer, plan, skip) for skip in ("shrink", "finish")}
 
 
-def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False, bd_rank=128):
-    from vllm_bdlora.kernels.decode_lora import layer_decode_state, plan_for, row_tile
+def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False, bd_rank=128, slots=None):
+    from vllm_bdlora.kernels.decode_lora import (
+        DEFAULT_MAX_MIXED_WIDTH,
+        layer_decode_state,
+        mixed_batch_limit,
+        plan_for,
+        row_tile,
+    )
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
-    width = bd_rank // tp
-    layer = make_layer(k, heights, tokens, adapters, width)
+    width, slots = bd_rank // tp, max(slots or adapters, adapters)
+    layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
     want = reference(layer)
     n = sum(heights)
     no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
-    no_adapter["groups"] = group_tokens(no_adapter["slots"], adapters)
-    shape = (n, k, len(heights) * width, adapters, "cuda")
+    no_adapter["groups"] = group_tokens(no_adapter["slots"], slots)
+    shape = (n, k, len(heights) * width, slots, "cuda")
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
         "three_kernels": layer_op_path(layer),
@@ -95,11 +101,14 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
         "one_launch_no_adapter": layer_op_path(no_adapter, layer_decode_state(*shape)),
     }
-    tile_plan = plan_for(n, k, len(heights) * width, adapters, "cuda", row_tile(tokens))
+    tile_plan = plan_for(n, k, len(heights) * width, slots, "cuda", row_tile(tokens))
+    # main() lifts the mixed-adapter limit so that "one launch" times the kernel wherever it has a plan
+    op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, DEFAULT_MAX_MIXED_WIDTH)
     if breakdown and tile_plan is not None:
         paths.update(breakdown_paths(layer, tile_plan))
-    row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": n, "width": width,
-           "plan": describe(tile_plan)}  # fmt: skip
+    row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots, "K": k, "N": n,
+           "width": width, "plan": describe(tile_plan),
+           "layer_op_picks": "one launch" if op_picks else "three kernels"}  # fmt: skip
     lora_bytes = adapter_bytes(tokens, adapters, k, heights, width)
     for path, fn in paths.items():
         if path not in ("base_gemm", "one_launch_no_shrink", "one_launch_no_finish"):
@@ -231,11 +240,11 @@ def report(json_path: str) -> str:
         lines[-2:] = [lines[-2] + " one-launch plan |", lines[-1] + "---|"]
     for r in rows:
         lines.append(
-            f"| {r['tp']} | {r['layer']} | {r['tokens']} | {r['adapters']} | {r['base_gemm_us']} "
+            f"| {r['tp']} | {r['layer']} | {r['tokens']} | {adapters_label(r)} | {r['base_gemm_us']} "
             f"({r['base_gemm_gbs']}) | {r['three_kernels_us']} ({r['three_kernels_over_base']}) | "
             f"**{r['one_launch_us']}** ({r['one_launch_over_base']}, {r['one_launch_gbs']}, "
             f"{r['one_launch_of_copy_bw']:.0%}) | {r['one_launch_speedup']}× | {r['one_launch_no_adapter_us']} "
-            f"({r['one_launch_no_adapter_over_base']}) |" + (f" {r['plan']} |" if with_plans else "")
+            f"({r['one_launch_no_adapter_over_base']}) |" + (f" {plan_label(r)} |" if with_plans else "")
         )
     broken_down = [r for r in rows if "one_launch_no_shrink_us" in r]
     if broken_down:
@@ -249,17 +258,68 @@ def report(json_path: str) -> str:
             lines.append(f"| {r['tp']} | {r['layer']} | {r['tokens']} | {r['adapters']} | {r['one_launch_us']} | "
                          f"{base} | {r['one_launch_no_shrink_us'] - base:+.2f} | "
                          f"{r['one_launch_no_finish_us'] - base:+.2f} |")  # fmt: skip
-    lines += ["", "Per decoder layer (the four kinds summed), 1 adapter:", ""]
+    if any(r["adapters"] == 1 and r.get("slots", 1) == 1 for r in rows):
+        lines += per_decoder_layer_one_adapter(rows)
+    lines += per_decoder_layer_by_slots(rows)
+    return write_report(json_path, "decode_lora", lines)
+
+
+def per_decoder_layer_one_adapter(rows) -> list[str]:
+    lines = ["", "Per decoder layer (the four kinds summed), 1 adapter:", ""]
     lines += ["| TP | tokens | base µs | three kernels µs (×base) | one launch µs (×base) |", "|---|---|---|---|---|"]
     for tp in dict.fromkeys(r["tp"] for r in rows):
         for tokens in dict.fromkeys(r["tokens"] for r in rows):
-            picked = [r for r in rows if r["tp"] == tp and r["tokens"] == tokens and r["adapters"] == 1]
+            picked = [r for r in rows if (r["tp"], r["tokens"], r["adapters"], r.get("slots", 1)) == (tp, tokens, 1, 1)]
             if not picked:
                 continue
             base, three, one = (sum(r[f"{p}_us"] for r in picked) for p in ("base_gemm", "three_kernels", "one_launch"))
             lines.append(f"| {tp} | {tokens} | {base:.1f} | {three:.1f} ({three / base:.2f}) | {one:.1f} "
                          f"({one / base:.2f}) |")  # fmt: skip
-    return write_report(json_path, "decode_lora", lines)
+    return lines
+
+
+def plan_label(row) -> str:
+    """The one-launch plan, and where the layer op would not run it by default (rows from the twenty-second
+    session on say so: the mixed-adapter limit)."""
+    turned_down = row.get("layer_op_picks") == "three kernels" and not row["plan"].startswith("none")
+    return row["plan"] + ("; the layer op picks three kernels" if turned_down else "")
+
+
+def op_us(row) -> float:
+    """What the layer op runs by default: the one kernel or the three (rows before the twenty-second session
+    record no choice: the one kernel wherever it had a plan, as the layer op then did)."""
+    return row["three_kernels_us"] if row.get("layer_op_picks") == "three kernels" else row["one_launch_us"]
+
+
+def adapters_label(row) -> str:
+    """The batch's adapters, and the layer's LoRA slots where they differ (rows before --slots record none)."""
+    slots = row.get("slots", row["adapters"])
+    return str(row["adapters"]) if slots == row["adapters"] else f"{row['adapters']} of {slots} slots"
+
+
+def per_decoder_layer_by_slots(rows) -> list[str]:
+    """Per decoder layer sums for layers with several LoRA slots, by the adapters a batch mixes: whether the
+    one-launch kernel or the three kernels should serve a batch of that many tokens."""
+    settings = dict.fromkeys((r["adapters"], r["slots"]) for r in rows if r.get("slots", 1) > 1)
+    if not settings:
+        return []
+    lines = ["", "Per decoder layer (the four kinds summed), layers with several LoRA slots:", "",
+             "| TP | adapters | tokens | base µs | three kernels µs (×base) | one launch µs (×base) | speed-up | "
+             "layer op µs (×base) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for tp in dict.fromkeys(r["tp"] for r in rows):
+        for adapters, slots in settings:
+            for tokens in dict.fromkeys(r["tokens"] for r in rows):
+                picked = [r for r in rows if (r["tp"], r["tokens"], r["adapters"], r.get("slots")) ==
+                          (tp, tokens, adapters, slots)]  # fmt: skip
+                if not picked:
+                    continue
+                base, three, one = (sum(r[f"{p}_us"] for r in picked) for p in ("base_gemm", "three_kernels",
+                                                                                  "one_launch"))  # fmt: skip
+                op = sum(map(op_us, picked))
+                lines.append(f"| {tp} | {adapters_label(picked[0])} | {tokens} | {base:.1f} | {three:.1f} "
+                             f"({three / base:.2f}) | {one:.1f} ({one / base:.2f}) | {three / one:.2f}× | {op:.1f} "
+                             f"({op / base:.2f}) |")  # fmt: skip
+    return lines
 
 
 def main(argv=None) -> int:
@@ -269,6 +329,11 @@ def main(argv=None) -> int:
         "--breakdown",
         action="store_true",
         help="also time the kernel without the shrink's work, and without the finish's LoRA term",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        help="LoRA slots per layer (vLLM's --max-loras), at least --adapters' count; default: the batch's adapters",
     )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
@@ -280,12 +345,16 @@ def main(argv=None) -> int:
     if started is None:
         return 0
     args, copy_gbs, chosen_report, name = started
+    from vllm_bdlora.kernels import decode_lora
+
+    decode_lora.set_max_mixed_width(1 << 30)  # rows say whether the layer op would pick the kernel by default
     rows = []
     for tp, layer_name, k, heights, t, a in layer_grid(args):
         if args.configs:
             points = configs_point(tp, layer_name, k, heights, t, a, args.bd_rank)
         else:
-            points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown, args.bd_rank)]
+            points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown, args.bd_rank,
+                                  args.slots)]  # fmt: skip
         rows += [{"shape": args.model_shape, **point} for point in points]
     return finish(args.out, name, rows, copy_gbs, chosen_report)
 

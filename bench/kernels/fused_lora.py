@@ -52,22 +52,24 @@ WIDTH = 32  # a BD r'=128 adapter at TP=4 (per-GPU width 128 / TP)
 GRAPH_REPEATS = 10
 
 
-def make_layer(k, heights, tokens, adapters, width, seed=0):
+def make_layer(k, heights, tokens, adapters, width, seed=0, slots=None):
+    """A layer with `slots` LoRA slots (vLLM's --max-loras; default `adapters`), its batch's tokens dealt round
+    robin over the first `adapters` of them."""
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
     torch.manual_seed(seed)
     dev, dt = "cuda", torch.bfloat16
-    n = sum(heights)
+    n, slots = sum(heights), slots or adapters
     layer = {
         "x": torch.randn(tokens, k, device=dev, dtype=dt),
         "weight": torch.randn(n, k, device=dev, dtype=dt) * k**-0.5,
-        "lora_a": torch.randn(adapters, len(heights) * width, k, device=dev, dtype=dt) * k**-0.5,
-        "lora_b": torch.randn(adapters, n, width, device=dev, dtype=dt) * width**-0.5,
+        "lora_a": torch.randn(slots, len(heights) * width, k, device=dev, dtype=dt) * k**-0.5,
+        "lora_b": torch.randn(slots, n, width, device=dev, dtype=dt) * width**-0.5,
         "slots": torch.arange(tokens, device=dev) % adapters,
-        "widths": torch.full((len(heights), adapters), width, dtype=torch.int32, device=dev),
+        "widths": torch.full((len(heights), slots), width, dtype=torch.int32, device=dev),
         "bounds": torch.tensor([sum(heights[:j]) for j in range(len(heights) + 1)], dtype=torch.int32, device=dev),
     }
-    layer["groups"] = group_tokens(layer["slots"], adapters)
+    layer["groups"] = group_tokens(layer["slots"], slots)
     return layer
 
 
