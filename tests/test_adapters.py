@@ -74,6 +74,9 @@ def test_settings(additional_config, enabled):
         ({"one_launch_max_tokens": 24}, r"must be one of \[16, 32, 64\]"),
         ({"one_launch_max_tokens": True}, r"must be one of \[16, 32, 64\]"),
         ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused', 'auto'\]"),
+        ({"one_launch_max_mixed_width": -1}, "must be an integer >= 0"),
+        ({"one_launch_max_mixed_width": "256"}, "must be an integer >= 0"),
+        ({"one_launch_max_mixed_width": False}, "must be an integer >= 0"),
     ],
 )
 def test_bad_settings(section, message):
@@ -91,6 +94,26 @@ def test_dora_and_kernel_settings():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_tokens == 64
     limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
     assert limited.one_launch_max_tokens == 16
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_mixed_width == 256
+    wide = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_mixed_width": 4096}})
+    assert wide.one_launch_max_mixed_width == 4096
+
+
+def test_the_log_says_which_decode_batches_run_as_one_kernel():
+    """With --max-loras above 1 the one-kernel limit depends on how wide the adapters a batch may mix are; the
+    start-up log states the resulting limit and the setting that moves it."""
+    from vllm_bdlora.kernels.decode_lora import DEFAULT_MAX_MIXED_WIDTH
+    from vllm_bdlora.patching.worker import one_launch_summary
+
+    settings = BdLoraSettings.from_additional_config({"bdlora": {}})
+    assert settings.one_launch_max_mixed_width == DEFAULT_MAX_MIXED_WIDTH
+    assert one_launch_summary(settings, 1, 512).startswith("Decode batches of up to 64 tokens")
+    assert one_launch_summary(settings, 4, 32).startswith("Decode batches of up to 16 tokens")
+    two = one_launch_summary(settings, 4, 128)  # TP=1, BD r'=128
+    assert two.startswith("Decode batches of up to 2 tokens") and '"one_launch_max_mixed_width": 256' in two
+    assert one_launch_summary(settings, 4, 512).startswith("Decode batches take the three kernels")
+    limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
+    assert one_launch_summary(limited, 1, 128).startswith("Decode batches of up to 16 tokens")
 
 
 def test_token_limits_the_setting_allows_are_the_decode_kernels_row_tiles():

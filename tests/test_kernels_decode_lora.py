@@ -168,6 +168,39 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
         decode_lora.set_max_tokens(decode_lora.DECODE_MAX_TOKENS)
 
 
+def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_a_batch_may_mix_are_narrow(
+    monkeypatch,
+):
+    """A batch of t tokens may mix min(t, slots) adapters; the kernel runs each one's shrink and B load on its
+    own, so a layer with several slots hands batches over to the three kernels once the adapters they may mix
+    are wider together (per slice) than the "one_launch_max_mixed_width" setting. One slot: unaffected."""
+    from vllm_bdlora.kernels import decode_lora
+
+    monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
+    assert decode_lora.DEFAULT_MAX_MIXED_WIDTH == 256
+    limits = {(slots, width): decode_lora.mixed_batch_limit(slots, width) for slots in (1, 4) for width in
+              (32, 64, 128, 256, 512)}  # fmt: skip
+    assert limits == {(1, 32): 64, (1, 64): 64, (1, 128): 64, (1, 256): 64, (1, 512): 64,
+                      (4, 32): 16, (4, 64): 16, (4, 128): 2, (4, 256): 1, (4, 512): 0}  # fmt: skip
+    assert decode_lora.mixed_batch_limit(4, 128, max_width=1024) == 16
+    cuda = torch.device("cuda", 0)
+    qkv = (6144, 4096, 3 * 128, 4)  # TP=1 qkv_proj, BD r'=128, 4 slots: 128 columns per slice
+    assert decode_lora.usable(2, *qkv, cuda, slices=3)
+    assert not decode_lora.usable(3, *qkv, cuda, slices=3)
+    assert not decode_lora.usable(1, *qkv, cuda)  # read as one slice 384 wide: wider than the limit alone
+    decode_lora.set_max_mixed_width(1 << 30)
+    try:
+        assert decode_lora.usable(16, *qkv, cuda, slices=3)
+        assert not decode_lora.usable(17, *qkv, cuda, slices=3)  # a multi-slot layer's one tile
+    finally:
+        decode_lora.set_max_mixed_width(decode_lora.DEFAULT_MAX_MIXED_WIDTH)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="integer >= 0"):
+            decode_lora.set_max_mixed_width(bad)
+    # warm_up compiles a tile's variant where the tile's smallest batch may take the kernel
+    assert [decode_lora.first_tokens(tile) for tile in decode_lora.ROW_TILES] == [1, 17, 33]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_only_16_bit_layers_take_the_one_launch_kernel(monkeypatch, dtype):
     """Decode plans size their pipeline stages (up to 6 in 32/64-row tiles) for 16-bit X and W; a float32 layer

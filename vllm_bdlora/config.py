@@ -45,6 +45,15 @@ class BdLoraSettings:
     # Per decoder layer at 32/64 tokens (one adapter) the one kernel took 0.80/0.86x the three kernels' time
     # at TP=2, 0.84/0.88x at TP=4, 0.88/0.99x at TP=1 (bench/results/kernels-h200-s15).
     one_launch_max_tokens: int = 64
+    # With --max-loras above 1 a decode batch of t tokens may mix min(t, max_loras) adapters, and the one kernel
+    # then runs every one's shrink and B load in turn: it serves such a layer's batch only while the adapters the
+    # batch may mix are at most this many LoRA columns per GPU (BD r'/TP, per projection) wide together; larger
+    # batches take the three kernels. The default 256 gives BD r'=128 at TP=1 batches of up to 2 tokens, at TP=2
+    # (--max-loras 4) all, r'=512 at TP=2 1 token, at TP=1 none (bench/results/kernels-h200-s22: mixing 4 adapters
+    # the one kernel took up to 1.16x the three kernels' time per decoder layer at r'=128 and 2x at r'=512).
+    # Traffic that mostly batches one adapter at a time gains by more (up to 1.2x per layer at TP=2 with 4 slots
+    # and one adapter, same results); 0 keeps multi-slot layers on the three kernels.
+    one_launch_max_mixed_width: int = 256
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -81,12 +90,19 @@ class BdLoraSettings:
                 f'additional_config["{CONFIG_KEY}"]["one_launch_max_tokens"] must be one of '
                 f"{list(ONE_LAUNCH_TOKEN_LIMITS)}, got {max_tokens!r}."
             )
+        mixed_width = section.get("one_launch_max_mixed_width", cls.one_launch_max_mixed_width)
+        if isinstance(mixed_width, bool) or not isinstance(mixed_width, int) or mixed_width < 0:
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"]["one_launch_max_mixed_width"] must be an integer >= 0 (LoRA '
+                f"columns per GPU), got {mixed_width!r}."
+            )
         return cls(
             enabled=values["enabled"],
             dora=values["enabled"] and values["dora"],
             lora_kernels=kernels,
             one_launch_decode=values["one_launch_decode"],
             one_launch_max_tokens=max_tokens,
+            one_launch_max_mixed_width=mixed_width,
         )
 
     @classmethod

@@ -148,6 +148,12 @@ def largest_tile(slots: int) -> int:
     return DECODE_MAX_TOKENS if slots <= 1 else ROW_TILES[0]
 
 
+def first_tokens(tile: int) -> int:
+    """The smallest batch that runs in this tile of token rows."""
+    smaller = [t for t in ROW_TILES if t < tile]
+    return smaller[-1] + 1 if smaller else 1
+
+
 def row_tile(tokens: int) -> int:
     """The tile of token rows a batch of `tokens` (<= DECODE_MAX_TOKENS) runs in."""
     return next(tile for tile in ROW_TILES if tokens <= tile)
@@ -297,6 +303,18 @@ def layer_decode_state(out_features: int, hidden: int, total_width: int, slots: 
 
 
 _max_tokens = DECODE_MAX_TOKENS
+# Layers with several LoRA slots: a batch of t tokens may mix min(t, slots) adapters, and the one kernel then runs
+# every one's shrink on its few shrink programs and one B load and dot per adapter after the barrier, while the
+# three kernels spread the adapters over the whole GPU. Per decoder layer on an H200 (4 slots, 4 adapters mixed,
+# bench/results/kernels-h200-s22), against the three kernels with the twenty-first session's shrink split: BD
+# r'=128 at 4-16 tokens 0.86x at TP=1 (per-slice width 128), 0.97-0.99x at TP=2 (64), 0.99-1.07x at TP=4 (32);
+# r'=512 0.62-0.64x at TP=1 (512), 0.50-0.56x at TP=2 (256); at 1-2 tokens 1.02-1.42x, except r'=512 (0.75-0.96x).
+# So the kernel serves a multi-slot layer's batch only while the adapters it may mix are at most this wide together
+# (per slice; the plugin's "one_launch_max_mixed_width" setting). Batches of one adapter lose by it: the same
+# layers with one adapter of 4 slots at 2-16 tokens took 0.90-0.93x the three kernels' time at TP=1 and 0.81-0.85x at
+# TP=2 for r'=128 (unchanged at TP=4), 1.07-1.09x at r'=512.
+DEFAULT_MAX_MIXED_WIDTH = 256
+_max_mixed_width = DEFAULT_MAX_MIXED_WIDTH
 # decode_lora_linear's `skip` (the benchmark's breakdown) as the kernel's SKIP
 _SKIPS = {None: 0, "shrink": 1, "finish": 2}
 
@@ -314,12 +332,33 @@ def max_tokens() -> int:
     return _max_tokens
 
 
+def set_max_mixed_width(width: int) -> None:
+    """In this process, a layer with several LoRA slots runs this kernel for a batch only while the adapters the
+    batch may mix (one per token, at most one per slot) are at most `width` wide per slice together."""
+    global _max_mixed_width
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"the one-launch kernel's mixed-adapter width must be an integer >= 0, got {width!r}")
+    _max_mixed_width = width
+
+
+def mixed_batch_limit(slots: int, width: int, max_width: int | None = None) -> int:
+    """The most tokens a batch may have to run this kernel in a layer of `slots` LoRA slots, `width` columns per
+    slice and slot (0: none): all of its tile where even every slot's adapter mixed stays within the mixed width
+    (`max_width`, by default this process's), else as many tokens as adapters of that width fit in it."""
+    max_width = _max_mixed_width if max_width is None else max_width
+    if slots <= 1 or slots * width <= max_width:
+        return largest_tile(slots)
+    return min(largest_tile(slots), max_width // max(width, 1))
+
+
 def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
-           state: torch.Tensor | None = None) -> bool:  # fmt: skip
+           state: torch.Tensor | None = None, slices: int = 1) -> bool:  # fmt: skip
     """Whether the layer op may run this kernel for a batch of `tokens` on `device` (with the layer's decode
     `state`: only if it is large enough for this GPU's plan; a state made on a GPU with another SM count may
-    not be, and the layer then keeps the three-kernel path rather than fail)."""
-    if tokens > max_tokens() or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    not be, and the layer then keeps the three-kernel path rather than fail). `slices`: the packed layer's, whose
+    LoRA width per slice `mixed_batch_limit` weighs."""
+    limit = min(max_tokens(), mixed_batch_limit(slots, total_width // slices))
+    if tokens > limit or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     plan = plan_for(out_features, hidden, total_width, slots, device, row_tile(tokens))
     return plan is not None and (state is None or state.numel() >= state_words(total_width, plan))

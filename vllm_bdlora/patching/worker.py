@@ -87,9 +87,10 @@ def patch_lora_manager() -> bool:
                     "BD-LoRA (--enable-bdlora) and --fully-sharded-loras cannot be combined: "
                     "drop --fully-sharded-loras."
                 )
-            per_rank_width(lora_config.max_lora_rank, tp_size)
+            width = per_rank_width(lora_config.max_lora_rank, tp_size)
             if uses_fused_kernels(settings.lora_kernels):
                 decode_lora.set_max_tokens(settings.one_launch_max_tokens)
+                decode_lora.set_max_mixed_width(settings.one_launch_max_mixed_width)
             with selecting_bd_layers(
                 dora=settings.dora, lora_kernels=settings.lora_kernels, one_launch_decode=settings.one_launch_decode
             ):
@@ -113,13 +114,7 @@ def patch_lora_manager() -> bool:
                     "--additional-config selects vLLM's)."
                 )
                 if settings.one_launch_decode and not settings.dora:
-                    limit = min(settings.one_launch_max_tokens, decode_lora.largest_tile(lora_config.max_loras))
-                    lines.append(
-                        f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over "
-                        f"an unquantized base (up to {decode_lora.DECODE_MAX_TOKENS} with --max-loras 1; "
-                        '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it '
-                        "off)."
-                    )
+                    lines.append(one_launch_summary(settings, lora_config.max_loras, width))
             else:
                 why = "not on CUDA" if kernels == "auto" else "as configured"
                 lines.append(f"LoRA kernels ({kernels}): vLLM's own shrink/expand ({why}).")
@@ -130,6 +125,27 @@ def patch_lora_manager() -> bool:
         return __init__
 
     return wrap_method(LoRAModelManager, "__init__", make)
+
+
+def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> str:
+    """The log's line on which decode batches run as one kernel per BD layer, `width` LoRA columns per GPU."""
+    from vllm_bdlora.kernels import decode_lora
+
+    knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
+    if max_loras <= 1:
+        limit = min(settings.one_launch_max_tokens, decode_lora.DECODE_MAX_TOKENS)
+        return (f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over an "
+                f"unquantized base ({knobs}).")  # fmt: skip
+    tile, mixed_width = decode_lora.largest_tile(max_loras), settings.one_launch_max_mixed_width
+    limit = min(settings.one_launch_max_tokens, decode_lora.mixed_batch_limit(max_loras, width, mixed_width))
+    mixing = (
+        f"a batch of t tokens may mix min(t, {max_loras}) adapters of {width} LoRA columns per GPU, and the one "
+        f'kernel serves it while they stay within "one_launch_max_mixed_width": {mixed_width} columns'
+    )
+    if limit == 0:
+        return f"Decode batches take the three kernels: with --max-loras {max_loras} {mixing}."
+    return (f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over an unquantized "
+            f"base (at most {tile} with --max-loras above 1: {mixing}; {knobs}).")  # fmt: skip
 
 
 def _module_kinds(modules: list[str]) -> str:
