@@ -48,11 +48,13 @@ class BdLoraSettings:
     # With --max-loras above 1 a decode batch of t tokens may mix min(t, max_loras) adapters, and the one kernel
     # then runs every one's shrink and B load in turn: it serves such a layer's batch only while the adapters the
     # batch may mix are at most this many LoRA columns per GPU (BD r'/TP, per projection) wide together; larger
-    # batches take the three kernels. The default 256 gives BD r'=128 at TP=1 batches of up to 2 tokens, at TP=2
-    # (--max-loras 4) all, r'=512 at TP=2 1 token, at TP=1 none (bench/results/kernels-h200-s22: mixing 4 adapters
-    # the one kernel took up to 1.16x the three kernels' time per decoder layer at r'=128 and 2x at r'=512).
-    # Traffic that mostly batches one adapter at a time gains by more (up to 1.2x per layer at TP=2 with 4 slots
-    # and one adapter, same results); 0 keeps multi-slot layers on the three kernels.
+    # batches take the three kernels. With --max-loras 4 the default 256 keeps BD r'=128 on the one kernel at
+    # TP >= 2 and up to 2 tokens at TP=1, r'=512 up to 1 token at TP=2 and never at TP=1: mixing 4 adapters, the
+    # one kernel took up to 1.16x the three kernels' time per decoder layer at r'=128 and 2x at r'=512
+    # (bench/results/kernels-h200-s22; served at TP=1 with 16 adapters, 16 concurrent requests decoded 1.11x
+    # faster than with every batch of up to 16 tokens on the one kernel). Traffic that batches one adapter at a
+    # time gives up 7-9% per layer at TP=1, r'=128, 4-16 tokens: a larger value keeps those on the one kernel
+    # (65536: every batch of up to 16 tokens, as before); 0 keeps multi-slot layers on the three kernels.
     one_launch_max_mixed_width: int = 256
 
     @classmethod

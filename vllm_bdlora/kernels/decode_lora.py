@@ -306,13 +306,13 @@ _max_tokens = DECODE_MAX_TOKENS
 # Layers with several LoRA slots: a batch of t tokens may mix min(t, slots) adapters, and the one kernel then runs
 # every one's shrink on its few shrink programs and one B load and dot per adapter after the barrier, while the
 # three kernels spread the adapters over the whole GPU. Per decoder layer on an H200 (4 slots, 4 adapters mixed,
-# bench/results/kernels-h200-s22), against the three kernels with the twenty-first session's shrink split: BD
-# r'=128 at 4-16 tokens 0.86x at TP=1 (per-slice width 128), 0.97-0.99x at TP=2 (64), 0.99-1.07x at TP=4 (32);
-# r'=512 0.62-0.64x at TP=1 (512), 0.50-0.56x at TP=2 (256); at 1-2 tokens 1.02-1.42x, except r'=512 (0.75-0.96x).
-# So the kernel serves a multi-slot layer's batch only while the adapters it may mix are at most this wide together
-# (per slice; the plugin's "one_launch_max_mixed_width" setting). Batches of one adapter lose by it: the same
-# layers with one adapter of 4 slots at 2-16 tokens took 0.90-0.93x the three kernels' time at TP=1 and 0.81-0.85x at
-# TP=2 for r'=128 (unchanged at TP=4), 1.07-1.09x at r'=512.
+# bench/results/kernels-h200-s22), the one kernel against the three (with the twenty-first session's shrink split):
+# BD r'=128 at 4-16 tokens 0.86x as fast at TP=1 (128 columns per slice), 0.97-0.99x at TP=2 (64), 0.99-1.07x at
+# TP=4 (32); r'=512 0.62-0.64x at TP=1 (512), 0.50-0.56x at TP=2 (256); at 1-2 tokens 1.02-1.42x, except r'=512
+# (0.75-0.96x). So a multi-slot layer's batch takes the kernel only while the adapters it may mix are at most this
+# wide together, per slice (the plugin's "one_launch_max_mixed_width"): r'=128 keeps it at TP >= 2 and up to 2
+# tokens at TP=1, r'=512 up to 1 token at TP=2. Given up: batches of one adapter at TP=1, r'=128, 4-16 tokens,
+# which the one kernel ran in 0.91-0.93x the three kernels' time.
 DEFAULT_MAX_MIXED_WIDTH = 256
 _max_mixed_width = DEFAULT_MAX_MIXED_WIDTH
 # decode_lora_linear's `skip` (the benchmark's breakdown) as the kernel's SKIP
