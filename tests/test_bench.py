@@ -441,6 +441,30 @@ def test_decode_kernel_report_rebuilds_the_committed_one_from_its_json(tmp_path)
     assert "| 4 | 1 | 40.8 | 66.0 (1.62) | 45.3 (1.11) |" in text
 
 
+def test_decode_kernel_report_sums_multi_slot_layers_by_the_adapters_a_batch_mixes(tmp_path):
+    """--slots rows (a layer with more LoRA slots than its batch's adapters) get per-decoder-layer sums of their
+    own, and, where rows record the layer op's choice, what the op runs: the three kernels' time where it turns
+    the one kernel down."""
+    import shutil
+
+    from bench.kernels.decode_lora import report
+
+    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s22")
+    for name in ("slots-r512-mixed", "slots-r128-one"):
+        shutil.copy(os.path.join(run, name, "decode_lora.json"), tmp_path / "decode_lora.json")
+        text = open(report(str(tmp_path / "decode_lora.json"))).read()
+        assert text == open(os.path.join(run, name, "decode_lora.md")).read()
+    assert "| 1 | 1 of 4 slots | 4 | 113.2 | 172.3 (1.52) | 156.9 (1.39) | 1.10× |" in text
+    data = json.loads(open(os.path.join(run, "slots-r512-mixed", "decode_lora.json")).read())
+    for row in data["rows"]:
+        row["layer_op_picks"] = "one launch" if row["tokens"] == 1 else "three kernels"
+    (tmp_path / "decode_lora.json").write_text(json.dumps(data))
+    text = open(report(str(tmp_path / "decode_lora.json"))).read()
+    assert "| 1 | 4 | 1 | 113.7 | 244.6 (2.15) | 256.8 (2.26) | 0.95× | 256.8 (2.26) |" in text
+    assert "| 1 | 4 | 16 | 114.5 | 334.6 (2.92) | 543.3 (4.75) | 0.62× | 334.6 (2.92) |" in text
+    assert "one-launch plan |" in text and "; the layer op picks three kernels" in text
+
+
 def test_decode_kernel_benchmark_times_70b_layers_at_tp8_on_one_gpu(tmp_path):
     """--model-shape llama-3.1-70b --tp 8 times the layers one GPU of a TP=8 70B server runs (no 8-GPU host
     needed), and its report names that shape instead of 8B's."""

@@ -285,12 +285,6 @@ def plan_label(row) -> str:
     return row["plan"] + ("; the layer op picks three kernels" if turned_down else "")
 
 
-def op_us(row) -> float:
-    """What the layer op runs by default: the one kernel or the three (rows before the twenty-second session
-    record no choice: the one kernel wherever it had a plan, as the layer op then did)."""
-    return row["three_kernels_us"] if row.get("layer_op_picks") == "three kernels" else row["one_launch_us"]
-
-
 def adapters_label(row) -> str:
     """The batch's adapters, and the layer's LoRA slots where they differ (rows before --slots record none)."""
     slots = row.get("slots", row["adapters"])
@@ -299,13 +293,17 @@ def adapters_label(row) -> str:
 
 def per_decoder_layer_by_slots(rows) -> list[str]:
     """Per decoder layer sums for layers with several LoRA slots, by the adapters a batch mixes: whether the
-    one-launch kernel or the three kernels should serve a batch of that many tokens."""
+    one-launch kernel or the three kernels should serve a batch of that many tokens, and (rows that record it,
+    from the mixed-adapter limit on) what the layer op runs by default."""
     settings = dict.fromkeys((r["adapters"], r["slots"]) for r in rows if r.get("slots", 1) > 1)
     if not settings:
         return []
+    with_choice = all("layer_op_picks" in r for r in rows)
     lines = ["", "Per decoder layer (the four kinds summed), layers with several LoRA slots:", "",
-             "| TP | adapters | tokens | base µs | three kernels µs (×base) | one launch µs (×base) | speed-up | "
-             "layer op µs (×base) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| TP | adapters | tokens | base µs | three kernels µs (×base) | one launch µs (×base) | speed-up |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    if with_choice:
+        lines[-2:] = [lines[-2] + " layer op µs (×base) |", lines[-1] + "---|"]
     for tp in dict.fromkeys(r["tp"] for r in rows):
         for adapters, slots in settings:
             for tokens in dict.fromkeys(r["tokens"] for r in rows):
@@ -315,10 +313,13 @@ def per_decoder_layer_by_slots(rows) -> list[str]:
                     continue
                 base, three, one = (sum(r[f"{p}_us"] for r in picked) for p in ("base_gemm", "three_kernels",
                                                                                   "one_launch"))  # fmt: skip
-                op = sum(map(op_us, picked))
-                lines.append(f"| {tp} | {adapters_label(picked[0])} | {tokens} | {base:.1f} | {three:.1f} "
-                             f"({three / base:.2f}) | {one:.1f} ({one / base:.2f}) | {three / one:.2f}× | {op:.1f} "
-                             f"({op / base:.2f}) |")  # fmt: skip
+                line = (f"| {tp} | {adapters_label(picked[0])} | {tokens} | {base:.1f} | {three:.1f} "
+                        f"({three / base:.2f}) | {one:.1f} ({one / base:.2f}) | {three / one:.2f}× |")  # fmt: skip
+                if with_choice:
+                    op = sum(r["three_kernels_us"] if r["layer_op_picks"] == "three kernels" else r["one_launch_us"]
+                             for r in picked)  # fmt: skip
+                    line += f" {op:.1f} ({op / base:.2f}) |"
+                lines.append(line)
     return lines
 
 
