@@ -52,9 +52,9 @@ class BdLoraSettings:
     # TP >= 2 and up to 2 tokens at TP=1, r'=512 up to 1 token at TP=2 and never at TP=1: mixing 4 adapters, the
     # one kernel took up to 1.16x the three kernels' time per decoder layer at r'=128 and 2x at r'=512
     # (bench/results/kernels-h200-s22; served at TP=1 with 16 adapters, 16 concurrent requests decoded 1.11x
-    # faster than with every batch of up to 16 tokens on the one kernel). Traffic that batches one adapter at a
-    # time gives up 7-9% per layer at TP=1, r'=128, 4-16 tokens: a larger value keeps those on the one kernel
-    # (65536: every batch of up to 16 tokens, as before); 0 keeps multi-slot layers on the three kernels.
+    # faster than with every batch of up to 16 tokens on the one kernel, 1.52x at r'=512). Traffic that batches one
+    # adapter at a time gives up 7-9% per layer at TP=1, r'=128, 4-16 tokens: a larger value keeps those on the one
+    # kernel (65536: every batch of up to 16 tokens, as before); 0 keeps multi-slot layers on the three kernels.
     one_launch_max_mixed_width: int = 256
 
     @classmethod
