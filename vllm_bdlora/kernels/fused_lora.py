@@ -641,7 +641,7 @@ def fused_lora_slices_(
             x.device,
             decode_state,
             slot_widths.shape[0],
-        )  # fmt: skip
+        )
     ):
         decode_lora.decode_lora_linear(output, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots,
                                        decode_state, bias)  # fmt: skip
