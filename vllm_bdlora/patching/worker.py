@@ -131,21 +131,19 @@ def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> 
     """The log's line on which decode batches run as one kernel per BD layer, `width` LoRA columns per GPU."""
     from vllm_bdlora.kernels import decode_lora
 
-    knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
-    if max_loras <= 1:
-        limit = min(settings.one_launch_max_tokens, decode_lora.DECODE_MAX_TOKENS)
-        return (f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over an "
-                f"unquantized base ({knobs}).")  # fmt: skip
-    tile, mixed_width = decode_lora.largest_tile(max_loras), settings.one_launch_max_mixed_width
+    mixed_width = settings.one_launch_max_mixed_width
     limit = min(settings.one_launch_max_tokens, decode_lora.mixed_batch_limit(max_loras, width, mixed_width))
-    mixing = (
-        f"a batch of t tokens may mix min(t, {max_loras}) adapters of {width} LoRA columns per GPU, and the one "
-        f'kernel serves it while they stay within "one_launch_max_mixed_width": {mixed_width} columns'
-    )
-    if limit == 0:
-        return f"Decode batches take the three kernels: with --max-loras {max_loras} {mixing}."
+    knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
+    if max_loras > 1:
+        mixing = (
+            f"a batch of t tokens may mix min(t, {max_loras}) adapters of {width} LoRA columns per GPU, and the one "
+            f'kernel serves it while they stay within "one_launch_max_mixed_width": {mixed_width} columns'
+        )
+        if limit == 0:
+            return f"Decode batches take the three kernels: with --max-loras {max_loras} {mixing}."
+        knobs = f"at most {decode_lora.largest_tile(max_loras)} with --max-loras above 1: {mixing}; {knobs}"
     return (f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over an unquantized "
-            f"base (at most {tile} with --max-loras above 1: {mixing}; {knobs}).")  # fmt: skip
+            f"base ({knobs}).")  # fmt: skip
 
 
 def _module_kinds(modules: list[str]) -> str:
