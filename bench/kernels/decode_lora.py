@@ -264,6 +264,11 @@ def report(json_path: str) -> str:
     return write_report(json_path, "decode_lora", lines)
 
 
+def path_sums(rows) -> tuple[float, float, float]:
+    """Base GEMM, three kernels and one launch, µs summed over `rows` (a decoder layer's four projections)."""
+    return tuple(sum(r[f"{path}_us"] for r in rows) for path in ("base_gemm", "three_kernels", "one_launch"))
+
+
 def per_decoder_layer_one_adapter(rows) -> list[str]:
     lines = ["", "Per decoder layer (the four kinds summed), 1 adapter:", ""]
     lines += ["| TP | tokens | base µs | three kernels µs (×base) | one launch µs (×base) |", "|---|---|---|---|---|"]
@@ -272,7 +277,7 @@ def per_decoder_layer_one_adapter(rows) -> list[str]:
             picked = [r for r in rows if (r["tp"], r["tokens"], r["adapters"], r.get("slots", 1)) == (tp, tokens, 1, 1)]
             if not picked:
                 continue
-            base, three, one = (sum(r[f"{p}_us"] for r in picked) for p in ("base_gemm", "three_kernels", "one_launch"))
+            base, three, one = path_sums(picked)
             lines.append(f"| {tp} | {tokens} | {base:.1f} | {three:.1f} ({three / base:.2f}) | {one:.1f} "
                          f"({one / base:.2f}) |")  # fmt: skip
     return lines
@@ -311,8 +316,7 @@ def per_decoder_layer_by_slots(rows) -> list[str]:
                           (tp, tokens, adapters, slots)]  # fmt: skip
                 if not picked:
                     continue
-                base, three, one = (sum(r[f"{p}_us"] for r in picked) for p in ("base_gemm", "three_kernels",
-                                                                                  "one_launch"))  # fmt: skip
+                base, three, one = path_sums(picked)
                 line = (f"| {tp} | {adapters_label(picked[0])} | {tokens} | {base:.1f} | {three:.1f} "
                         f"({three / base:.2f}) | {one:.1f} ({one / base:.2f}) | {three / one:.2f}× |")  # fmt: skip
                 if with_choice:
