@@ -201,6 +201,47 @@ def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_
     assert [decode_lora.first_tokens(tile) for tile in decode_lora.ROW_TILES] == [1, 17, 33]
 
 
+def test_multi_slot_plans_are_sized_for_the_adapters_the_limit_lets_a_batch_mix(monkeypatch):
+    """Shrink programs are sized per adapter a batch may mix. With 4 slots at TP=1, r'=128 (128 columns per slice)
+    the mixed-adapter limit lets the kernel serve batches of at most 2 tokens, so at most 2 adapters: gate_up_proj's
+    stream-K plan takes the shrink programs of 2, and its GEMV the SMs the other two would have taken. The state,
+    the launch's default plan and `usable` all follow the same plan; lifting the limit brings back the plan for
+    every slot."""
+    from vllm_bdlora.kernels import decode_lora
+
+    monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert [decode_lora.batch_adapters(4, width) for width in (32, 64, 128, 256, 512)] == [4, 4, 2, 1, 1]
+    assert decode_lora.batch_adapters(1, 512) == 1 and decode_lora.batch_adapters(32, 8) == 16  # one per token
+    gate_up = (28672, 4096, 2 * 128, 4)  # out, hidden, LoRA width (both slices), slots
+    every_slot = decode_lora.decode_plan(*gate_up, 132)
+    two = decode_lora.decode_plan(*gate_up, 132, 16, 2)
+    assert two.chunks < every_slot.chunks and two.gemv_programs > every_slot.gemv_programs and two.programs <= 132
+    assert decode_lora.decode_plan(*gate_up, 132, 16, 4) == every_slot
+    assert decode_lora.decode_plan(*gate_up, 132, 32, 1) is None  # larger tiles stay one-slot only
+    assert decode_lora.plan_for(*gate_up, cuda, 16, 2) == two
+    assert decode_lora.plan_for(*gate_up, cuda) == decode_lora.decode_plan(*gate_up, 132, 16, 1)  # 256 in one slice
+    assert decode_lora.layer_state_words(*gate_up, cuda, 2) == decode_lora.state_words(256, two)
+    launched = {}
+    monkeypatch.setattr(decode_lora, "launch", lambda kernel, grid, *args, **kwargs: launched.update(args=args))
+    x = torch.zeros(2, 4096, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    decode_lora.decode_lora_linear(
+        torch.zeros(2, 28672, dtype=torch.bfloat16), x, torch.zeros(28672, 4096, dtype=torch.bfloat16),
+        torch.zeros(4, 256, 4096, dtype=torch.bfloat16), torch.zeros(4, 28672, 128, dtype=torch.bfloat16),
+        torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 14336, 28672], dtype=torch.int32),
+        torch.zeros(2, dtype=torch.long), torch.zeros(decode_lora.state_words(256, two), dtype=torch.int32),
+    )  # fmt: skip
+    gemv = (two.tiles, two.gemv_programs, two.steps_per_program)
+    assert launched["args"][14:17] == gemv != (every_slot.tiles, every_slot.gemv_programs, every_slot.steps_per_program)
+    # the launch's own plan: the one `usable` checked
+    decode_lora.set_max_mixed_width(1 << 30)
+    try:
+        assert decode_lora.plan_for(*gate_up, cuda, 16, 2) == every_slot
+    finally:
+        decode_lora.set_max_mixed_width(decode_lora.DEFAULT_MAX_MIXED_WIDTH)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_only_16_bit_layers_take_the_one_launch_kernel(monkeypatch, dtype):
     """Decode plans size their pipeline stages (up to 6 in 32/64-row tiles) for 16-bit X and W; a float32 layer
@@ -360,12 +401,15 @@ def test_layer_op_runs_the_one_launch_kernel_in_a_cuda_graph(monkeypatch, rows, 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_the_benchmarks_candidate_plans_fit_the_tile_and_include_the_default(block_m):
     """`bench.kernels.decode_lora --configs` times these on a GPU host: each must be a plan the kernel can run
-    for the tile (every program resident), and the default among them."""
+    for the tile (every program resident), and the default among them; in 16-row tiles also a 4-slot layer's
+    plans sized for 1, 2 and 4 adapters mixed."""
     from bench.kernels.decode_lora import candidate_plans
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
     plans = candidate_plans(1536, 4096, 96, 1, 132, block_m)
     assert decode_plan(1536, 4096, 96, 1, 132, block_m) in plans
+    sized = [decode_plan(1536, 4096, 96, 4, 132, 16, adapters) for adapters in (1, 2, 4)]
+    assert len(set(sized)) == 3 and all((plan in plans) == (block_m == 16) for plan in sized)
     assert all(plan.block_m == block_m and plan.programs <= 132 for plan in plans)
     assert any(plan.stream_k for plan in plans)
     assert len({(plan.block_n, plan.block_k, plan.stream_k) for plan in plans}) >= 4

@@ -160,7 +160,7 @@ class BlockDiagonalLoRALayer:
         self.decode_state: torch.Tensor | None = None
         if self.fused_kernels and _one_launch_decode and not _serving_dora and torch.device(self.device).type == "cuda":
             self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width, max_loras,
-                                                   self.device)  # fmt: skip
+                                                   self.device, len(heights))  # fmt: skip
         self.dora_scale: torch.Tensor | None = None
         if _serving_dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)

@@ -81,6 +81,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     from vllm_bdlora.kernels.decode_lora import (
         DEFAULT_MAX_MIXED_WIDTH,
         layer_decode_state,
+        max_mixed_width,
         mixed_batch_limit,
         plan_for,
         row_tile,
@@ -93,7 +94,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     n = sum(heights)
     no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
     no_adapter["groups"] = group_tokens(no_adapter["slots"], slots)
-    shape = (n, k, len(heights) * width, slots, "cuda")
+    shape = (n, k, len(heights) * width, slots, "cuda", len(heights))
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
         "three_kernels": layer_op_path(layer),
@@ -101,13 +102,14 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
         "one_launch_no_adapter": layer_op_path(no_adapter, layer_decode_state(*shape)),
     }
-    tile_plan = plan_for(n, k, len(heights) * width, slots, "cuda", row_tile(tokens))
-    # main() lifts the mixed-adapter limit so that "one launch" times the kernel wherever it has a plan
+    tile_plan = plan_for(n, k, len(heights) * width, slots, "cuda", row_tile(tokens), len(heights))
+    # main() lifts the mixed-adapter limit (unless --mixed-width) so that "one launch" times the kernel wherever it
+    # has a plan
     op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, DEFAULT_MAX_MIXED_WIDTH)
     if breakdown and tile_plan is not None:
         paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots, "K": k, "N": n,
-           "width": width, "plan": describe(tile_plan),
+           "width": width, "mixed_width": max_mixed_width(), "plan": describe(tile_plan),
            "layer_op_picks": "one launch" if op_picks else "three kernels"}  # fmt: skip
     lora_bytes = adapter_bytes(tokens, adapters, k, heights, width)
     for path, fn in paths.items():
@@ -140,6 +142,8 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     shrink = default.chunks if default else decode_plan(n, k, total_width, adapters, sms).chunks
     room = sms - shrink
     plans = [default] if default else []
+    if block_m == 16:  # a multi-slot layer's plans, sized for the adapters the mixed-adapter limit lets a batch mix
+        plans += [plan for plan in sized_for_adapters(n, k, total_width, sms).values() if plan]
     for block_n in (16, 32, 64, 128):
         if -(-n // block_n) <= room:
             step = whole_block_step(block_n, block_m)
@@ -163,6 +167,16 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     return [plan for plan in dict.fromkeys(plans) if plan.programs <= sms]  # the barrier needs them all resident
 
 
+SIZED_FOR = (1, 2, 4)
+
+
+def sized_for_adapters(n, k, total_width, sms) -> dict:
+    """The 16-row tile plans of a layer with 4 LoRA slots, sized for batches mixing each of SIZED_FOR adapters."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    return {adapters: decode_plan(n, k, total_width, 4, sms, 16, adapters) for adapters in SIZED_FOR}
+
+
 def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128):
     """Every candidate plan of one layer, each checked against the reference, then timed like the layer op."""
     from vllm_bdlora.kernels import decode_lora
@@ -174,13 +188,15 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128):
     rows = []
     sms = decode_lora._sm_count(0)
     default = decode_lora.decode_plan(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens))
+    sized = sized_for_adapters(n, k, total_width, sms) if decode_lora.row_tile(tokens) == 16 else {}
     for plan in candidate_plans(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens)):
         run = kernel_call(layer, plan)
         for _ in range(3):
             torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
         us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
         rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "width": width,
-                     "default": plan == default, "plan": describe(plan), "us": round(us, 2),
+                     "default": plan == default, "sized_for": [a for a, p in sized.items() if p == plan],
+                     "plan": describe(plan), "us": round(us, 2),
                      "base_gemm_us": round(base_us, 2), "over_base": round(us / base_us, 3)})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
@@ -197,7 +213,8 @@ def configs_report(json_path: str) -> str:
     lines += [
         "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; "
         f"{shapes_title(rows)} per-GPU shapes; ×base = over cuBLAS X·Wᵀ alone. Plans: GEMV kind, column block × "
-        "hidden step, GEMV + shrink programs. **Bold**: the fastest; (default): what `decode_plan` picks.",
+        "hidden step, GEMV + shrink programs. **Bold**: the fastest; (default): what `decode_plan` picks; "
+        "(4 slots, sized for a): a 4-slot layer's plan where a batch may mix at most a adapters.",
         "",
     ]
     shapes = dict.fromkeys((r["tp"], r["layer"], r["tokens"], r["adapters"]) for r in rows)
@@ -207,11 +224,18 @@ def configs_report(json_path: str) -> str:
         lines += [f"## TP={tp} {layer}, {tokens} token(s), {adapters} adapter(s): base {picked[0]['base_gemm_us']} µs",
                   "", "| plan | µs | ×base |", "|---|---|---|"]  # fmt: skip
         for r in sorted(picked, key=lambda r: r["us"]):
-            label = r["plan"] + (" (default)" if r["default"] else "")
+            label = r["plan"] + (" (default)" if r["default"] else "") + sized_label(r)
             mark = "**" if r["us"] == best else ""
             lines.append(f"| {mark}{label}{mark} | {r['us']} | {r['over_base']} |")
         lines.append("")
     return write_report(json_path, "decode_configs", lines)
+
+
+def sized_label(row) -> str:
+    """' (4 slots, sized for 1, 2)' where the plan is a 4-slot layer's for those adapter counts (runs before the
+    twenty-third session's record none)."""
+    sized = row.get("sized_for")
+    return f" (4 slots, sized for {', '.join(map(str, sized))})" if sized else ""
 
 
 def report(json_path: str) -> str:
@@ -340,6 +364,15 @@ def main(argv=None) -> int:
         type=int,
         help="LoRA slots per layer (vLLM's --max-loras), at least --adapters' count; default: the batch's adapters",
     )
+    p.add_argument(
+        "--mixed-width",
+        type=int,
+        default=1 << 30,
+        help="the one kernel's mixed-adapter width while timing (default: unlimited, so 'one launch' times the "
+        "kernel wherever it has a plan, multi-slot plans sized for every slot's adapter; 256, the plugin's default: "
+        "multi-slot plans sized for the adapters the limit lets a batch mix, as served, and batches over the limit "
+        "run the three kernels)",
+    )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
 
@@ -352,7 +385,7 @@ def main(argv=None) -> int:
     args, copy_gbs, chosen_report, name = started
     from vllm_bdlora.kernels import decode_lora
 
-    decode_lora.set_max_mixed_width(1 << 30)  # rows say whether the layer op would pick the kernel by default
+    decode_lora.set_max_mixed_width(args.mixed_width)  # rows say whether the layer op would pick it by default
     rows = []
     for tp, layer_name, k, heights, t, a in layer_grid(args):
         if args.configs:

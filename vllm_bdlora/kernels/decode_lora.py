@@ -70,7 +70,7 @@ _STREAM_K_MAX_WIDTH = 256
 # Whole-block programs of larger tiles with at least this many hidden steps pipeline 6 stages deep where those
 # fit in this much shared memory (a stage of whole_block_step is 24-32 kB; H100s and H200s have 227 kB).
 _DEEP_PIPELINE_STEPS, _DEEP_PIPELINE_BYTES = 48, 150 * 1024
-_SHRINK_PROGRAMS_PER_SLOT, _MAX_SHRINK_PROGRAMS = 4, 32
+_SHRINK_PROGRAMS_PER_ADAPTER, _MAX_SHRINK_PROGRAMS = 4, 32
 # Narrow layers with a hidden dimension this long take stream-K in 128-deep steps over 64-column blocks in 16-row
 # tiles, not 256-deep over 32 (Llama-3.1-70B's qkv_proj at TP=8; `decode_plan` has the measurements).
 _LONG_HIDDEN = 8192
@@ -175,15 +175,18 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.cache  # asked on every call of the layer op (`usable`, then the launch): a lookup after the first
-def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int,
-                block_m: int = 16) -> DecodePlan | None:  # fmt: skip
+def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int, block_m: int = 16,
+                adapters: int | None = None) -> DecodePlan | None:  # fmt: skip
     """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, for batches in
-    tiles of `block_m` token rows, or None where even the shrink programs would not leave one SM to the GEMV
-    or no whole column blocks fit a wide layer whose tile is over 16 rows or whose LoRA is over 256 wide in all
-    (_STREAM_K_ROWS, _STREAM_K_MAX_WIDTH): the layer op then keeps its three-kernel path.
+    tiles of `block_m` token rows that mix at most `adapters` adapters (by default one per slot), or None where
+    even the shrink programs would not leave one SM to the GEMV or no whole column blocks fit a wide layer whose
+    tile is over 16 rows or whose LoRA is over 256 wide in all (_STREAM_K_ROWS, _STREAM_K_MAX_WIDTH): the layer
+    op then keeps its three-kernel path.
 
-    Shrink programs: 4 per slot (up to 32), more where a batch of every slot's adapter would read a larger
-    share of the bytes (A against W). A shrink program computes every adapter of the batch over its slice of
+    Shrink programs: 4 per adapter the batch may mix (up to 32), more where a batch of that many adapters would
+    read a larger share of the bytes (A against W). `plan_for` passes `batch_adapters`: where the mixed-adapter
+    limit lets a multi-slot layer's batches mix fewer adapters than it has slots, their GEMV keeps the SMs the
+    others' shrink would have taken. A shrink program computes every adapter of the batch over its slice of
     the hidden dimension, so a batch of 4 adapters does 4 times the work of one: with one slot, 4 shrink
     programs kept o_proj and down_proj at TP=4 fast; with 4 slots and 4 adapters in the batch, 4 programs
     left the GEMV waiting (down_proj at TP=1 1.8x slower than the three-kernel path), 16 about broke even
@@ -220,10 +223,10 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     layer cannot know before the launch how many adapters a batch mixes."""
     if block_m > largest_tile(slots):
         return None
-    slots = max(1, slots)
-    w_elems, a_elems = out_features * hidden, min(slots, 4) * total_width * hidden
+    adapters = max(1, slots if adapters is None else adapters)
+    w_elems, a_elems = out_features * hidden, min(adapters, 4) * total_width * hidden
     by_bytes = math.ceil(sms * a_elems / (a_elems + w_elems))
-    shrink = min(_MAX_SHRINK_PROGRAMS, max(_SHRINK_PROGRAMS_PER_SLOT * slots, by_bytes))
+    shrink = min(_MAX_SHRINK_PROGRAMS, max(_SHRINK_PROGRAMS_PER_ADAPTER * adapters, by_bytes))
     shrink_k = _shrink_step(default_shrink_columns(total_width, block_m))
     shrink = min(shrink, triton.cdiv(hidden, shrink_k))  # none without a share of the hidden
     room = sms - shrink
@@ -267,13 +270,15 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
                      block_m=block_m, num_stages=stages)  # fmt: skip
 
 
-def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device,
-             block_m: int = 16) -> DecodePlan | None:  # fmt: skip
-    """decode_plan on this device's SM count; None off CUDA."""
+def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device, block_m: int = 16,
+             slices: int = 1) -> DecodePlan | None:  # fmt: skip
+    """decode_plan on this device's SM count for the adapters this process lets a batch of the layer (of
+    `slices` slices) mix; None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return decode_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0), block_m)
+    adapters = batch_adapters(slots, total_width // slices)
+    return decode_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0), block_m, adapters)
 
 
 def state_words(total_width: int, plan: DecodePlan | None) -> int:
@@ -289,16 +294,17 @@ def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -
     return torch.zeros(state_words(total_width, plan), dtype=torch.int32, device=device)
 
 
-def layer_state_words(out_features: int, hidden: int, total_width: int, slots: int, device) -> int:
+def layer_state_words(out_features: int, hidden: int, total_width: int, slots: int, device, slices: int = 1) -> int:
     """The state_words of a layer's decode state: enough for the plan of every tile on this device (a narrow
     layer's plan may be stream-K, with partial sums, in some tiles and not in others)."""
-    plans = (plan_for(out_features, hidden, total_width, slots, device, tile) for tile in ROW_TILES)
+    plans = (plan_for(out_features, hidden, total_width, slots, device, tile, slices) for tile in ROW_TILES)
     return max(state_words(total_width, plan) for plan in plans)
 
 
-def layer_decode_state(out_features: int, hidden: int, total_width: int, slots: int, device) -> torch.Tensor:
+def layer_decode_state(out_features: int, hidden: int, total_width: int, slots: int, device,
+                       slices: int = 1) -> torch.Tensor:  # fmt: skip
     """A layer's barrier words, S buffers and partial sums for every tile's plan on this device: int32, zero."""
-    words = layer_state_words(out_features, hidden, total_width, slots, device)
+    words = layer_state_words(out_features, hidden, total_width, slots, device, slices)
     return torch.zeros(words, dtype=torch.int32, device=device)
 
 
@@ -312,7 +318,8 @@ _max_tokens = DECODE_MAX_TOKENS
 # (0.75-0.96x). So a multi-slot layer's batch takes the kernel only while the adapters it may mix are at most this
 # wide together, per slice (the plugin's "one_launch_max_mixed_width"): r'=128 keeps it at TP >= 2 and up to 2
 # tokens at TP=1, r'=512 up to 1 token at TP=2. Given up: batches of one adapter at TP=1, r'=128, 4-16 tokens,
-# which the one kernel ran in 0.91-0.93x the three kernels' time.
+# which the one kernel ran in 0.91-0.93x the three kernels' time. Plans are sized for the adapters the limit lets
+# a batch mix (`batch_adapters`), not for every slot's.
 DEFAULT_MAX_MIXED_WIDTH = 256
 _max_mixed_width = DEFAULT_MAX_MIXED_WIDTH
 # decode_lora_linear's `skip` (the benchmark's breakdown) as the kernel's SKIP
@@ -341,6 +348,10 @@ def set_max_mixed_width(width: int) -> None:
     _max_mixed_width = width
 
 
+def max_mixed_width() -> int:
+    return _max_mixed_width
+
+
 def mixed_batch_limit(slots: int, width: int, max_width: int | None = None) -> int:
     """The most tokens a batch may have to run this kernel in a layer of `slots` LoRA slots, `width` columns per
     slice and slot (0: none): all of its tile where even every slot's adapter mixed stays within the mixed width
@@ -349,6 +360,13 @@ def mixed_batch_limit(slots: int, width: int, max_width: int | None = None) -> i
     if slots <= 1 or slots * width <= max_width:
         return largest_tile(slots)
     return min(largest_tile(slots), max_width // max(width, 1))
+
+
+def batch_adapters(slots: int, width: int, max_width: int | None = None) -> int:
+    """The most adapters a batch this kernel serves may mix in a layer of `slots` LoRA slots, `width` columns per
+    slice and slot: one per token of `mixed_batch_limit`'s, at most one per slot (at least 1: a layer whose limit
+    is 0 never launches the kernel, so its plan is never used)."""
+    return max(1, min(slots, mixed_batch_limit(slots, width, max_width)))
 
 
 def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
@@ -360,7 +378,7 @@ def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots:
     limit = min(max_tokens(), mixed_batch_limit(slots, total_width // slices))
     if tokens > limit or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    plan = plan_for(out_features, hidden, total_width, slots, device, row_tile(tokens))
+    plan = plan_for(out_features, hidden, total_width, slots, device, row_tile(tokens), slices)
     return plan is not None and (state is None or state.numel() >= state_words(total_width, plan))
 
 
@@ -581,7 +599,9 @@ def decode_lora_linear(
             raise ValueError(f"decode_lora_linear needs unit stride in the last dimension, got {tuple(t.shape)}")
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 1 << 20
-    plan = plan or decode_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms, row_tile(tokens))
+    if plan is None:  # the layer op's: the plan `usable` checked
+        adapters = batch_adapters(lora_a.shape[0], total_width // slices)
+        plan = decode_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms, row_tile(tokens), adapters)
     if plan is None:
         raise ValueError(f"no one-launch plan for a layer of {weight.shape[0]} outputs, {tokens} tokens, {sms} SMs")
     if tokens > plan.block_m:

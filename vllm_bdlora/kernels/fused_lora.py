@@ -241,9 +241,9 @@ def _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, sc
     if decode_weight is None:
         return launches
     shape = (*decode_weight.shape, lora_a.shape[1], lora_a.shape[0])  # out, hidden, LoRA width, slots
-    state = decode_lora.layer_decode_state(*shape, x.device)
+    state = decode_lora.layer_decode_state(*shape, x.device, slices)
     for tile in decode_lora.ROW_TILES:  # one variant per tile of token rows the layer can launch
-        if decode_lora.usable(decode_lora.first_tokens(tile), *shape, x.device, state, slot_widths.shape[0]):
+        if decode_lora.usable(decode_lora.first_tokens(tile), *shape, x.device, state, slices):
             decode_lora.decode_lora_linear(
                 x.new_zeros(tile, lora_b.shape[1]), x.new_zeros(tile, x.shape[1]), decode_weight, lora_a, lora_b,
                 slot_widths, slice_bounds, torch.full((tile,), -1, dtype=torch.long, device=x.device), state, bias,
