@@ -197,16 +197,15 @@ def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="integer >= 0"):
             decode_lora.set_max_mixed_width(bad)
-    # warm_up compiles a tile's variant where the tile's smallest batch may take the kernel
-    assert [decode_lora.first_tokens(tile) for tile in decode_lora.ROW_TILES] == [1, 17, 33]
 
 
-def test_multi_slot_plans_are_sized_for_the_adapters_the_limit_lets_a_batch_mix(monkeypatch):
-    """Shrink programs are sized per adapter a batch may mix. With 4 slots at TP=1, r'=128 (128 columns per slice)
-    the mixed-adapter limit lets the kernel serve batches of at most 2 tokens, so at most 2 adapters: gate_up_proj's
-    stream-K plan takes the shrink programs of 2, and its GEMV the SMs the other two would have taken. The state,
-    the launch's default plan and `usable` all follow the same plan; lifting the limit brings back the plan for
-    every slot."""
+def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix(monkeypatch):
+    """Shrink programs are sized per adapter a batch may mix: one per token, at most one per slot, and at most as
+    many as the mixed-adapter limit lets it. With 4 slots at TP=1, r'=128 (128 columns per slice) the limit serves
+    batches of at most 2 tokens: gate_up_proj's stream-K plan takes the shrink programs of 2 adapters, and its GEMV
+    the SMs the other two would have taken; a one-token batch takes a one-slot layer's plan. The state, warm-up,
+    the launch's default plan and `usable` all follow the same plans; lifting the limit brings back the plan for
+    every slot from 4 tokens on."""
     from vllm_bdlora.kernels import decode_lora
 
     monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
@@ -219,9 +218,12 @@ def test_multi_slot_plans_are_sized_for_the_adapters_the_limit_lets_a_batch_mix(
     assert two.chunks < every_slot.chunks and two.gemv_programs > every_slot.gemv_programs and two.programs <= 132
     assert decode_lora.decode_plan(*gate_up, 132, 16, 4) == every_slot
     assert decode_lora.decode_plan(*gate_up, 132, 32, 1) is None  # larger tiles stay one-slot only
-    assert decode_lora.plan_for(*gate_up, cuda, 16, 2) == two
-    assert decode_lora.plan_for(*gate_up, cuda) == decode_lora.decode_plan(*gate_up, 132, 16, 1)  # 256 in one slice
-    assert decode_lora.layer_state_words(*gate_up, cuda, 2) == decode_lora.state_words(256, two)
+    assert decode_lora.plan_for(*gate_up, cuda, 2, 2) == two
+    one = decode_lora.decode_plan(*gate_up, 132, 16, 1)
+    assert decode_lora.plan_for(*gate_up, cuda, 1, 2) == one != two  # one token: one adapter
+    assert decode_lora.plan_for(*gate_up, cuda, 2) == one  # read as one slice 256 wide: one token at most
+    assert decode_lora.layer_plans(*gate_up, cuda, 2) == {1: one, 2: two}  # what warm_up launches
+    assert decode_lora.layer_state_words(*gate_up, cuda, 2) == max(decode_lora.state_words(256, p) for p in (one, two))
     launched = {}
     monkeypatch.setattr(decode_lora, "launch", lambda kernel, grid, *args, **kwargs: launched.update(args=args))
     x = torch.zeros(2, 4096, dtype=torch.bfloat16)
@@ -233,11 +235,12 @@ def test_multi_slot_plans_are_sized_for_the_adapters_the_limit_lets_a_batch_mix(
         torch.zeros(2, dtype=torch.long), torch.zeros(decode_lora.state_words(256, two), dtype=torch.int32),
     )  # fmt: skip
     gemv = (two.tiles, two.gemv_programs, two.steps_per_program)
-    assert launched["args"][14:17] == gemv != (every_slot.tiles, every_slot.gemv_programs, every_slot.steps_per_program)
+    assert launched["args"][14:17] == gemv != (one.tiles, one.gemv_programs, one.steps_per_program)
     # the launch's own plan: the one `usable` checked
     decode_lora.set_max_mixed_width(1 << 30)
     try:
         assert decode_lora.plan_for(*gate_up, cuda, 16, 2) == every_slot
+        assert list(decode_lora.layer_plans(*gate_up, cuda, 2)) == [1, 2, 3, 4]
     finally:
         decode_lora.set_max_mixed_width(decode_lora.DEFAULT_MAX_MIXED_WIDTH)
 

@@ -369,3 +369,38 @@ def test_after_warm_up_no_batch_size_compiles_a_kernel():
     for tokens in (2, 16, 63, 64, 65, 100, 1000, 2047, 2048, 3001, 4095, 4096, 4500):
         call(tokens)
     assert [compiled_variants(k) for k in kernels] == before
+
+
+@pytest.mark.gpu
+def test_after_warm_up_no_decode_step_compiles_the_one_launch_kernel():
+    """A layer with several LoRA slots launches plans sized for the adapters a batch may mix (one per token):
+    warm_up must launch every one, or the first decode steps of 2, 3 and 4 requests would compile while serving."""
+    from vllm_bdlora.kernels import decode_lora, fused_lora
+    from vllm_bdlora.kernels.reference import lora_linear_slices_reference
+
+    hidden, heights, slots = 4096, (1024, 256, 256), len(SLOT_WIDTHS[0])  # qkv_proj at TP=4
+    b = mixed_batch(tokens=16, hidden=hidden, heights=heights, dtype=torch.bfloat16, device="cuda")
+    shape = (sum(heights), hidden, b["lora_a"].shape[1], slots, "cuda", len(heights))
+    assert len(decode_lora.layer_plans(*shape)) > 1  # 4 on an H100 or H200
+    state = decode_lora.layer_decode_state(*shape)
+    out = torch.empty(16, sum(heights), dtype=torch.bfloat16, device="cuda")
+
+    def call(tokens):
+        groups = fused_lora.group_tokens(b["slots"][:tokens], slots)
+        grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
+        torch.ops.vllm_bdlora.fused_lora_slices_(
+            out[:tokens], b["x"][:tokens], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *grouped,
+            torch.tensor([False]), None, b["bias"], b["weight"], state,
+        )  # fmt: skip
+        return out[:tokens]
+
+    fused_lora._warmed_up.clear()  # keyed by LoRA buffer address: an earlier test's freed buffer may share it
+    call(1)
+    before = compiled_variants(decode_lora._decode_lora_linear_kernel)
+    if before is None:
+        pytest.skip("this Triton keeps its JIT cache where the test cannot count it")
+    for tokens in range(1, 17):
+        want = lora_linear_slices_reference(b["x"][:tokens], b["weight"], b["lora_a"], b["lora_b"], b["widths"],
+                                            b["bounds"], b["slots"][:tokens], b["bias"])  # fmt: skip
+        torch.testing.assert_close(call(tokens), want, atol=3e-2, rtol=3e-2)
+    assert compiled_variants(decode_lora._decode_lora_linear_kernel) == before

@@ -84,7 +84,6 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
         max_mixed_width,
         mixed_batch_limit,
         plan_for,
-        row_tile,
     )
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
@@ -102,7 +101,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
         "one_launch_no_adapter": layer_op_path(no_adapter, layer_decode_state(*shape)),
     }
-    tile_plan = plan_for(n, k, len(heights) * width, slots, "cuda", row_tile(tokens), len(heights))
+    tile_plan = plan_for(n, k, len(heights) * width, slots, "cuda", tokens, len(heights))
     # main() lifts the mixed-adapter limit (unless --mixed-width) so that "one launch" times the kernel wherever it
     # has a plan
     op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, DEFAULT_MAX_MIXED_WIDTH)

@@ -31,8 +31,9 @@ launch zeroes, in the buffer the next launch adds into, the rows the previous la
 needs a zero-fill kernel of its own and nothing depends on the host: CUDA graphs replay it as is. Launches of
 one layer never overlap (one stream), which the parity relies on.
 
-Batches run in tiles of 16, 32 or 64 token rows (`ROW_TILES`; the batch's tile picks the plan): decode steps
-of up to 64 requests are one kernel per layer. Tiles over 16 rows take stream-K only in narrow layers (its
+Batches run in tiles of 16, 32 or 64 token rows (`ROW_TILES`; the batch's tile, and in layers with several LoRA
+slots the adapters it may mix, pick the plan: `batch_plan`): decode steps of up to 64 requests are one kernel per
+layer. Tiles over 16 rows take stream-K only in narrow layers (its
 partial sums for 64 rows of a wide layer would take megabytes).
 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
@@ -148,12 +149,6 @@ def largest_tile(slots: int) -> int:
     return DECODE_MAX_TOKENS if slots <= 1 else ROW_TILES[0]
 
 
-def first_tokens(tile: int) -> int:
-    """The smallest batch that runs in this tile of token rows."""
-    smaller = [t for t in ROW_TILES if t < tile]
-    return smaller[-1] + 1 if smaller else 1
-
-
 def row_tile(tokens: int) -> int:
     """The tile of token rows a batch of `tokens` (<= DECODE_MAX_TOKENS) runs in."""
     return next(tile for tile in ROW_TILES if tokens <= tile)
@@ -184,9 +179,9 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     op then keeps its three-kernel path.
 
     Shrink programs: 4 per adapter the batch may mix (up to 32), more where a batch of that many adapters would
-    read a larger share of the bytes (A against W). `plan_for` passes `batch_adapters`: where the mixed-adapter
-    limit lets a multi-slot layer's batches mix fewer adapters than it has slots, their GEMV keeps the SMs the
-    others' shrink would have taken. A shrink program computes every adapter of the batch over its slice of
+    read a larger share of the bytes (A against W). `batch_plan` passes the adapters a batch may mix: where it
+    has fewer tokens than the layer has slots, or the mixed-adapter limit lets it mix fewer, its GEMV keeps the
+    SMs the others' shrink would have taken. A shrink program computes every adapter of the batch over its slice of
     the hidden dimension, so a batch of 4 adapters does 4 times the work of one: with one slot, 4 shrink
     programs kept o_proj and down_proj at TP=4 fast; with 4 slots and 4 adapters in the batch, 4 programs
     left the GEMV waiting (down_proj at TP=1 1.8x slower than the three-kernel path), 16 about broke even
@@ -270,15 +265,34 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
                      block_m=block_m, num_stages=stages)  # fmt: skip
 
 
-def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device, block_m: int = 16,
+def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device, tokens: int = 1,
              slices: int = 1) -> DecodePlan | None:  # fmt: skip
-    """decode_plan on this device's SM count for the adapters this process lets a batch of the layer (of
-    `slices` slices) mix; None off CUDA."""
+    """`batch_plan` on this device's SM count; None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    adapters = batch_adapters(slots, total_width // slices)
-    return decode_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0), block_m, adapters)
+    return batch_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0), tokens, slices)
+
+
+def batch_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int, tokens: int,
+               slices: int = 1) -> DecodePlan | None:  # fmt: skip
+    """The plan for a batch of `tokens` in a layer of `slices` slices: its row tile's, sized for the adapters the
+    batch may mix (one per token, at most `batch_adapters`): with several slots a one-token batch, a decode
+    step at batch size 1, gets the plan of a one-slot layer."""
+    adapters = min(tokens, batch_adapters(slots, total_width // slices))
+    return decode_plan(out_features, hidden, total_width, slots, sms, row_tile(tokens), adapters)
+
+
+def layer_plans(out_features: int, hidden: int, total_width: int, slots: int, device,
+                slices: int = 1) -> dict[int, DecodePlan]:  # fmt: skip
+    """Every plan a layer may launch on this device, keyed by the smallest batch that takes it (a tile's first
+    batches may mix fewer adapters than its larger ones)."""
+    first = {}
+    for tokens in range(1, DECODE_MAX_TOKENS + 1):
+        plan = plan_for(out_features, hidden, total_width, slots, device, tokens, slices)
+        if plan is not None:
+            first.setdefault(plan, tokens)
+    return {tokens: plan for plan, tokens in first.items()}
 
 
 def state_words(total_width: int, plan: DecodePlan | None) -> int:
@@ -295,15 +309,16 @@ def new_decode_state(total_width: int, device, plan: DecodePlan | None = None) -
 
 
 def layer_state_words(out_features: int, hidden: int, total_width: int, slots: int, device, slices: int = 1) -> int:
-    """The state_words of a layer's decode state: enough for the plan of every tile on this device (a narrow
+    """The state_words of a layer's decode state: enough for every plan it may launch on this device (a narrow
     layer's plan may be stream-K, with partial sums, in some tiles and not in others)."""
-    plans = (plan_for(out_features, hidden, total_width, slots, device, tile, slices) for tile in ROW_TILES)
-    return max(state_words(total_width, plan) for plan in plans)
+    plans = layer_plans(out_features, hidden, total_width, slots, device, slices).values()
+    return max((state_words(total_width, plan) for plan in plans), default=state_words(total_width, None))
 
 
 def layer_decode_state(out_features: int, hidden: int, total_width: int, slots: int, device,
                        slices: int = 1) -> torch.Tensor:  # fmt: skip
-    """A layer's barrier words, S buffers and partial sums for every tile's plan on this device: int32, zero."""
+    """A layer's barrier words, S buffers and partial sums for every plan it may launch on this device: int32,
+    zero."""
     words = layer_state_words(out_features, hidden, total_width, slots, device, slices)
     return torch.zeros(words, dtype=torch.int32, device=device)
 
@@ -318,8 +333,8 @@ _max_tokens = DECODE_MAX_TOKENS
 # (0.75-0.96x). So a multi-slot layer's batch takes the kernel only while the adapters it may mix are at most this
 # wide together, per slice (the plugin's "one_launch_max_mixed_width"): r'=128 keeps it at TP >= 2 and up to 2
 # tokens at TP=1, r'=512 up to 1 token at TP=2. Given up: batches of one adapter at TP=1, r'=128, 4-16 tokens,
-# which the one kernel ran in 0.91-0.93x the three kernels' time. Plans are sized for the adapters the limit lets
-# a batch mix (`batch_adapters`), not for every slot's.
+# which the one kernel ran in 0.91-0.93x the three kernels' time. Plans are sized for the adapters a batch may mix
+# (`batch_plan`), not for every slot's.
 DEFAULT_MAX_MIXED_WIDTH = 256
 _max_mixed_width = DEFAULT_MAX_MIXED_WIDTH
 # decode_lora_linear's `skip` (the benchmark's breakdown) as the kernel's SKIP
@@ -378,7 +393,7 @@ def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots:
     limit = min(max_tokens(), mixed_batch_limit(slots, total_width // slices))
     if tokens > limit or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    plan = plan_for(out_features, hidden, total_width, slots, device, row_tile(tokens), slices)
+    plan = plan_for(out_features, hidden, total_width, slots, device, tokens, slices)
     return plan is not None and (state is None or state.numel() >= state_words(total_width, plan))
 
 
@@ -600,8 +615,7 @@ def decode_lora_linear(
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 1 << 20
     if plan is None:  # the layer op's: the plan `usable` checked
-        adapters = batch_adapters(lora_a.shape[0], total_width // slices)
-        plan = decode_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms, row_tile(tokens), adapters)
+        plan = batch_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms, tokens, slices)
     if plan is None:
         raise ValueError(f"no one-launch plan for a layer of {weight.shape[0]} outputs, {tokens} tokens, {sms} SMs")
     if tokens > plan.block_m:

@@ -198,8 +198,8 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
     are shared by layers of equal shape and cached on disk by Triton, in one directory whatever vLLM's
     configuration (triton_cache.py). The variants compile on several threads first (compile_ahead.py).
-    `decode_weight`: the layer runs the one-launch decode kernel over this base weight (a variant per tile of
-    token rows, compiled here with a scratch state). Returns the launches made."""
+    `decode_weight`: the layer runs the one-launch decode kernel over this base weight (a variant per plan it may
+    launch, `decode_lora.layer_plans`, compiled here with a scratch state). Returns the launches made."""
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())
@@ -242,11 +242,11 @@ def _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, sc
         return launches
     shape = (*decode_weight.shape, lora_a.shape[1], lora_a.shape[0])  # out, hidden, LoRA width, slots
     state = decode_lora.layer_decode_state(*shape, x.device, slices)
-    for tile in decode_lora.ROW_TILES:  # one variant per tile of token rows the layer can launch
-        if decode_lora.usable(decode_lora.first_tokens(tile), *shape, x.device, state, slices):
+    for tokens in decode_lora.layer_plans(*shape, x.device, slices):  # each plan's first batch launches it
+        if decode_lora.usable(tokens, *shape, x.device, state, slices):
             decode_lora.decode_lora_linear(
-                x.new_zeros(tile, lora_b.shape[1]), x.new_zeros(tile, x.shape[1]), decode_weight, lora_a, lora_b,
-                slot_widths, slice_bounds, torch.full((tile,), -1, dtype=torch.long, device=x.device), state, bias,
+                x.new_zeros(tokens, lora_b.shape[1]), x.new_zeros(tokens, x.shape[1]), decode_weight, lora_a, lora_b,
+                slot_widths, slice_bounds, torch.full((tokens,), -1, dtype=torch.long, device=x.device), state, bias,
             )  # fmt: skip
             launches += 1
     return launches
