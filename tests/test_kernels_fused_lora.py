@@ -402,5 +402,6 @@ def test_after_warm_up_no_decode_step_compiles_the_one_launch_kernel():
     for tokens in range(1, 17):
         want = lora_linear_slices_reference(b["x"][:tokens], b["weight"], b["lora_a"], b["lora_b"], b["widths"],
                                             b["bounds"], b["slots"][:tokens], b["bias"])  # fmt: skip
-        torch.testing.assert_close(call(tokens), want, atol=3e-2, rtol=3e-2)
+        err = (call(tokens).float() - want.float()).abs().max().item()
+        assert err <= 2e-2 * (1 + want.float().abs().max().item()), (tokens, err)  # bf16 outputs of ~10
     assert compiled_variants(decode_lora._decode_lora_linear_kernel) == before
