@@ -61,6 +61,19 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
     assert wide.stream_k and wide.block_n == 64
 
 
+@pytest.mark.parametrize("adapters", [1, 2, 4])
+def test_narrow_multi_slot_layers_give_the_shrink_the_sms_16_column_blocks_would_leave(adapters):
+    """bench/results/kernels-h200-s23 (narrow-*): with 4 slots, qkv_proj at TP=4/8 ran faster on 32 shrink
+    programs than on 4 per adapter mixed; with one slot, TP=8 lost, so one-slot layers keep 4 per adapter."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    for out_features, hidden, width in ((1536, 4096, 96), (768, 4096, 48), (1280, 8192, 48)):  # 8B TP=4, 8; 70B TP=8
+        plan = decode_plan(out_features, hidden, width, 4, 132, 16, adapters)
+        assert plan.stream_k and plan.chunks == 32 and plan.programs <= 132
+        one_slot = decode_plan(out_features, hidden, width, 1, 132)
+        assert one_slot.stream_k and one_slot.chunks < 32
+
+
 def test_narrow_layers_plans_follow_what_ran_fastest_on_an_h200():
     """bench/results/kernels-h200-s19: Llama-3.1-70B's qkv_proj at TP=8 (1280 outputs, hidden 8192) ran ~20% faster
     as stream-K in 128-deep steps over 64 columns than in 256-deep steps over 32, which 8B's qkv_proj keeps; in
@@ -406,13 +419,14 @@ def test_the_benchmarks_candidate_plans_fit_the_tile_and_include_the_default(blo
     """`bench.kernels.decode_lora --configs` times these on a GPU host: each must be a plan the kernel can run
     for the tile (every program resident), and the default among them; in 16-row tiles also a 4-slot layer's
     plans sized for 1, 2 and 4 adapters mixed."""
-    from bench.kernels.decode_lora import candidate_plans
+    from bench.kernels.decode_lora import candidate_plans, sized_for_adapters
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
     plans = candidate_plans(1536, 4096, 96, 1, 132, block_m)
     assert decode_plan(1536, 4096, 96, 1, 132, block_m) in plans
     sized = [decode_plan(1536, 4096, 96, 4, 132, 16, adapters) for adapters in (1, 2, 4)]
-    assert len(set(sized)) == 3 and all((plan in plans) == (block_m == 16) for plan in sized)
+    assert all((plan in plans) == (block_m == 16) for plan in sized)
+    assert len(set(sized_for_adapters(28672, 4096, 256, 132).values())) == 3  # gate_up_proj at TP=1: 4, 8, 16 shrink
     assert all(plan.block_m == block_m and plan.programs <= 132 for plan in plans)
     assert any(plan.stream_k for plan in plans)
     assert len({(plan.block_n, plan.block_k, plan.stream_k) for plan in plans}) >= 4

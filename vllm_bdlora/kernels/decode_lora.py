@@ -215,7 +215,13 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     Only layers with one LoRA slot use these tiles. Per decoder layer on an H200 (bench/results/kernels-h200-s15)
     one adapter at 32 and 64 tokens took 12-20% less time than the three kernels at TP=2 and 4, but a batch mixing
     4 adapters 2-15% more (the finish runs one B load and dot per adapter of the batch after the barrier), and the
-    layer cannot know before the launch how many adapters a batch mixes."""
+    layer cannot know before the launch how many adapters a batch mixes.
+
+    Narrow layers with several LoRA slots give the shrink the SMs whole 16-column blocks would leave (up to 32) in
+    16-row tiles too: with 4 slots, qkv_proj at TP=4 and 8 (8B) and at TP=8 (70B) ran 0.1-2.7 µs faster on 32
+    shrink programs than on 5-27 (whatever the adapters mixed, but 70B at 2 and 16 tokens of one adapter, 0.4 µs
+    slower); with one slot it helped at TP=4 (-0.5 µs) and lost at TP=8 (+0.3-0.5), so one-slot layers keep 4 per
+    adapter (bench/results/kernels-h200-s23, narrow-*)."""
     if block_m > largest_tile(slots):
         return None
     adapters = max(1, slots if adapters is None else adapters)
@@ -241,6 +247,9 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
                 return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
         if block_m > _STREAM_K_ROWS or total_width > _STREAM_K_MAX_WIDTH:
             return None
+    if narrow and slots > 1:  # the SMs whole 16-column blocks would leave go to the shrink, as in larger tiles
+        shrink = _shrink_beside(shrink, sms, blocks_of_16)
+        room = sms - shrink
     if narrow and hidden >= _LONG_HIDDEN:
         block_n, block_k = 64, 128
     else:
