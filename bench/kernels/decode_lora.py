@@ -141,7 +141,7 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     shrink = default.chunks if default else decode_plan(n, k, total_width, adapters, sms).chunks
     room = sms - shrink
     plans = [default] if default else []
-    if block_m == 16:  # a multi-slot layer's plans, sized for the adapters the mixed-adapter limit lets a batch mix
+    if block_m == 16:  # a 4-slot layer's plans for batches mixing 1, 2 and 4 adapters
         plans += [plan for plan in sized_for_adapters(n, k, total_width, sms).values() if plan]
     for block_n in (16, 32, 64, 128):
         if -(-n // block_n) <= room:
@@ -368,9 +368,8 @@ def main(argv=None) -> int:
         type=int,
         default=1 << 30,
         help="the one kernel's mixed-adapter width while timing (default: unlimited, so 'one launch' times the "
-        "kernel wherever it has a plan, multi-slot plans sized for every slot's adapter; 256, the plugin's default: "
-        "multi-slot plans sized for the adapters the limit lets a batch mix, as served, and batches over the limit "
-        "run the three kernels)",
+        "kernel wherever it has a plan, multi-slot plans sized for one adapter per token up to one per slot; 256, "
+        "the plugin's default: plans sized and batches over the limit sent to the three kernels as served)",
     )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip

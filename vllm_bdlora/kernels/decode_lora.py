@@ -33,8 +33,8 @@ one layer never overlap (one stream), which the parity relies on.
 
 Batches run in tiles of 16, 32 or 64 token rows (`ROW_TILES`; the batch's tile, and in layers with several LoRA
 slots the adapters it may mix, pick the plan: `batch_plan`): decode steps of up to 64 requests are one kernel per
-layer. Tiles over 16 rows take stream-K only in narrow layers (its
-partial sums for 64 rows of a wide layer would take megabytes).
+layer. Tiles over 16 rows take stream-K only in narrow layers (its partial sums for 64 rows of a wide layer would
+take megabytes).
 
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
