@@ -465,6 +465,31 @@ def test_decode_kernel_report_sums_multi_slot_layers_by_the_adapters_a_batch_mix
     assert "one-launch plan |" in text and "; the layer op picks three kernels" in text
 
 
+def test_decode_kernel_benchmark_refuses_fewer_slots_than_adapters(capsys):
+    """A layer holds one adapter per slot: --slots below --adapters' count is an error naming the fix (it used to
+    be raised to the adapters silently), before a GPU is asked for."""
+    from bench.kernels.decode_lora import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--slots", "2", "--adapters", "1,4", "--out", "unused"])
+    assert exit_info.value.code == 2
+    assert "--slots 2 is fewer than the 1,4 adapters" in capsys.readouterr().err
+
+
+def test_decode_configs_report_names_the_multi_slot_plans_among_the_candidates(tmp_path):
+    """--configs rows record which candidates are a 4-slot layer's plans for batches mixing 1, 2 or 4 adapters;
+    the committed H200 run's report is a function of its JSON."""
+    import shutil
+
+    from bench.kernels.decode_lora import configs_report
+
+    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s23", "configs-tp4-one")
+    shutil.copy(os.path.join(run, "decode_configs.json"), tmp_path / "decode_configs.json")
+    text = open(configs_report(str(tmp_path / "decode_configs.json"))).read()
+    assert text == open(os.path.join(run, "decode_configs.md")).read()
+    assert "| whole blocks 32x256, 128+4 programs (default) (4 slots, sized for 1) | 5.86 | 1.412 |" in text
+
+
 def test_decode_kernel_benchmark_times_70b_layers_at_tp8_on_one_gpu(tmp_path):
     """--model-shape llama-3.1-70b --tp 8 times the layers one GPU of a TP=8 70B server runs (no 8-GPU host
     needed), and its report names that shape instead of 8B's."""

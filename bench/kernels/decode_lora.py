@@ -87,7 +87,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     )
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
-    width, slots = bd_rank // tp, max(slots or adapters, adapters)
+    width, slots = bd_rank // tp, slots or adapters  # main() has checked that --slots holds every adapter
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
     want = reference(layer)
     n = sum(heights)
@@ -375,6 +375,10 @@ def main(argv=None) -> int:
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
 
     def kind(args):  # --configs times (and reports) candidate plans instead
+        # checked here, after parsing and before the GPU is asked for
+        if args.slots is not None and args.slots < max(map(int, args.adapters.split(","))):
+            p.error(f"--slots {args.slots} is fewer than the {args.adapters} adapters of --adapters: a layer holds one "
+                    "adapter per slot; raise --slots to the largest adapter count or leave it out")  # fmt: skip
         return (configs_report, "decode_configs") if args.configs else (report, "decode_lora")
 
     started = kernel_bench_cli(p, argv, report, "decode_lora", kind=kind)
