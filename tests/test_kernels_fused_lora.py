@@ -345,6 +345,20 @@ def compiled_variants(kernel) -> int | None:
     return sum(len(c) for c in cache.values()) if isinstance(cache, dict) else None
 
 
+def layer_op_on_first(tokens, b, out, decode_state=None):
+    """The registered layer op (base GEMM + LoRA, as a BD layer calls it) on the batch's first `tokens` tokens,
+    into out[:tokens]; with a decode state, batches it allows run the one-launch kernel."""
+    from vllm_bdlora.kernels import fused_lora
+
+    groups = fused_lora.group_tokens(b["slots"][:tokens], b["lora_a"].shape[0])
+    grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
+    torch.ops.vllm_bdlora.fused_lora_slices_(
+        out[:tokens], b["x"][:tokens], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *grouped,
+        torch.tensor([False]), None, b["bias"], b["weight"], decode_state,
+    )  # fmt: skip
+    return out[:tokens]
+
+
 @pytest.mark.gpu
 def test_after_warm_up_no_batch_size_compiles_a_kernel():
     """The layer op's first call compiles every variant; later batches of any size compile nothing."""
@@ -353,21 +367,13 @@ def test_after_warm_up_no_batch_size_compiles_a_kernel():
     b = mixed_batch(tokens=4500, hidden=256, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(4500, sum(HEIGHTS), dtype=torch.bfloat16, device="cuda")
 
-    def call(tokens):
-        groups = fused_lora.group_tokens(b["slots"][:tokens], len(SLOT_WIDTHS[0]))
-        grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
-        torch.ops.vllm_bdlora.fused_lora_slices_(
-            out[:tokens], b["x"][:tokens], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *grouped,
-            torch.tensor([False]), None, b["bias"], b["weight"],
-        )  # fmt: skip
-
-    call(1)
+    layer_op_on_first(1, b, out)
     kernels = (fused_lora._routed_shrink_kernel, fused_lora._fused_expand_kernel)
     before = [compiled_variants(k) for k in kernels]
     if None in before:
         pytest.skip("this Triton keeps its JIT cache where the test cannot count it")
     for tokens in (2, 16, 63, 64, 65, 100, 1000, 2047, 2048, 3001, 4095, 4096, 4500):
-        call(tokens)
+        layer_op_on_first(tokens, b, out)
     assert [compiled_variants(k) for k in kernels] == before
 
 
@@ -385,23 +391,14 @@ def test_after_warm_up_no_decode_step_compiles_the_one_launch_kernel():
     state = decode_lora.layer_decode_state(*shape)
     out = torch.empty(16, sum(heights), dtype=torch.bfloat16, device="cuda")
 
-    def call(tokens):
-        groups = fused_lora.group_tokens(b["slots"][:tokens], slots)
-        grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
-        torch.ops.vllm_bdlora.fused_lora_slices_(
-            out[:tokens], b["x"][:tokens], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *grouped,
-            torch.tensor([False]), None, b["bias"], b["weight"], state,
-        )  # fmt: skip
-        return out[:tokens]
-
     fused_lora._warmed_up.clear()  # keyed by LoRA buffer address: an earlier test's freed buffer may share it
-    call(1)
+    layer_op_on_first(1, b, out, state)
     before = compiled_variants(decode_lora._decode_lora_linear_kernel)
     if before is None:
         pytest.skip("this Triton keeps its JIT cache where the test cannot count it")
     for tokens in range(1, 17):
         want = lora_linear_slices_reference(b["x"][:tokens], b["weight"], b["lora_a"], b["lora_b"], b["widths"],
                                             b["bounds"], b["slots"][:tokens], b["bias"])  # fmt: skip
-        err = (call(tokens).float() - want.float()).abs().max().item()
+        err = (layer_op_on_first(tokens, b, out, state).float() - want.float()).abs().max().item()
         assert err <= 2e-2 * (1 + want.float().abs().max().item()), (tokens, err)  # bf16 outputs of ~10
     assert compiled_variants(decode_lora._decode_lora_linear_kernel) == before
