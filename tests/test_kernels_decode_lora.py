@@ -167,6 +167,11 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
     made_elsewhere = decode_lora.new_decode_state(
         96, "cpu", decode_lora.decode_plan(1536, 4096, 96, 1, 60)
     )  # whole blocks
+    assert decode_lora.usable_plan(1, 1536, 4096, 96, 1, cuda, made_for_it) == plan  # the one the op launches
+    assert decode_lora.usable_plan(32, 1536, 4096, 96, 1, cuda, made_for_it) == decode_lora.plan_for(
+        1536, 4096, 96, 1, cuda, 32
+    )  # fmt: skip
+    assert decode_lora.usable_plan(1, 1536, 4096, 96, 1, cuda, made_elsewhere) is None
     assert decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_for_it)
     assert not decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_elsewhere)
     for tokens in (16, 32, 64):  # the layer's state serves every tile's plan (32 rows: stream-K, more partials)
@@ -268,13 +273,14 @@ def test_only_16_bit_layers_take_the_one_launch_kernel(monkeypatch, dtype):
     from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 
     launched = []
-    monkeypatch.setattr(decode_lora, "usable", lambda *args: True)  # as on a GPU with the SMs for the grid
+    monkeypatch.setattr(decode_lora, "usable_plan", lambda *args: "plan")  # as on a GPU with the SMs for the grid
     monkeypatch.setattr(decode_lora, "decode_lora_linear", lambda *args, **kwargs: launched.append(args))
     b = mixed_batch(tokens=8, hidden=64, dtype=dtype)
     out = torch.zeros(8, b["weight"].shape[0], dtype=dtype)
     fused_lora_slices_(out, b["x"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"],
                        weight=b["weight"], decode_state=torch.zeros(64, dtype=torch.int32))  # fmt: skip
     assert bool(launched) == (dtype == torch.bfloat16)
+    assert all(args[-1] == "plan" for args in launched)  # the plan usable_plan found is the one launched
     if not launched:
         want = lora_linear_slices_reference(b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
                                             b["slots"])  # fmt: skip

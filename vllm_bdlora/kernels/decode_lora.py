@@ -169,7 +169,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache  # asked on every call of the layer op (`usable`, then the launch): a lookup after the first
+@functools.cache  # asked on every call of the layer op (`usable_plan`): a lookup after the first
 def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int, block_m: int = 16,
                 adapters: int | None = None) -> DecodePlan | None:  # fmt: skip
     """The launch for a layer of this shape with `slots` LoRA slots on a GPU with `sms` SMs, for batches in
@@ -393,17 +393,25 @@ def batch_adapters(slots: int, width: int, max_width: int | None = None) -> int:
     return max(1, min(slots, mixed_batch_limit(slots, width, max_width)))
 
 
-def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
-           state: torch.Tensor | None = None, slices: int = 1) -> bool:  # fmt: skip
-    """Whether the layer op may run this kernel for a batch of `tokens` on `device` (with the layer's decode
-    `state`: only if it is large enough for this GPU's plan; a state made on a GPU with another SM count may
-    not be, and the layer then keeps the three-kernel path rather than fail). `slices`: the packed layer's, whose
-    LoRA width per slice `mixed_batch_limit` weighs."""
+def usable_plan(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
+                state: torch.Tensor | None = None, slices: int = 1) -> DecodePlan | None:  # fmt: skip
+    """The plan the layer op launches this kernel with for a batch of `tokens` on `device`, or None where it keeps
+    the three-kernel path: off CUDA, over the token or mixed-adapter limit, or with a decode `state` too small for
+    this GPU's plan (a state made on a GPU with another SM count may be; the layer then keeps the three kernels
+    rather than fail). `slices`: the packed layer's, whose LoRA width per slice `mixed_batch_limit` weighs."""
     limit = min(max_tokens(), mixed_batch_limit(slots, total_width // slices))
     if tokens > limit or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
+        return None
     plan = plan_for(out_features, hidden, total_width, slots, device, tokens, slices)
-    return plan is not None and (state is None or state.numel() >= state_words(total_width, plan))
+    if plan is None or (state is not None and state.numel() < state_words(total_width, plan)):
+        return None
+    return plan
+
+
+def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
+           state: torch.Tensor | None = None, slices: int = 1) -> bool:  # fmt: skip
+    """Whether the layer op may run this kernel for the batch (`usable_plan` finds a plan)."""
+    return usable_plan(tokens, out_features, hidden, total_width, slots, device, state, slices) is not None
 
 
 @triton.jit
@@ -623,7 +631,7 @@ def decode_lora_linear(
             raise ValueError(f"decode_lora_linear needs unit stride in the last dimension, got {tuple(t.shape)}")
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 1 << 20
-    if plan is None:  # the layer op's: the plan `usable` checked
+    if plan is None:  # the layer op passes `usable_plan`'s; this is the same one
         plan = batch_plan(weight.shape[0], hidden, total_width, lora_a.shape[0], sms, tokens, slices)
     if plan is None:
         raise ValueError(f"no one-launch plan for a layer of {weight.shape[0]} outputs, {tokens} tokens, {sms} SMs")

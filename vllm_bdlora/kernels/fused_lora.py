@@ -243,10 +243,12 @@ def _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, sc
     shape = (*decode_weight.shape, lora_a.shape[1], lora_a.shape[0])  # out, hidden, LoRA width, slots
     state = decode_lora.layer_decode_state(*shape, x.device, slices)
     for tokens in decode_lora.layer_plans(*shape, x.device, slices):  # each plan's first batch launches it
-        if decode_lora.usable(tokens, *shape, x.device, state, slices):
+        plan = decode_lora.usable_plan(tokens, *shape, x.device, state, slices)
+        if plan is not None:
             decode_lora.decode_lora_linear(
                 x.new_zeros(tokens, lora_b.shape[1]), x.new_zeros(tokens, x.shape[1]), decode_weight, lora_a, lora_b,
                 slot_widths, slice_bounds, torch.full((tokens,), -1, dtype=torch.long, device=x.device), state, bias,
+                plan,
             )  # fmt: skip
             launches += 1
     return launches
@@ -629,23 +631,13 @@ def fused_lora_slices_(
         warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, group_slot.shape[0], scale_table, bias, delta_first_layer,
                 weight if one_launch else None)  # fmt: skip
     skip_lora = no_lora is not None and bool(no_lora[0])
-    if (
-        one_launch
-        and not skip_lora
-        and decode_lora.usable(
-            tokens,
-            weight.shape[0],
-            x.shape[1],
-            lora_a.shape[1],
-            lora_a.shape[0],
-            x.device,
-            decode_state,
-            slot_widths.shape[0],
-        )
-    ):
-        decode_lora.decode_lora_linear(output, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots,
-                                       decode_state, bias)  # fmt: skip
-        return
+    if one_launch and not skip_lora:
+        shape = (weight.shape[0], x.shape[1], lora_a.shape[1], lora_a.shape[0])  # out, hidden, LoRA width, slots
+        plan = decode_lora.usable_plan(tokens, *shape, x.device, decode_state, slot_widths.shape[0])
+        if plan is not None:
+            decode_lora.decode_lora_linear(output, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots,
+                                           decode_state, bias, plan)  # fmt: skip
+            return
     delta_first = writes_delta_first(delta_first_layer, tokens)
     if weight is not None and (skip_lora or not delta_first):
         torch.addmm(bias, x, weight.t(), out=output) if bias is not None else torch.mm(x, weight.t(), out=output)
