@@ -45,7 +45,7 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
     """qkv_proj at TP=4 (1536 outputs) would need 16-column blocks to fill 124 SMs: stream-K over 32-column
     blocks instead; o_proj at TP=4 (4096 outputs: 128 blocks of 32), gate_up_proj at TP=4 (7168: 112 of 64) and
     qkv_proj at TP=1 (6144: 96 of 64) keep whole blocks; gate_up_proj at TP=1 (28672 outputs) fits none, and
-    has enough 64-column blocks to go round."""
+    takes 128-column blocks, fewer for each program to finish after the barrier."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
     qkv = decode_plan(1536, 4096, 96, 1, 132)
@@ -58,7 +58,27 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
         plan = decode_plan(out_features, hidden, width, 1, 132)
         assert not plan.stream_k and (plan.gemv_programs, plan.block_n) == (programs, block_n)
     wide = decode_plan(28672, 4096, 256, 1, 132)
-    assert wide.stream_k and wide.block_n == 64
+    assert wide.stream_k and (wide.block_n, wide.block_k) == (128, 128)
+    assert wide.tiles <= 2 * wide.gemv_programs  # at most 2 blocks to finish per program (3-4 of 64 columns)
+
+
+def test_whole_block_programs_with_a_long_hidden_loop_pipeline_6_stages_deep():
+    """bench/results/kernels-h200-s24: in 16-row tiles 6 stages won where a program's hidden loop has 24 or more
+    steps and lost or tied with 4-16; larger tiles, whose stages hold fewer steps, keep their own threshold."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    def steps_and_stages(out_features, hidden, width):
+        plan = decode_plan(out_features, hidden, width, 1, 132)
+        assert not plan.stream_k
+        return -(-hidden // plan.block_k), plan.num_stages
+
+    assert steps_and_stages(6144, 4096, 384) == (32, 6)  # qkv_proj at TP=1
+    assert steps_and_stages(4096, 14336, 128) == (56, 6)  # down_proj at TP=1
+    assert steps_and_stages(14336, 4096, 128) == (64, 6)  # gate_up_proj at TP=2
+    assert steps_and_stages(4096, 7168, 64) == (28, 6)  # down_proj at TP=2
+    assert steps_and_stages(4096, 4096, 128) == (16, 4)  # o_proj at TP=1
+    assert steps_and_stages(4096, 3584, 32) == (14, 4)  # down_proj at TP=4
+    assert steps_and_stages(3072, 4096, 192) == (16, 4)  # qkv_proj at TP=2
 
 
 @pytest.mark.parametrize("adapters", [1, 2, 4])

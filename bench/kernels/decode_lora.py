@@ -129,10 +129,10 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
 
 
 def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
-    """The default plan and the alternatives its choice weighs (whole column blocks of every width that fits,
-    stream-K at several block shapes; in larger tiles blocks of 32-128 columns, whose stages hold fewer hidden
-    steps), plus warps and pipeline depth around the default; for tiles over 16 rows the default may be None (three
-    kernels), leaving the whole-block ones."""
+    """The default plan and the alternatives its choice weighs (whole column blocks of every width that fits, with
+    the default's shrink programs or the SMs they leave, stream-K at several block shapes; in larger tiles blocks of
+    32-128 columns, whose stages hold fewer hidden steps), plus warps and pipeline depth around the default; for
+    tiles over 16 rows the default may be None (three kernels), leaving the whole-block ones."""
     from dataclasses import replace
 
     from vllm_bdlora.kernels.decode_lora import decode_plan, make_plan, whole_block_step
@@ -143,21 +143,23 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     plans = [default] if default else []
     if block_m == 16:  # a 4-slot layer's plans for batches mixing 1, 2 and 4 adapters
         plans += [plan for plan in sized_for_adapters(n, k, total_width, sms).values() if plan]
-    for block_n in (16, 32, 64, 128):
+    for block_n in (16, 32, 64, 128, 256):
         if -(-n // block_n) <= room:
             step = whole_block_step(block_n, block_m)
-            for block_k in (step, max(64, step // 2)):
-                plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=False,
-                                       block_m=block_m))  # fmt: skip
+            beside = min(32, max(shrink, sms - -(-n // block_n)))  # the shrink on the SMs the blocks leave, as planned
+            for block_k, shrink_programs in ((step, shrink), (max(64, step // 2), shrink), (step, beside)):
+                plans.append(make_plan(n, k, total_width, shrink_programs, block_n=block_n, block_k=block_k,
+                                       stream_k=False, block_m=block_m))  # fmt: skip
     if block_m == 16:
-        stream_k_blocks = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256))
+        stream_k_blocks = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256), (128, 128),
+                           (128, 256))  # fmt: skip
     else:  # X is read by every program: wider blocks read it fewer times, split over the hidden dimension
         stream_k_blocks = [(bn, bk) for bn in (32, 64, 128) for bk in (whole_block_step(bn, block_m), 64)]
     for block_n, block_k in dict.fromkeys(stream_k_blocks):
         plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
                                gemv_programs=room, block_m=block_m))  # fmt: skip
     if default:
-        for warps, stages in ((8, 4), (4, 3), (4, 6), (2, 4)):
+        for warps, stages in ((8, 4), (4, 3), (4, 4), (4, 6), (2, 4)):
             plans.append(replace(default, num_warps=warps, num_stages=stages))
         for shrink_programs in (8, 16, 32):  # the default's GEMV with another share of SMs left to the shrink
             plans.append(make_plan(n, k, total_width, shrink_programs, block_n=default.block_n,

@@ -68,9 +68,9 @@ _STREAM_K_ROWS = 16
 # ... and with at most this much LoRA width in all (its slices together): wider, the finish's B loads after the
 # barrier outweigh the launches saved (`decode_plan` has the measurements).
 _STREAM_K_MAX_WIDTH = 256
-# Whole-block programs of larger tiles with at least this many hidden steps pipeline 6 stages deep where those
-# fit in this much shared memory (a stage of whole_block_step is 24-32 kB; H100s and H200s have 227 kB).
-_DEEP_PIPELINE_STEPS, _DEEP_PIPELINE_BYTES = 48, 150 * 1024
+# Whole-block programs with at least this many hidden steps (in 16-row tiles; in larger ones) pipeline 6 stages deep
+# where those fit in this much shared memory (a stage of whole_block_step is 18-32 kB; H100s and H200s have 227 kB).
+_DEEP_PIPELINE_STEPS_16, _DEEP_PIPELINE_STEPS, _DEEP_PIPELINE_BYTES = 24, 48, 150 * 1024
 _SHRINK_PROGRAMS_PER_ADAPTER, _MAX_SHRINK_PROGRAMS = 4, 32
 # Narrow layers with a hidden dimension this long take stream-K in 128-deep steps over 64-column blocks in 16-row
 # tiles, not 256-deep over 32 (Llama-3.1-70B's qkv_proj at TP=8; `decode_plan` has the measurements).
@@ -198,7 +198,16 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     on 128 programs): stream-K's partial sums make an extra round trip through L2 after the barrier.
     gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against the three kernels'
     73.9 at BD r'=128 (total LoRA width 256); at r'=512 (1024) every stream-K candidate lost, the default 254 µs and
-    the best 151 against the three kernels' 130 (bench/results/kernels-h200-s20), so wider layers keep those.
+    the best 151 against the three kernels' 130 (bench/results/kernels-h200-s20), so wider layers keep those. Its
+    blocks are 128 columns wide, 128-deep steps: each program then finishes 1-2 blocks after the barrier, not 3-4 of
+    64 columns (one B load and dot at a time), 69.5-69.8 µs against 71.2-71.3 at 1 token, 74.4-74.7 against 76.9 at
+    16 (two hosts, bench/results/kernels-h200-s24).
+    Whole-block programs whose hidden loop has at least 24 steps pipeline 6 stages deep (4 otherwise): on an H200
+    at 1 / 16 tokens qkv_proj at TP=1 (32 steps) 20.0-20.5 -> 17.7-18.5 / 22.4 -> 22.0, down_proj at TP=1 (56)
+    35.3 -> 34.0-34.6 / 36.2-36.8 -> 34.8-35.1, gate_up_proj at TP=2 (64) 36.5 -> 34.8 / 38.3 -> 36.1, down_proj at
+    TP=2 (28) -0.4, gate_up_proj at TP=4 (32) -0.5 to -0.6, Llama-3.1-70B's at TP=8 (64) -0.4 to -1.3 and its
+    down_proj (28) -0.5; with 4-16 steps (o_proj, down_proj at TP=4 and 8, qkv_proj at TP=2) level or up to 0.7 µs
+    slower (s24).
     Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over
     64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
     (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9
@@ -250,7 +259,9 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     if narrow and slots > 1:  # the SMs whole 16-column blocks would leave go to the shrink, as in larger tiles
         shrink = _shrink_beside(shrink, sms, blocks_of_16)
         room = sms - shrink
-    if narrow and hidden >= _LONG_HIDDEN:
+    if not narrow:  # no whole blocks fit: 128 columns leave each program fewer blocks to finish after the barrier
+        block_n, block_k = 128, 128
+    elif hidden >= _LONG_HIDDEN:
         block_n, block_k = 64, 128
     else:
         block_n, block_k = (64 if triton.cdiv(out_features, 64) >= room else 32), 256
@@ -264,11 +275,11 @@ def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
 
 
 def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m) -> DecodePlan:
-    """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Tiles
-    over 16 rows, whose stages hold fewer hidden steps, pipeline 6 stages deep where a program's loop is long."""
+    """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Programs
+    whose hidden loop is long pipeline 6 stages deep (`decode_plan` has the measurements)."""
     spare = _shrink_beside(shrink, sms, triton.cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
-    long_loop = block_m > 16 and triton.cdiv(hidden, step) >= _DEEP_PIPELINE_STEPS
+    long_loop = triton.cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
     stages = 6 if long_loop and 6 * 2 * (block_m + block_n) * step <= _DEEP_PIPELINE_BYTES else 4  # 16-bit X, W
     return make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step, stream_k=False,
                      block_m=block_m, num_stages=stages)  # fmt: skip
