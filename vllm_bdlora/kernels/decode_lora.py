@@ -298,7 +298,8 @@ def batch_plan(out_features: int, hidden: int, total_width: int, slots: int, sms
                slices: int = 1) -> DecodePlan | None:  # fmt: skip
     """The plan for a batch of `tokens` in a layer of `slices` slices: its row tile's, sized for the adapters the
     batch may mix (one per token, at most `batch_adapters`): with several slots a one-token batch, a decode
-    step at batch size 1, gets the plan of a one-slot layer."""
+    step at batch size 1, gets a one-slot layer's shrink programs (narrow layers excepted: with several slots
+    their shrink takes the SMs 16-column blocks would leave, `decode_plan`)."""
     adapters = min(tokens, batch_adapters(slots, total_width // slices))
     return decode_plan(out_features, hidden, total_width, slots, sms, row_tile(tokens), adapters)
 
