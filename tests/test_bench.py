@@ -545,6 +545,39 @@ def test_compile_time_benchmark_compiles_a_layers_variants_for_a_gpu_without_one
     assert driver._active is before
 
 
+def test_compile_time_benchmark_compiles_every_decode_plan_of_a_layer_with_several_slots(tmp_path, monkeypatch):
+    """With --slots above 1 a layer launches decode plans sized for the adapters a batch may mix: the benchmark
+    compiles one variant per plan `warm_up` would launch on an H200, as the server's layer would (the shrink and
+    expand variants left out here: the test above compiles those)."""
+    from bench.kernels.compile_time import H200_SMS, compile_layer, compile_only, forget_compiled_kernels, main
+    from vllm_bdlora.kernels import decode_lora, fused_lora
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fused_lora, "_compile_variants", lambda *args: 0)
+    forget_compiled_kernels()
+    hidden, heights, width = 1024, (2048, 1024, 1024), 16  # o_proj-sized at TP=4 in three slices
+    plans = decode_lora.plans_on_sms(sum(heights), hidden, 3 * width, 4, H200_SMS, 3)
+    assert len(plans) == 2  # batches of one adapter, and of two
+    with compile_only(90) as seconds:
+        launches = compile_layer(hidden, heights, width, decode=True, slots=4)
+    assert launches == len(seconds["_decode_lora_linear_kernel"]) == len(plans)
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--slots", "0"])
+
+
+def test_a_layers_plans_on_a_gpu_are_those_of_its_sm_count(monkeypatch):
+    """warm_up and the decode state size take `layer_plans` (the device's SMs); the compile-time benchmark, on a
+    machine without that GPU, `plans_on_sms`: the same plans for the same SM count, none off CUDA."""
+    from vllm_bdlora.kernels import decode_lora
+
+    monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
+    for shape in ((4096, 1024, 48, 4, 3), (28672, 4096, 256, 1, 2), (1536, 4096, 96, 4, 3)):
+        out_features, hidden, total_width, slots, slices = shape
+        on_gpu = decode_lora.layer_plans(out_features, hidden, total_width, slots, "cuda", slices)
+        assert on_gpu == decode_lora.plans_on_sms(out_features, hidden, total_width, slots, 132, slices)
+        assert on_gpu and decode_lora.layer_plans(out_features, hidden, total_width, slots, "cpu", slices) == {}
+
+
 def test_shrink_split_report_marks_the_default_and_shows_splits_not_run(tmp_path):
     """bench.kernels.shrink_split: one row per layer point with a time per split; the report bolds the split
     `shrink_config` picked, dashes the splits too fine for the hidden dimension, and the CLI asks for a GPU."""

@@ -122,36 +122,38 @@ def forget_compiled_kernels() -> None:
                 value.device_caches.clear()
 
 
-def compile_layer(k: int, heights: tuple[int, ...], width: int, decode: bool) -> int:
-    """Compile what `warm_up` compiles for a one-slot BD layer of this shape and LoRA width (the decode
-    kernel's variants too, as on a GPU of H200_SMS SMs with `decode`); returns the variants launched."""
+def compile_layer(k: int, heights: tuple[int, ...], width: int, decode: bool, slots: int = 1) -> int:
+    """Compile what `warm_up` compiles for a BD layer of this shape, LoRA width and `slots` LoRA slots (the decode
+    kernel's variants too, one per plan it may launch on a GPU of H200_SMS SMs, with `decode`); returns the
+    variants launched."""
     from vllm_bdlora.kernels import decode_lora
     from vllm_bdlora.kernels.fused_lora import _compile_variants
 
     slices, out_features = len(heights), sum(heights)
     bf16 = dict(dtype=torch.bfloat16)
     x = torch.zeros(16, k, **bf16)
-    lora_a = torch.zeros(1, slices * width, k, **bf16)
-    lora_b = torch.zeros(1, out_features, width, **bf16)
-    widths = torch.full((slices, 1), width, dtype=torch.int32)
+    lora_a = torch.zeros(slots, slices * width, k, **bf16)
+    lora_b = torch.zeros(slots, out_features, width, **bf16)
+    widths = torch.full((slices, slots), width, dtype=torch.int32)
     bounds = torch.tensor([sum(heights[:j]) for j in range(slices + 1)], dtype=torch.int32)
-    launches = _compile_variants(x, lora_a, lora_b, widths, bounds, 2, None, None, slices > 1, None)
+    launches = _compile_variants(x, lora_a, lora_b, widths, bounds, slots + 1, None, None, slices > 1, None)
     if not decode:
         return launches
     weight = torch.zeros(out_features, k, **bf16)
-    for tile in decode_lora.ROW_TILES:  # on CPU `usable` says no: plan as a GPU of H200_SMS SMs would
-        plan = decode_lora.decode_plan(out_features, k, slices * width, 1, H200_SMS, tile)
-        if plan is None:
-            continue
+    # on CPU the layer op's `usable_plan` says no: the plans a GPU of H200_SMS SMs would launch, each by its first
+    # batch as `warm_up` launches them
+    plans = decode_lora.plans_on_sms(out_features, k, slices * width, slots, H200_SMS, slices)
+    for tokens, plan in plans.items():
         state = torch.zeros(decode_lora.state_words(slices * width, plan), dtype=torch.int32)
-        decode_lora.decode_lora_linear(torch.zeros(tile, out_features, **bf16), torch.zeros(tile, k, **bf16),
-                                       weight, lora_a, lora_b, widths, bounds, torch.zeros(tile, dtype=torch.long),
+        decode_lora.decode_lora_linear(torch.zeros(tokens, out_features, **bf16), torch.zeros(tokens, k, **bf16),
+                                       weight, lora_a, lora_b, widths, bounds, torch.zeros(tokens, dtype=torch.long),
                                        state, plan=plan)  # fmt: skip
         launches += 1
     return launches
 
 
-def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool, threads: int = 1) -> list[dict]:
+def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool, threads: int = 1,
+            slots: int = 1) -> list[dict]:  # fmt: skip
     """Rows of compile seconds per layer and width. threads > 1: as `warm_up` compiles, all of a layer's variants
     at once on a pool of `threads`, then its launches (which find them compiled); the rows then hold each
     layer's wall time, not each kernel's."""
@@ -168,12 +170,12 @@ def measure(tp: int, shape: str, widths: list[int], arch: int, decode: bool, thr
             for name, k, heights in layers(tp, shape):  # in a decoder layer's order, one cache as a server has
                 before = {kernel: len(times) for kernel, times in seconds.items()}
                 started = time.perf_counter()
-                layer = functools.partial(compile_layer, k, heights, width, decode)
+                layer = functools.partial(compile_layer, k, heights, width, decode, slots)
                 if threads > 1 and not compile_concurrently(layer, threads):
                     raise SystemExit("compiling on threads failed (see the warning above)")
                 launches = layer()
                 row = {"shape": shape, "tp": tp, "layer": name, "width": width, "arch": f"sm_{arch}",
-                       "threads": threads, "variants": launches,
+                       "threads": threads, "slots": slots, "variants": launches,
                        "seconds": round(time.perf_counter() - started, 2)}  # fmt: skip
                 for kernel, times in seconds.items() if threads == 1 else ():
                     new = times[before.get(kernel, 0) :]
@@ -240,12 +242,22 @@ def main(argv=None) -> int:
     p.add_argument("--widths", default="128,512", help="per-GPU LoRA widths (vLLM's --max-lora-rank, or r'/TP for BD)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: H100/H200)")
     p.add_argument("--no-decode", action="store_true", help="leave out the one-launch decode kernel's variants")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=1,
+        help="LoRA slots per layer (vLLM's --max-loras): a layer with"
+        " several launches the decode kernel with more plans, sized for the adapters a batch may mix",
+    )
     p.add_argument("--threads", default="1", help="comma-separated: 1 = one compile at a time (times each kernel),"
                    " N = a layer's variants on N threads as warm_up compiles them")  # fmt: skip
     args = p.parse_args(argv)
+    if args.slots < 1:
+        p.error(f"--slots must be at least 1, got {args.slots}")
     widths = [int(w) for w in args.widths.split(",")]
     rows = [row for threads in map(int, args.threads.split(","))
-            for row in measure(args.tp, args.model_shape, widths, args.arch, not args.no_decode, threads)]  # fmt: skip
+            for row in measure(args.tp, args.model_shape, widths, args.arch, not args.no_decode, threads,
+                               args.slots)]  # fmt: skip
     cpu = f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
     print(report(write_results(args.out, "compile_time", rows, {"cpu": cpu})))
     return 0

@@ -306,11 +306,20 @@ def batch_plan(out_features: int, hidden: int, total_width: int, slots: int, sms
 
 def layer_plans(out_features: int, hidden: int, total_width: int, slots: int, device,
                 slices: int = 1) -> dict[int, DecodePlan]:  # fmt: skip
-    """Every plan a layer may launch on this device, keyed by the smallest batch that takes it (a tile's first
-    batches may mix fewer adapters than its larger ones)."""
+    """Every plan a layer may launch on this device (`plans_on_sms`; none off CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    return plans_on_sms(out_features, hidden, total_width, slots, _sm_count(device.index or 0), slices)
+
+
+def plans_on_sms(out_features: int, hidden: int, total_width: int, slots: int, sms: int,
+                 slices: int = 1) -> dict[int, DecodePlan]:  # fmt: skip
+    """Every plan a layer may launch on a GPU of `sms` SMs, keyed by the smallest batch that takes it (a tile's
+    first batches may mix fewer adapters than its larger ones)."""
     first = {}
     for tokens in range(1, DECODE_MAX_TOKENS + 1):
-        plan = plan_for(out_features, hidden, total_width, slots, device, tokens, slices)
+        plan = batch_plan(out_features, hidden, total_width, slots, sms, tokens, slices)
         if plan is not None:
             first.setdefault(plan, tokens)
     return {tokens: plan for plan, tokens in first.items()}
