@@ -68,8 +68,9 @@ _STREAM_K_ROWS = 16
 # ... and with at most this much LoRA width in all (its slices together): wider, the finish's B loads after the
 # barrier outweigh the launches saved (`decode_plan` has the measurements).
 _STREAM_K_MAX_WIDTH = 256
-# Whole-block programs with at least this many hidden steps (in 16-row tiles; in larger ones) pipeline 6 stages deep
-# where those fit in this much shared memory (a stage of whole_block_step is 18-32 kB; H100s and H200s have 227 kB).
+# Whole-block programs with at least this many hidden steps (in 16-row tiles, and in larger ones, whose stages hold
+# fewer) pipeline 6 stages deep where those fit in this much shared memory (a stage of whole_block_step is 18-32 kB;
+# H100s and H200s have 227 kB).
 _DEEP_PIPELINE_STEPS_16, _DEEP_PIPELINE_STEPS, _DEEP_PIPELINE_BYTES = 24, 48, 150 * 1024
 _SHRINK_PROGRAMS_PER_ADAPTER, _MAX_SHRINK_PROGRAMS = 4, 32
 # Narrow layers with a hidden dimension this long take stream-K in 128-deep steps over 64-column blocks in 16-row
@@ -206,8 +207,8 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     at 1 / 16 tokens qkv_proj at TP=1 (32 steps) 20.0-20.5 -> 17.7-18.5 / 22.4 -> 22.0, down_proj at TP=1 (56)
     35.3 -> 34.0-34.6 / 36.2-36.8 -> 34.8-35.1, gate_up_proj at TP=2 (64) 36.5 -> 34.8 / 38.3 -> 36.1, down_proj at
     TP=2 (28) -0.4, gate_up_proj at TP=4 (32) -0.5 to -0.6, Llama-3.1-70B's at TP=8 (64) -0.4 to -1.3 and its
-    down_proj (28) -0.5; with 4-16 steps (o_proj, down_proj at TP=4 and 8, qkv_proj at TP=2) level or up to 0.7 µs
-    slower (s24).
+    down_proj (28) -0.5; with 4-16 steps (o_proj, down_proj at TP=4 and 8, qkv_proj at TP=2) -0.2 to +0.7 µs
+    (s24).
     Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over
     64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
     (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9
