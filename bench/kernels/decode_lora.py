@@ -135,7 +135,7 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     tiles over 16 rows the default may be None (three kernels), leaving the whole-block ones."""
     from dataclasses import replace
 
-    from vllm_bdlora.kernels.decode_lora import decode_plan, make_plan, whole_block_step
+    from vllm_bdlora.kernels.decode_lora import _shrink_beside, decode_plan, make_plan, whole_block_step
 
     default = decode_plan(n, k, total_width, adapters, sms, block_m)
     shrink = default.chunks if default else decode_plan(n, k, total_width, adapters, sms).chunks
@@ -146,7 +146,7 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
     for block_n in (16, 32, 64, 128, 256):
         if -(-n // block_n) <= room:
             step = whole_block_step(block_n, block_m)
-            beside = min(32, max(shrink, sms - -(-n // block_n)))  # the shrink on the SMs the blocks leave, as planned
+            beside = _shrink_beside(shrink, sms, -(-n // block_n))  # the shrink on the SMs the blocks leave, as planned
             for block_k, shrink_programs in ((step, shrink), (max(64, step // 2), shrink), (step, beside)):
                 plans.append(make_plan(n, k, total_width, shrink_programs, block_n=block_n, block_k=block_k,
                                        stream_k=False, block_m=block_m))  # fmt: skip
