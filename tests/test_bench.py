@@ -565,19 +565,6 @@ def test_compile_time_benchmark_compiles_every_decode_plan_of_a_layer_with_sever
         main(["--out", str(tmp_path), "--slots", "0"])
 
 
-def test_a_layers_plans_on_a_gpu_are_those_of_its_sm_count(monkeypatch):
-    """warm_up and the decode state size take `layer_plans` (the device's SMs); the compile-time benchmark, on a
-    machine without that GPU, `plans_on_sms`: the same plans for the same SM count, none off CUDA."""
-    from vllm_bdlora.kernels import decode_lora
-
-    monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
-    for shape in ((4096, 1024, 48, 4, 3), (28672, 4096, 256, 1, 2), (1536, 4096, 96, 4, 3)):
-        out_features, hidden, total_width, slots, slices = shape
-        on_gpu = decode_lora.layer_plans(out_features, hidden, total_width, slots, "cuda", slices)
-        assert on_gpu == decode_lora.plans_on_sms(out_features, hidden, total_width, slots, 132, slices)
-        assert on_gpu and decode_lora.layer_plans(out_features, hidden, total_width, slots, "cpu", slices) == {}
-
-
 def test_shrink_split_report_marks_the_default_and_shows_splits_not_run(tmp_path):
     """bench.kernels.shrink_split: one row per layer point with a time per split; the report bolds the split
     `shrink_config` picked, dashes the splits too fine for the hidden dimension, and the CLI asks for a GPU."""

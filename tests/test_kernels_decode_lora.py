@@ -237,6 +237,19 @@ def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_
             decode_lora.set_max_mixed_width(bad)
 
 
+def test_a_layers_plans_on_a_gpu_are_those_of_its_sm_count(monkeypatch):
+    """warm_up and the decode state size take `layer_plans` (the device's SMs); the compile-time benchmark, on a
+    machine without that GPU, `plans_on_sms`: the same plans for the same SM count, none off CUDA."""
+    from vllm_bdlora.kernels import decode_lora
+
+    monkeypatch.setattr(decode_lora, "_sm_count", lambda index: 132)
+    for shape in ((4096, 1024, 48, 4, 3), (28672, 4096, 256, 1, 2), (1536, 4096, 96, 4, 3)):
+        out_features, hidden, total_width, slots, slices = shape
+        on_gpu = decode_lora.layer_plans(out_features, hidden, total_width, slots, "cuda", slices)
+        assert on_gpu == decode_lora.plans_on_sms(out_features, hidden, total_width, slots, 132, slices)
+        assert on_gpu and decode_lora.layer_plans(out_features, hidden, total_width, slots, "cpu", slices) == {}
+
+
 def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix(monkeypatch):
     """Shrink programs are sized per adapter a batch may mix: one per token, at most one per slot, and at most as
     many as the mixed-adapter limit lets it. With 4 slots at TP=1, r'=128 (128 columns per slice) the limit serves
