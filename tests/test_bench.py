@@ -535,7 +535,7 @@ def test_compile_time_benchmark_compiles_a_layers_variants_for_a_gpu_without_one
     heights = (512, 128, 128)  # qkv_proj of a small model, LoRA width 16
     with compile_only(90) as seconds:
         launches = compile_layer(512, heights, 16, decode=True)
-    shrinks, expands = launch_variants(512, 16, 3, True)
+    shrinks, expands = launch_variants(512, 16, 3, sum(heights), True)
     assert launches == len(shrinks) + len(expands) + len(ROW_TILES)
     assert len(seconds["_routed_shrink_kernel"]) == len(shrinks)
     assert len(seconds["_fused_expand_kernel"]) == len(expands)

@@ -170,7 +170,8 @@ for tokens in tokens_list:
             close(got, reference_by_slice(b, dora, True), f"fused_lora_linear {how}")
             y = (b["x"].float() @ b["weight"].float().T + b["bias"].float()).to(dtype)
             # the default tiles, and a rank step wider than the buffer (its loads masked past the width)
-            for expand_cfg in (None, LaunchConfig(16, 32, 64)):
+            # and the prefill tiles (rows past the batch and columns past the layer masked)
+            for expand_cfg in (None, LaunchConfig(16, 32, 64), LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)):
                 got = fused_expand(y.clone(), *args, scale_table=g, bias=b["bias"], config=expand_cfg)
                 close(got, reference_by_slice(b, dora, False), f"fused_expand {how} {expand_cfg}")
                 assert torch.equal(got[~adapted], y[~adapted]), "base-model tokens must stay untouched"
@@ -213,7 +214,7 @@ def test_triton_kernels_in_interpreter_match_references():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_triton_kernels_match_references_on_gpu(dtype):
-    run_kernel_check("cuda", dtype, (1, 7, 64, 1000), 3e-2, interpret=False)
+    run_kernel_check("cuda", dtype, (1, 7, 64, 1000, 1100), 3e-2, interpret=False)  # 1100: the prefill tiles
 
 
 @pytest.mark.parametrize("dora", [False, True])
@@ -307,16 +308,19 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora,
         torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("hidden,width,slices", [(4096, 32, 3), (1024, 32, 1), (4096, 64, 2), (3584, 8, 1)])
-def test_launch_variants_cover_every_batch_size(hidden, width, slices):
+@pytest.mark.parametrize(
+    "hidden,width,slices,out_features",
+    [(4096, 32, 3, 1536), (1024, 32, 1, 4096), (4096, 64, 2, 14336), (3584, 8, 1, 4096), (4096, 128, 2, 28672)],
+)
+def test_launch_variants_cover_every_batch_size(hidden, width, slices, out_features):
     """warm_up compiles what launch_variants lists: it must hold the launch of every token count (checked
     one by one), or a batch of that size would compile while serving."""
     from vllm_bdlora.kernels.fused_lora import DELTA_FIRST_MIN_TOKENS, expand_config, launch_variants, shrink_config
 
-    shrinks, expands = launch_variants(hidden, width, slices, delta_first=slices > 1, max_tokens=20000)
-    assert len(shrinks) <= 6 and len(expands) <= 12  # few variants: start-up compiles stay short
+    shrinks, expands = launch_variants(hidden, width, slices, out_features, delta_first=slices > 1, max_tokens=20000)
+    assert len(shrinks) <= 7 and len(expands) <= 14  # few variants: start-up compiles stay short
     for tokens in range(1, 20001):
-        shrink = shrink_config(tokens, hidden, width, slices)
+        shrink = shrink_config(tokens, hidden, width, slices, out_features)
         overwrite = slices > 1 and tokens >= DELTA_FIRST_MIN_TOKENS
         assert shrink in shrinks, tokens
         assert (expand_config(tokens, width, slices), shrink.split_k, overwrite) in expands, tokens
@@ -334,6 +338,28 @@ def test_decode_shrink_splits_fewer_ways_the_wider_the_lora_and_the_shorter_the_
     assert decode_shrink_parts(256, 16) == 4  # each part at least 64 features
     assert shrink_config(64, 4096, 512).block_k == 128 and shrink_config(64, 256, 16).block_k == 64
     assert shrink_config(65, 4096, 32).block_m == 64  # larger batches: the prefill configuration
+
+
+def test_prefill_batches_split_the_shrink_only_as_far_as_the_expands_re_reads_of_s_allow():
+    """From PREFILL_TILE_MIN_TOKENS the expand takes 128 x 256 tiles and the shrink's split is capped by the bytes
+    of S each expand program re-reads per column block (bench/results/kernels-h100-s25): wide layers (gate_up_proj
+    at TP=1) run one part, long narrow ones (down_proj) keep several; smaller batches are as before, and adapters
+    narrower than 64 go back to the earlier expand tiles from 4096 tokens."""
+    from vllm_bdlora.kernels.fused_lora import PREFILL_TILE_MIN_TOKENS, LaunchConfig, expand_config, shrink_config
+
+    tokens = PREFILL_TILE_MIN_TOKENS
+    assert shrink_config(tokens, 4096, 128, 2, 28672) == LaunchConfig(64, 128, 64, split_k=1, num_stages=4)
+    assert shrink_config(tokens, 4096, 128, 3, 6144) == LaunchConfig(64, 128, 64, split_k=2, num_stages=4)
+    assert shrink_config(tokens, 14336, 128, 1, 4096) == LaunchConfig(64, 128, 128, split_k=4)
+    assert shrink_config(tokens, 4096, 32, 3, 1536).split_k == 8  # TP=4 qkv_proj: S is narrow, re-reads cheap
+    assert shrink_config(tokens - 64, 4096, 128, 2, 28672) == shrink_config(tokens - 64, 4096, 128, 2)  # unchanged
+    assert shrink_config(tokens - 64, 4096, 128, 2, 28672).split_k == 8
+    assert expand_config(tokens, 128, 2) == LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)
+    assert expand_config(tokens, 512, 2) == LaunchConfig(128, 256, 64, num_warps=8, num_stages=3)
+    assert expand_config(tokens - 1, 128, 2) == LaunchConfig(64, 64, 32, num_stages=1)
+    assert expand_config(tokens, 32, 1) == LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)  # TP=4, r'=128
+    assert expand_config(4096, 32, 1) == LaunchConfig(64, 128, 32, num_stages=1)  # ... streams the output from 4096
+    assert expand_config(4096, 64, 1) == LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)
 
 
 def compiled_variants(kernel) -> int | None:

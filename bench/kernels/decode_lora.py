@@ -159,7 +159,7 @@ def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
         plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
                                gemv_programs=room, block_m=block_m))  # fmt: skip
     if default:
-        for warps, stages in ((8, 4), (4, 3), (4, 4), (4, 6), (2, 4)):
+        for warps, stages in ((8, 4), (4, 3), (4, 4), (4, 6), (2, 4), (2, 6)):
             plans.append(replace(default, num_warps=warps, num_stages=stages))
         for shrink_programs in (8, 16, 32):  # the default's GEMV with another share of SMs left to the shrink
             plans.append(make_plan(n, k, total_width, shrink_programs, block_n=default.block_n,

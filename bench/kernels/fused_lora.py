@@ -129,18 +129,19 @@ def fused_paths(layer, shrink_cfg=None, expand_cfg=None, linear_cfg=None):
     from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, fused_lora_linear, lora_shrink
 
     x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
+    n = layer["weight"].shape[0]
 
     def fused_expand_path():
         y = x @ layer["weight"].T
-        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg, n)
         return fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, config=expand_cfg)
 
     def delta_first_path():
-        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg, n)
         return delta_then_gemm(x, layer["weight"], shrunk, layer["lora_b"], groups, widths, bounds, config=expand_cfg)
 
     def fused_linear_path():
-        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, config=shrink_cfg)
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg, n)
         return fused_lora_linear(x, layer["weight"], shrunk, layer["lora_b"], groups, widths, bounds,
                                  config=linear_cfg)  # fmt: skip
 
@@ -148,6 +149,26 @@ def fused_paths(layer, shrink_cfg=None, expand_cfg=None, linear_cfg=None):
 
 
 PATHS = ("fused_expand", "delta_first", "fused_linear")
+
+
+def cublas_one_adapter_path(layer):
+    """The same layer with every token on slot 0, all in cuBLAS: base GEMM, X·Aᵀ for all slices in one GEMM, then
+    one GEMM per slice adding S_j·B_jᵀ into its columns (beta = 1). Not a path the layers can take (it needs the
+    host to know the batch holds one adapter, and reads no width table): the ceiling our routed kernels are held
+    to where a batch has one adapter. None for batches of several adapters."""
+    if int(layer["slots"].max()) != 0:
+        return None
+    x, a, b, bounds = layer["x"], layer["lora_a"][0], layer["lora_b"][0], layer["bounds"].tolist()
+    width = b.shape[1]
+
+    def run():
+        y = x @ layer["weight"].T
+        s = (x @ a.T).to(x.dtype)
+        for j in range(len(bounds) - 1):
+            y[:, bounds[j] : bounds[j + 1]].addmm_(s[:, j * width : (j + 1) * width], b[bounds[j] : bounds[j + 1]].T)
+        return y
+
+    return run
 
 
 def layer_op_path(layer, decode_state=None):
@@ -170,7 +191,7 @@ def layer_op_path(layer, decode_state=None):
     return run
 
 
-def candidate_configs(tokens, k, width, slices):
+def candidate_configs(tokens, k, width, slices, out_features):
     """A few launch configurations around the defaults, for --tune: (shrinks, expands, linears)."""
     from vllm_bdlora.kernels.fused_lora import (
         LaunchConfig,
@@ -180,7 +201,7 @@ def candidate_configs(tokens, k, width, slices):
         shrink_config,
     )
 
-    s, e = shrink_config(tokens, k, width, slices), expand_config(tokens, width, slices)
+    s, e = shrink_config(tokens, k, width, slices, out_features), expand_config(tokens, width, slices)
     lin = linear_config(tokens)
     whole = all_slices_block(width, slices)
     if tokens <= 64:
@@ -194,10 +215,17 @@ def candidate_configs(tokens, k, width, slices):
     shrinks = {s} | {LaunchConfig(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st)
                      for bm, bn, bk, sk, w, st in ((64, 32, 64, 1, 4, 3), (64, whole, 64, 1, 4, 3),
                                                    (64, whole, 64, 2, 4, 3), (128, whole, 64, 1, 8, 3),
-                                                   (32, whole, 128, 1, 4, 4), (64, whole, 128, 1, 8, 3))}  # fmt: skip
+                                                   (32, whole, 128, 1, 4, 4), (64, whole, 128, 1, 8, 3),
+                                                   (128, whole, 64, 1, 8, 4), (64, whole, 64, 1, 4, 4))}  # fmt: skip
+    if width * slices >= 256:  # X read once per 256 columns of S rather than 128
+        shrinks |= {LaunchConfig(64, 256, 64, num_warps=8, num_stages=3), LaunchConfig(128, 256, 32, num_warps=8)}
     expands = {e} | {LaunchConfig(bm, bn, e.block_k, num_warps=w, num_stages=st)
                      for bm, bn, w, st in ((128, 128, 8, 2), (64, 256, 8, 2), (32, 256, 4, 2),
                                            (64, 128, 4, 2))}  # fmt: skip
+    if width >= 64:  # wide adapters: the expand is a GEMM over the width, deeper steps and pipelined
+        expands |= {LaunchConfig(bm, bn, 64, num_warps=w, num_stages=st)
+                    for bm, bn, w, st in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 64, 4, 3),
+                                          (128, 128, 8, 1))}  # fmt: skip
     linears = {lin} | {LaunchConfig(128, 256, 64, num_warps=8, num_stages=3),
                        LaunchConfig(128, 128, 64, num_warps=4, num_stages=4)}  # fmt: skip
     return shrinks, expands, linears
@@ -206,7 +234,7 @@ def candidate_configs(tokens, k, width, slices):
 def tune_point(layer, want, tokens, k, width, paths=PATHS) -> dict:
     """Best configuration per fused path (of `paths`), varying one kernel's launch configuration at a time
     around the defaults (each checked against the reference)."""
-    shrinks, expands, linears = candidate_configs(tokens, k, width, layer["widths"].shape[0])
+    shrinks, expands, linears = candidate_configs(tokens, k, width, layer["widths"].shape[0], layer["weight"].shape[0])
     found = {}
     for index, (path, others) in enumerate(zip(PATHS, (expands, expands, linears), strict=True)):
         if path not in paths:
@@ -227,6 +255,46 @@ def tune_point(layer, want, tokens, k, width, paths=PATHS) -> dict:
         found[f"tuned_{path}_config"] = {"shrink": asdict(shrink_cfg) if shrink_cfg else "default",
                                          "other": asdict(other_cfg) if other_cfg else "default"}  # fmt: skip
     return found
+
+
+def pair_candidates(tokens, k, width, slices, out_features):
+    """Prefill-sized batches (over 64 tokens): shrink and expand configurations to time in every pairing
+    (`--pairs`), since the shrink's split_k sets how many S parts each expand program sums, and the expand's
+    tile how often S and B are re-read. The defaults come first."""
+    from vllm_bdlora.kernels.fused_lora import LaunchConfig, all_slices_block, expand_config, shrink_config
+
+    whole = all_slices_block(width, slices)
+    shrinks = [shrink_config(tokens, k, width, slices, out_features)] + [
+        LaunchConfig(bm, whole, bk, split_k=sk, num_warps=w, num_stages=st)
+        for bm, bk, sk, w, st in ((64, 64, 1, 4, 4), (64, 64, 2, 4, 4), (64, 128, 1, 8, 3), (128, 64, 1, 8, 4),
+                                  (32, 128, 1, 4, 4))]  # fmt: skip
+    step = 64 if width >= 64 else expand_config(tokens, width, slices).block_k
+    expands = [expand_config(tokens, width, slices)] + [
+        LaunchConfig(bm, bn, bk, num_warps=w, num_stages=st)
+        for bm, bn, bk, w, st in ((128, 256, step, 8, 3), (128, 128, step, 8, 3), (64, 256, step, 8, 2),
+                                  (128, 256, 32, 8, 2), (64, 128, step, 4, 3))]  # fmt: skip
+    return list(dict.fromkeys(shrinks)), list(dict.fromkeys(expands))
+
+
+def pairs_point(layer, want, tokens, k, width) -> dict:
+    """The in-place (GEMM first) path at every (shrink, expand) pairing of `pair_candidates`, each checked against
+    the reference: the default pair's time, the best five, and the best pair's gain."""
+    shrinks, expands = pair_candidates(tokens, k, width, layer["widths"].shape[0], layer["weight"].shape[0])
+    timed = []
+    for shrink_cfg in shrinks:
+        for expand_cfg in expands:
+            fn = fused_paths(layer, shrink_cfg, expand_cfg)[0]
+            try:
+                torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
+            except Exception as e:  # out of shared memory, or wrong: not timed
+                print(f"pair {shrink_cfg} {expand_cfg}: not timed: {str(e).splitlines()[0][:160]}")
+                continue
+            ms = time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"]
+            timed.append({"ms": round(ms, 5), "shrink": asdict(shrink_cfg), "expand": asdict(expand_cfg)})
+    default = next(t["ms"] for t in timed if t["shrink"] == asdict(shrinks[0]) and t["expand"] == asdict(expands[0]))
+    timed.sort(key=lambda t: t["ms"])
+    return {"pairs_default_ms": default, "pairs_best_ms": timed[0]["ms"], "pairs_top5": timed[:5],
+            "pairs_all": timed}  # fmt: skip
 
 
 def with_width_unrolled(fn):
@@ -251,15 +319,17 @@ def width_loops(width: int, tokens: int, slices: int) -> bool:
     return not unrolls_width(width, expand_config(tokens, width, slices).block_k)
 
 
-def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4):
+def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4, pairs=False, only=None):
     layer = make_layer(k, heights, tokens, adapters, width)
     want = reference(layer)
     paths = {"vllm": vllm_path(layer), "layer_op": layer_op_path(layer),
-             **dict(zip(PATHS, fused_paths(layer), strict=True)),
+             **dict(zip(PATHS, fused_paths(layer), strict=True)), "cublas_one_adapter": cublas_one_adapter_path(layer),
              "base_gemm_only": lambda: layer["x"] @ layer["weight"].T}  # fmt: skip
     if width_loops(width, tokens, len(heights)):  # A/B: the same paths with the expand's width loop unrolled
         paths["layer_op_unrolled"] = with_width_unrolled(paths["layer_op"])
         paths["fused_expand_unrolled"] = with_width_unrolled(paths["fused_expand"])
+    if only:  # the others are reported as not run
+        paths = {path: fn if path in only or path == "base_gemm_only" else None for path, fn in paths.items()}
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": sum(heights),
            "slices": len(heights), "width": width}  # fmt: skip
     for path, fn in paths.items():
@@ -276,11 +346,13 @@ def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4):
         row[f"{path}_eager_ms"] = round(time_cuda(fn)["median_ms"], 5)
     if tune:
         row.update(tune_point(layer, want, tokens, k, width, tune))
+    if pairs and tokens > 64:
+        row.update(pairs_point(layer, want, tokens, k, width))
     if row["vllm_ms"]:
         for path in ("layer_op", *PATHS, *(f"tuned_{p}" for p in PATHS)):
             if row.get(f"{path}_ms"):
                 row[f"{path}_speedup"] = round(row["vllm_ms"] / row[f"{path}_ms"], 3)
-    for path in ("vllm", "layer_op", *PATHS):
+    for path in ("vllm", "layer_op", *PATHS, "cublas_one_adapter"):
         if row.get(f"{path}_ms"):
             row[f"{path}_lora_overhead_ms"] = round(row[f"{path}_ms"] - row["base_gemm_only_ms"], 5)
     gemm_s = row["base_gemm_only_ms"] * 1e-3
@@ -351,12 +423,17 @@ def report(json_path: str) -> str:
         "",
     ]
     tuned = [path for path in PATHS if any(f"tuned_{path}_ms" in r for r in rows)]
+    if any(r.get("cublas_one_adapter_ms") for r in rows):
+        lines[-1:-1] = ["- cuBLAS LoRA: the whole layer in cuBLAS with every token on one adapter (base GEMM, X·Aᵀ for "
+                        "all slices, one GEMM per slice adding S·Bᵀ): a ceiling for one-adapter batches, not a path "
+                        "the layers take (it needs the host to know the batch's adapter)"]  # fmt: skip
     for adapters in sorted({r["adapters"] for r in rows}):
         lines += [f"## {adapters} adapter(s) per batch", "",
                   "| layer | tokens | base GEMM ms (TFLOP/s) | vLLM ms | layer op ms (×) | delta first ms (×) "
                   "| fused expand ms (×) | fused GEMM ms (×) | LoRA cost vLLM / layer op, µs (LoRA GB/s) |"
-                  + "".join(f" tuned {path.replace('_', ' ')} ms (×) |" for path in tuned),
-                  "|---|---|---|---|---|---|---|---|---|" + "---|" * len(tuned)]  # fmt: skip
+                  + "".join(f" tuned {path.replace('_', ' ')} ms (×) |" for path in tuned)
+                  + " cuBLAS LoRA ms, LoRA cost µs |",
+                  "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(tuned) + 1)]  # fmt: skip
         for r in (r for r in rows if r["adapters"] == adapters):
             lines.append(
                 f"| {r['layer']} | {r['tokens']} | {r['base_gemm_only_ms']:.4f} ({r['base_gemm_tflops']}) | "
@@ -372,6 +449,8 @@ def report(json_path: str) -> str:
                     f" {_or_dash(r.get(f'tuned_{path}_ms'), '.4f')} ({r.get(f'tuned_{path}_speedup', '-')}) |"
                     for path in tuned
                 )
+                + f" {_or_dash(r.get('cublas_one_adapter_ms'), '.4f')}, "
+                f"{_or_dash(r.get('cublas_one_adapter_lora_overhead_ms'), '.1f', 1e3)} |"
             )
         lines.append("")
     lines += ["## Targets (issue 5): the layer op", ""]
@@ -428,13 +507,28 @@ def main(argv=None) -> int:
         default="",
         help=f"also time candidate launch configurations of these paths (bare: all of {','.join(PATHS)})",
     )
+    p.add_argument("--paths", help="time only these paths (comma-separated, e.g. layer_op) and the base GEMM")
+    p.add_argument("--pairs", action="store_true",
+                   help="also time GEMM-first prefill (over 64 tokens) at every pairing of a few shrink and expand "
+                   "configurations (pairs_* columns)")  # fmt: skip
     started = kernel_bench_cli(p, argv, report, "fused_lora")
     if started is None:
         return 0
     args, copy_gbs, _, _ = started
     width, tune = args.width or 128 // args.tp, tuple(filter(None, args.tune.split(",")))
     rows = [
-        bench_point(name, k, heights, int(t), int(n), width, tune, args.tp)
+        bench_point(
+            name,
+            k,
+            heights,
+            int(t),
+            int(n),
+            width,
+            tune,
+            args.tp,
+            args.pairs,
+            set(args.paths.split(",")) if args.paths else None,
+        )  # fmt: skip
         for name, k, heights in layers(args.tp)
         for n in args.adapters.split(",")
         for t in args.tokens.split(",")

@@ -66,7 +66,7 @@ def pieces(layer):
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
     op = torch.ops.vllm_bdlora.fused_lora_slices_
     y = x @ w.T
-    shrunk = lora_shrink(x, layer["lora_a"], groups, widths)
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, out_features=layer["weight"].shape[0])
     grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
     common = (y, x, layer["lora_a"], layer["lora_b"], widths, bounds, layer["slots"], *grouped)
     skip, run = torch.tensor([True]), torch.tensor([False])
@@ -75,7 +75,7 @@ def pieces(layer):
         "cublas_gemm": lambda: torch.mm(x, w.t(), out=y),
         "op_dispatch_only": lambda: op(*common, skip, None, None, None),
         "custom_op_dispatch_only": lambda: twin(*common, skip, None, None, None),
-        "our_shrink": lambda: lora_shrink(x, layer["lora_a"], groups, widths),
+        "our_shrink": lambda: lora_shrink(x, layer["lora_a"], groups, widths, out_features=layer["weight"].shape[0]),
         "our_expand": lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds),
         "layer_op_lora_only": lambda: op(*common, run, None, None, None),
         "layer_op_with_gemm": lambda: op(*common, run, None, None, w),

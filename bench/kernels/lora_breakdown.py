@@ -34,12 +34,12 @@ def kernels(layer):
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
     tokens, n = x.shape[0], w.shape[0]
     y = x @ w.T
-    shrunk = lora_shrink(x, layer["lora_a"], groups, widths)
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, out_features=n)
     out_bytes = 2 * tokens * n
     found = [
         ("cublas_gemm", lambda: x @ w.T, None),
         ("cublas_gemm_beta1", lambda: y.addmm_(x, w.t()), None),
-        ("our_shrink", lambda: lora_shrink(x, layer["lora_a"], groups, widths), 2 * x.numel()),
+        ("our_shrink", lambda: lora_shrink(x, layer["lora_a"], groups, widths, out_features=n), 2 * x.numel()),
         ("our_expand_in_place", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds),
          2 * out_bytes),
         ("our_expand_write", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, overwrite=True),
@@ -73,7 +73,7 @@ def expand_configs(layer) -> list[dict]:
 
     x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
     y = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
-    shrunk = lora_shrink(x, layer["lora_a"], groups, widths)
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, out_features=layer["weight"].shape[0])
     configs = [LaunchConfig(bm, bn, 32, num_warps=warps, num_stages=stages)
                for bm in (16, 32, 64, 128) for bn in (64, 128, 256)
                for warps in (4, 8) for stages in (1, 2)]  # fmt: skip

@@ -42,7 +42,7 @@ def split_point(tp, layer_name, k, heights, tokens, adapters, width, copy_gbs) -
     x, lora_a, lora_b = layer["x"], layer["lora_a"], layer["lora_b"]
     groups, widths, bounds = layer["groups"], layer["widths"], layer["bounds"]
     base = x @ layer["weight"].T
-    default = shrink_config(tokens, k, width, len(heights))
+    default = shrink_config(tokens, k, width, len(heights), sum(heights))
 
     def pair(config, out):
         fused_expand(out, lora_shrink(x, lora_a, groups, widths, config=config), lora_b, groups, widths, bounds)

@@ -117,11 +117,29 @@ def shrink_hidden_step(hidden: int, parts: int) -> int:
     return 128 if hidden // parts >= 128 else 64
 
 
-def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> LaunchConfig:
+# From this many tokens the expand takes 128 x 256 tiles and the shrink splits the hidden dimension only as far
+# as the S re-reads those tiles make allow (`shrink_config`, `expand_config`). On an H100, Llama-3.1-8B shapes, the
+# LoRA time the layer op adds to the base GEMMs of a decoder layer at 1024 / 4096 tokens fell from 404 to 183 /
+# 682 to 592 us at TP=1 (BD r'=128), 578 to 417 / 1402 to 1312 at TP=1 (r'=512), 162 to 105 / 332 to 307 at TP=2,
+# 71 to 65 / unchanged at TP=4 (bench/results/kernels-h100-s25). Smaller batches keep the earlier tiles: with 128 x
+# 256 tiles a 128-token batch would have a few programs.
+PREFILL_TILE_MIN_TOKENS = 1024
+_PREFILL_EXPAND_BLOCK_N = 256
+_NARROW_EXPAND_MIN_TOKENS = 4096
+# Each expand program reads its rows' S (split_k parts x the slice's width, float32) once per column block: the
+# shrink's split is capped so that costs at most this many bytes per token (gate_up_proj at TP=1 re-read 470 MB
+# of S at 1024 tokens with 8 parts).
+_S_REREAD_BYTES_PER_TOKEN = 32 * 1024
+
+
+def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1,
+                  out_features: int | None = None) -> LaunchConfig:  # fmt: skip
     """Decode-sized batches: a column block per slice and the hidden dimension cut into `decode_shrink_parts`,
     so the A reads spread over the SMs. Larger ones: one column block for all slices where they fit (X read
     once), the hidden dimension cut until the grid has some 256 programs (a power of two parts, so few kernel
-    variants exist to compile)."""
+    variants exist to compile); from PREFILL_TILE_MIN_TOKENS, with the layer's `out_features` known, into no more
+    parts than the expand's re-reads of S allow, and where that leaves 1 or 2 parts, 64-deep steps 4 stages deep
+    (each program's hidden loop is long)."""
     if tokens <= 64:
         parts = decode_shrink_parts(hidden, width)
         per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
@@ -129,16 +147,31 @@ def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1) -> Laun
     whole = all_slices_block(width, slices)
     tiles = triton.cdiv(tokens, 64) * triton.cdiv(width * slices, whole)
     parts = max(1, min(8, hidden // 256, 256 // tiles))
-    return LaunchConfig(64, whole, 128, split_k=1 << (parts.bit_length() - 1))
+    if tokens >= PREFILL_TILE_MIN_TOKENS and out_features:
+        reread = triton.cdiv(out_features, _PREFILL_EXPAND_BLOCK_N) * width * 4  # bytes per token and part
+        parts = max(1, min(parts, _S_REREAD_BYTES_PER_TOKEN // reread))
+    parts = 1 << (parts.bit_length() - 1)
+    if tokens >= PREFILL_TILE_MIN_TOKENS and parts <= 2:
+        return LaunchConfig(64, whole, 64, split_k=parts, num_stages=4)
+    return LaunchConfig(64, whole, 128, split_k=parts)
 
 
 def expand_config(tokens: int, width: int, slices: int = 1) -> LaunchConfig:
+    """Decode-sized batches: 16 x 64 tiles; up to PREFILL_TILE_MIN_TOKENS 64 x 64; from there 128 x 256 tiles over
+    8 warps, which re-read S and B a quarter as often (adapters 256 or wider step 64 deep over their width, 3
+    stages: gate_up_proj at TP=1, r'=512, 1024 tokens: 568 -> 546 us). Adapters narrower than 64 (r'=128 from TP=4
+    on) go back to 64-128 x 128 tiles from _NARROW_EXPAND_MIN_TOKENS, where S is small and the expand streams the
+    output: 128 x 256 tiles cost 1-9 us more per projection at 4096 tokens (bench/results/kernels-h100-s25)."""
     block_k = 16 if width <= 16 else 32
     if tokens <= 64:
         return LaunchConfig(16, 64, block_k, num_stages=2)
-    if tokens >= 4096:
+    if tokens < PREFILL_TILE_MIN_TOKENS:
+        return LaunchConfig(64, 64, block_k, num_stages=1)
+    if width < 64 and tokens >= _NARROW_EXPAND_MIN_TOKENS:
         return LaunchConfig(128 if slices > 1 else 64, 128, block_k, num_stages=1)
-    return LaunchConfig(64, 64, block_k, num_stages=1)
+    if width >= 256:
+        return LaunchConfig(128, _PREFILL_EXPAND_BLOCK_N, 64, num_warps=8, num_stages=3)
+    return LaunchConfig(128, _PREFILL_EXPAND_BLOCK_N, block_k, num_warps=8, num_stages=2)
 
 
 # From this many tokens packed layers (several slices) let the base GEMM accumulate onto the delta
@@ -174,14 +207,15 @@ def linear_config(tokens: int) -> LaunchConfig:
     return LaunchConfig(64 if tokens < 1024 else 128, 128, 64, num_warps=8, num_stages=3)
 
 
-def launch_variants(hidden: int, width: int, slices: int, delta_first: bool, max_tokens: int = 1 << 16):
+def launch_variants(hidden: int, width: int, slices: int, out_features: int, delta_first: bool,
+                    max_tokens: int = 1 << 16):  # fmt: skip
     """Every launch the layer op can make for 1..max_tokens tokens: (shrink configuration) and (expand
     configuration, shrink's split_k, overwrite) sets. The configurations are constant between multiples of
     64 tokens except at the thresholds, which are multiples of 64 too, so 1..64 and 64k, 64k + 1 cover all."""
     counts = [*range(1, 65), *(t + d for t in range(128, max_tokens + 1, 64) for d in (-63, 0))]
     shrinks, expands = set(), set()
     for tokens in counts:
-        shrink = shrink_config(tokens, hidden, width, slices)
+        shrink = shrink_config(tokens, hidden, width, slices, out_features)
         shrinks.add(shrink)
         overwrite = writes_delta_first(delta_first, tokens)
         expands.add((expand_config(tokens, width, slices), shrink.split_k, overwrite))
@@ -230,7 +264,7 @@ def _compile_variants(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, sc
     scratch_x = x.new_zeros(rows, x.shape[1])
     scratch_y = x.new_zeros(rows, lora_b.shape[1])
     groups = group_tokens(torch.full((rows,), -1, dtype=torch.int32, device=x.device), n_groups - 1)
-    shrinks, expands = launch_variants(x.shape[1], width, slices, delta_first)
+    shrinks, expands = launch_variants(x.shape[1], width, slices, lora_b.shape[1], delta_first)
     shrunk_by_split = {}
     for config in shrinks:
         shrunk_by_split[config.split_k] = lora_shrink(scratch_x, lora_a, groups, slot_widths, config)
@@ -491,13 +525,15 @@ def _groups_grid(groups: TokenGroups, tokens: int, block_m: int, blocks: int) ->
     return triton.cdiv(max(tokens, 1), block_m), groups.group_slot.shape[0], blocks
 
 
-def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfig | None = None) -> torch.Tensor:
+def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfig | None = None,
+                out_features: int | None = None) -> torch.Tensor:  # fmt: skip
     """S (split_k, tokens, slices·width) float32: X·A[slot]ᵀ per token, lora_a (slots, slices·width, hidden),
     slot_widths (slices, slots) int32. Only columns below each slot's width are written; the split_k parts
-    sum to S."""
+    sum to S. Without `config`, `shrink_config`'s, which for large batches needs the layer's `out_features` (the
+    expand's columns) to bound the split."""
     _rows_major(x, lora_a)
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
-    cfg = config or shrink_config(x.shape[0], x.shape[1], total_width // slices, slices)
+    cfg = config or shrink_config(x.shape[0], x.shape[1], total_width // slices, slices, out_features)
     k_per_split = triton.cdiv(triton.cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
     out = torch.empty(cfg.split_k, x.shape[0], total_width, dtype=torch.float32, device=x.device)
     grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(total_width, cfg.block_n) * cfg.split_k)
@@ -646,7 +682,7 @@ def fused_lora_slices_(
         return
     if x.is_cuda:
         groups = TokenGroups(sorted_ids[:tokens], group_slot, group_count, group_start)
-        shrunk = lora_shrink(x, lora_a, groups, slot_widths)
+        shrunk = lora_shrink(x, lora_a, groups, slot_widths, out_features=lora_b.shape[1])
         if weight is not None:
             delta_then_gemm(x, weight, shrunk, lora_b, groups, slot_widths, slice_bounds, bias=bias, out=output)
         else:
