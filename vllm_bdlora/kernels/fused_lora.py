@@ -118,11 +118,11 @@ def shrink_hidden_step(hidden: int, parts: int) -> int:
 
 
 # From this many tokens the expand takes 128 x 256 tiles and the shrink splits the hidden dimension only as far
-# as the S re-reads those tiles make allow (`shrink_config`, `expand_config`). On an H100, Llama-3.1-8B shapes, the
-# LoRA time the layer op adds to the base GEMMs of a decoder layer at 1024 / 4096 tokens fell from 404 to 183 /
-# 682 to 592 us at TP=1 (BD r'=128), 578 to 417 / 1402 to 1312 at TP=1 (r'=512), 162 to 105 / 332 to 307 at TP=2,
-# 71 to 65 / unchanged at TP=4 (bench/results/kernels-h100-s25). Smaller batches keep the earlier tiles: with 128 x
-# 256 tiles a 128-token batch would have a few programs.
+# as the S re-reads those tiles make allow (`shrink_config`, `expand_config`; found with an H100's sweeps). On an
+# H200, Llama-3.1-8B shapes, the LoRA time the layer op adds to the base GEMMs of a decoder layer at 1024 / 4096
+# tokens fell from 352 to 160 / 549 to 464 us at TP=1 (BD r'=128), 537 to 401 / 1262 to 1199 at TP=1 (r'=512), 146
+# to 96 / 266 to 250 at TP=2, 70 to 61 / level at TP=4 (bench/results/kernels-h100-s25, kernels-h200-s25). Smaller
+# batches keep the earlier tiles: with 128 x 256 tiles a 128-token batch would have a few programs.
 PREFILL_TILE_MIN_TOKENS = 1024
 _PREFILL_EXPAND_BLOCK_N = 256
 _NARROW_EXPAND_MIN_TOKENS = 4096
