@@ -12,7 +12,10 @@ the torch reference first. `<path>_ms`: median of 200 CUDA-event-timed replays o
 calls (the kernels' own time, as serving replays graphs), after warm-up; `<path>_eager_ms`: the same path
 launched from Python each time. bf16. `lora_overhead_ms` columns subtract the base GEMM alone. --tune also
 times a few launch configurations of the fused kernels per point and records the best (the defaults are
-what the layers use). A path that cannot run (vLLM not installed) is reported as such, not skipped silently.
+what the layers use); --pairs times, at prefill sizes, every pairing of a few shrink and expand configurations
+(the shrink's split sets what the expand re-reads). One-adapter batches also time the layer in cuBLAS alone
+(`cublas_one_adapter`, a ceiling, not a path the layers can take). --paths layer_op times the layer op alone
+(old code beside new). A path that cannot run (vLLM not installed) is reported as such, not skipped silently.
 """
 
 from __future__ import annotations
