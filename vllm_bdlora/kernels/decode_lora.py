@@ -170,6 +170,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _cuda_sms(device) -> int | None:
+    """The SM count of a CUDA device (the plans' one fact about the GPU); None for any other device."""
+    device = torch.device(device)
+    return _sm_count(device.index or 0) if device.type == "cuda" else None
+
+
 @functools.cache  # asked on every call of the layer op (`usable_plan`): a lookup after the first
 def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int, block_m: int = 16,
                 adapters: int | None = None) -> DecodePlan | None:  # fmt: skip
@@ -289,10 +295,8 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
 def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device, tokens: int = 1,
              slices: int = 1) -> DecodePlan | None:  # fmt: skip
     """`batch_plan` on this device's SM count; None off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return batch_plan(out_features, hidden, total_width, slots, _sm_count(device.index or 0), tokens, slices)
+    sms = _cuda_sms(device)
+    return None if sms is None else batch_plan(out_features, hidden, total_width, slots, sms, tokens, slices)
 
 
 def batch_plan(out_features: int, hidden: int, total_width: int, slots: int, sms: int, tokens: int,
@@ -308,10 +312,8 @@ def batch_plan(out_features: int, hidden: int, total_width: int, slots: int, sms
 def layer_plans(out_features: int, hidden: int, total_width: int, slots: int, device,
                 slices: int = 1) -> dict[int, DecodePlan]:  # fmt: skip
     """Every plan a layer may launch on this device (`plans_on_sms`; none off CUDA)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return {}
-    return plans_on_sms(out_features, hidden, total_width, slots, _sm_count(device.index or 0), slices)
+    sms = _cuda_sms(device)
+    return {} if sms is None else plans_on_sms(out_features, hidden, total_width, slots, sms, slices)
 
 
 def plans_on_sms(out_features: int, hidden: int, total_width: int, slots: int, sms: int,
