@@ -234,6 +234,17 @@ def candidate_configs(tokens, k, width, slices, out_features):
     return shrinks, expands, linears
 
 
+def checked_ms(fn, want, label: str) -> float | None:
+    """fn's median milliseconds (graph replays, as --tune and --pairs time their candidates) once it matches the
+    reference; None, said on stdout, for a configuration that fails to compile (shared memory) or computes wrong."""
+    try:
+        torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
+    except Exception as e:
+        print(f"{label}: not timed: {str(e).splitlines()[0][:200]}")
+        return None
+    return time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"]
+
+
 def tune_point(layer, want, tokens, k, width, paths=PATHS) -> dict:
     """Best configuration per fused path (of `paths`), varying one kernel's launch configuration at a time
     around the defaults (each checked against the reference)."""
@@ -246,13 +257,9 @@ def tune_point(layer, want, tokens, k, width, paths=PATHS) -> dict:
         timed = []
         for shrink_cfg, other_cfg in trials:
             cfgs = (shrink_cfg, other_cfg, None) if index < 2 else (shrink_cfg, None, other_cfg)
-            fn = fused_paths(layer, *cfgs)[index]
-            try:
-                torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
-            except Exception as e:  # a configuration that fails to compile or computes wrong is not timed
-                print(f"{path} {shrink_cfg} {other_cfg}: not timed: {str(e).splitlines()[0][:200]}")
-                continue
-            timed.append((time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"], shrink_cfg, other_cfg))
+            ms = checked_ms(fused_paths(layer, *cfgs)[index], want, f"{path} {shrink_cfg} {other_cfg}")
+            if ms is not None:
+                timed.append((ms, shrink_cfg, other_cfg))
         ms, shrink_cfg, other_cfg = min(timed, key=lambda t: t[0])
         found[f"tuned_{path}_ms"] = round(ms, 5)
         found[f"tuned_{path}_config"] = {"shrink": asdict(shrink_cfg) if shrink_cfg else "default",
@@ -281,19 +288,14 @@ def pair_candidates(tokens, k, width, slices, out_features):
 
 def pairs_point(layer, want, tokens, k, width) -> dict:
     """The in-place (GEMM first) path at every (shrink, expand) pairing of `pair_candidates`, each checked against
-    the reference: the default pair's time, the best five, and the best pair's gain."""
+    the reference: the default pair's time, the best pair's, the best five, and all."""
     shrinks, expands = pair_candidates(tokens, k, width, layer["widths"].shape[0], layer["weight"].shape[0])
     timed = []
     for shrink_cfg in shrinks:
         for expand_cfg in expands:
-            fn = fused_paths(layer, shrink_cfg, expand_cfg)[0]
-            try:
-                torch.testing.assert_close(fn(), want, atol=5e-2, rtol=5e-2)
-            except Exception as e:  # out of shared memory, or wrong: not timed
-                print(f"pair {shrink_cfg} {expand_cfg}: not timed: {str(e).splitlines()[0][:160]}")
-                continue
-            ms = time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"]
-            timed.append({"ms": round(ms, 5), "shrink": asdict(shrink_cfg), "expand": asdict(expand_cfg)})
+            ms = checked_ms(fused_paths(layer, shrink_cfg, expand_cfg)[0], want, f"pair {shrink_cfg} {expand_cfg}")
+            if ms is not None:
+                timed.append({"ms": round(ms, 5), "shrink": asdict(shrink_cfg), "expand": asdict(expand_cfg)})
     default = next(t["ms"] for t in timed if t["shrink"] == asdict(shrinks[0]) and t["expand"] == asdict(expands[0]))
     timed.sort(key=lambda t: t["ms"])
     return {"pairs_default_ms": default, "pairs_best_ms": timed[0]["ms"], "pairs_top5": timed[:5],
