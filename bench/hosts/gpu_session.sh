@@ -4,6 +4,7 @@
 #   bash bench/hosts/gpu_session.sh install            # vLLM 0.26 bundle (parts in /root/pkg) + our wheel
 #   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
 #   bash bench/hosts/gpu_session.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
+#   bash bench/hosts/gpu_session.sh ab OLD.tgz SIDES "BENCH ARGS" ...  # old code vs this checkout -> $OUT/ab.tgz
 #   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
 #     -> $OUT/tp$TP-8b.tgz or -70b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
@@ -54,6 +55,22 @@ kernels)
 tune)  # launch configurations of the fused kernels around the defaults (compiles many variants: minutes)
   python3 -m bench.kernels.fused_lora --out "$OUT/kernels-tune" --tune --adapters 1 --tokens 1,16,64,1024,4096,8192 \
     2>&1 | cut -c1-300 | tail -40 ;;
+ab)  # old code beside this checkout through the layer op, the same benchmark code timing both sides
+  # ab OLD.tgz "old1 new1" "--tp 1 --tokens 1024,4096" ...: OLD.tgz a `git archive` of the old vllm_bdlora; every
+  # side runs every argument line -> /root/ab/SIDE/LINE (spaces and dashes dropped, commas made _), then all of
+  # /root/ab as $OUT/ab.tgz: a call's $OUT starts empty and comes back only a few folders deep, so results that
+  # must outlive the call (old1 one call, new1 the next) live under /root. Tables: python -m bench.kernels.ab_table
+  OLD=${2:?old vllm_bdlora tgz}; SIDES=${3:?sides}; shift 3
+  if [ ! -d /root/old/vllm_bdlora ]; then mkdir -p /root/old && tar xzf "$OLD" -C /root/old && cp -r bench /root/old/; fi
+  for side in $SIDES; do
+    tree=$PWD; [[ $side == old* ]] && tree=/root/old
+    for args in "$@"; do
+      echo "== $(date +%T) $side $args"
+      (cd "$tree" && python3 -m bench.kernels.fused_lora $args --paths layer_op \
+        --out "/root/ab/$side/$(echo "$args" | tr -d ' -' | tr ',' '_')" 2>&1 | cut -c1-200 | tail -2)
+    done
+  done
+  mkdir -p "$OUT" && tar czf "$OUT/ab.tgz" -C /root ab ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
   RESULTS=tp$TP-${SHAPE##*-}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}
