@@ -125,3 +125,25 @@ def test_token_limits_the_setting_allows_are_the_decode_kernels_row_tiles():
 
 def test_enabling_keeps_other_sections():
     assert with_bdlora_enabled({"other": 1, "bdlora": {}}) == {"other": 1, "bdlora": {"enabled": True}}
+
+
+def test_start_up_log_says_which_steps_run_outside_cuda_graphs():
+    """Prefills longer than the largest captured graph run eagerly, where the LoRA layers' host time shows in time to
+    first token: the log names the size and the setting that moves it, and stays quiet where every step fits."""
+    from types import SimpleNamespace
+
+    from vllm_bdlora.patching.worker import eager_steps_summary
+
+    def config(largest, batched, eager=False, mode=None):
+        return SimpleNamespace(
+            compilation_config=SimpleNamespace(max_cudagraph_capture_size=largest, cudagraph_mode=mode),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=batched),
+            model_config=SimpleNamespace(enforce_eager=eager),
+        )
+
+    line = eager_steps_summary(config(128, 8192))
+    assert line.startswith("Steps of more than 128 tokens") and "up to 8192 per step" in line
+    assert '"max_cudagraph_capture_size": N' in line
+    assert eager_steps_summary(config(1024, 1024)) is None
+    assert eager_steps_summary(config(128, 8192, eager=True)).startswith("CUDA graphs are off")
+    assert eager_steps_summary(config(128, 8192, mode=SimpleNamespace(name="NONE"))).startswith("CUDA graphs are off")

@@ -95,12 +95,12 @@ def patch_lora_manager() -> bool:
                 dora=settings.dora, lora_kernels=settings.lora_kernels, one_launch_decode=settings.one_launch_decode
             ):
                 original(self, *args, **kwargs)
+            from vllm.platforms import current_platform  # resolved once the engine runs, not at patch time
+
             lines = describe_sharding(list(self.modules.values()), tp_size)
             if not lines:
                 logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
             if settings.dora:
-                from vllm.platforms import current_platform
-
                 path = "fused Triton kernel" if current_platform.is_cuda_alike() else "torch reference"
                 lines.append(
                     "DoRA on: each BD layer keeps a float32 magnitude scale per LoRA slot and output channel; "
@@ -118,6 +118,9 @@ def patch_lora_manager() -> bool:
             else:
                 why = "not on CUDA" if kernels == "auto" else "as configured"
                 lines.append(f"LoRA kernels ({kernels}): vLLM's own shrink/expand ({why}).")
+            eager_steps = eager_steps_summary(vllm_config) if current_platform.is_cuda_alike() else None
+            if eager_steps:
+                lines.append(eager_steps)
             if is_first_tp_rank(self):
                 for line in lines:
                     logger.info(line)
@@ -144,6 +147,28 @@ def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> 
         knobs = f"at most {decode_lora.largest_tile(max_loras)} with --max-loras above 1: {mixing}; {knobs}"
     return (f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over an unquantized "
             f"base ({knobs}).")  # fmt: skip
+
+
+def eager_steps_summary(vllm_config) -> str | None:
+    """The log's line on which steps run outside CUDA graphs, where every LoRA layer op pays its host time (a
+    Triton launch from Python costs more host time than the GPU time of a prefill's LoRA kernels): a 1024-token
+    prompt's first token took 83-88 ms eagerly against 44 ms in a graph (README, "Long prompts at low
+    concurrency"). None where every step fits a graph."""
+    # getattr throughout: a log line must never stop a server whose vLLM names these differently
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    eager = getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False)
+    if eager or getattr(mode, "name", "") == "NONE":
+        return ("CUDA graphs are off (--enforce-eager or cudagraph_mode NONE): every step pays the LoRA layers' host "
+                "time, which outweighs their GPU time at decode sizes.")  # fmt: skip
+    largest = getattr(compilation, "max_cudagraph_capture_size", None)
+    batched = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    if not isinstance(largest, int) or not isinstance(batched, int) or batched <= largest:
+        return None
+    return (f"Steps of more than {largest} tokens (prefills of longer prompts; up to {batched} per step) run outside "
+            "CUDA graphs, where the LoRA layers' host time adds to time to first token; for long prompts at low "
+            "concurrency capture larger graphs: --compilation-config "
+            "'{\"max_cudagraph_capture_size\": N}'.")  # fmt: skip
 
 
 def _module_kinds(modules: list[str]) -> str:
