@@ -192,16 +192,15 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
         1536, 4096, 96, 1, cuda, 32
     )  # fmt: skip
     assert decode_lora.usable_plan(1, 1536, 4096, 96, 1, cuda, made_elsewhere) is None
-    assert decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_for_it)
-    assert not decode_lora.usable(1, 1536, 4096, 96, 1, cuda, made_elsewhere)
     for tokens in (16, 32, 64):  # the layer's state serves every tile's plan (32 rows: stream-K, more partials)
-        assert decode_lora.usable(tokens, 1536, 4096, 96, 1, cuda, made_for_it)
-    assert not decode_lora.usable(32, 1536, 4096, 96, 1, cuda, decode_lora.new_decode_state(96, "cpu", plan))
-    assert not decode_lora.usable(65, 1536, 4096, 96, 1, cuda, made_for_it)  # more tokens than the largest tile
+        assert decode_lora.usable_plan(tokens, 1536, 4096, 96, 1, cuda, made_for_it) is not None
+    one_token_state = decode_lora.new_decode_state(96, "cpu", plan)  # too small for 32 rows
+    assert decode_lora.usable_plan(32, 1536, 4096, 96, 1, cuda, one_token_state) is None
+    assert decode_lora.usable_plan(65, 1536, 4096, 96, 1, cuda, made_for_it) is None  # over the largest tile
     decode_lora.set_max_tokens(16)  # the "one_launch_max_tokens" setting
     try:
-        assert decode_lora.usable(16, 1536, 4096, 96, 1, cuda, made_for_it)
-        assert not decode_lora.usable(17, 1536, 4096, 96, 1, cuda, made_for_it)
+        assert decode_lora.usable_plan(16, 1536, 4096, 96, 1, cuda, made_for_it) is not None
+        assert decode_lora.usable_plan(17, 1536, 4096, 96, 1, cuda, made_for_it) is None
     finally:
         decode_lora.set_max_tokens(decode_lora.DECODE_MAX_TOKENS)
 
@@ -223,13 +222,13 @@ def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_
     assert decode_lora.mixed_batch_limit(4, 128, max_width=1024) == 16
     cuda = torch.device("cuda", 0)
     qkv = (6144, 4096, 3 * 128, 4)  # TP=1 qkv_proj, BD r'=128, 4 slots: 128 columns per slice
-    assert decode_lora.usable(2, *qkv, cuda, slices=3)
-    assert not decode_lora.usable(3, *qkv, cuda, slices=3)
-    assert not decode_lora.usable(1, *qkv, cuda)  # read as one slice 384 wide: wider than the limit alone
+    assert decode_lora.usable_plan(2, *qkv, cuda, slices=3) is not None
+    assert decode_lora.usable_plan(3, *qkv, cuda, slices=3) is None
+    assert decode_lora.usable_plan(1, *qkv, cuda) is None  # read as one slice 384 wide: wider than the limit alone
     decode_lora.set_max_mixed_width(1 << 30)
     try:
-        assert decode_lora.usable(16, *qkv, cuda, slices=3)
-        assert not decode_lora.usable(17, *qkv, cuda, slices=3)  # a multi-slot layer's one tile
+        assert decode_lora.usable_plan(16, *qkv, cuda, slices=3) is not None
+        assert decode_lora.usable_plan(17, *qkv, cuda, slices=3) is None  # a multi-slot layer's one tile
     finally:
         decode_lora.set_max_mixed_width(decode_lora.DEFAULT_MAX_MIXED_WIDTH)
     for bad in (-1, 1.5, True):
@@ -255,7 +254,7 @@ def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix(monkeypatch
     many as the mixed-adapter limit lets it. With 4 slots at TP=1, r'=128 (128 columns per slice) the limit serves
     batches of at most 2 tokens: gate_up_proj's stream-K plan takes the shrink programs of 2 adapters, and its GEMV
     the SMs the other two would have taken; a one-token batch takes a one-slot layer's plan. The state, warm-up,
-    the launch's default plan and `usable` all follow the same plans; lifting the limit brings back the plan for
+    the launch's default plan and `usable_plan` all follow the same plans; lifting the limit brings back the plan for
     every slot from 4 tokens on."""
     from vllm_bdlora.kernels import decode_lora
 
@@ -287,7 +286,7 @@ def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix(monkeypatch
     )  # fmt: skip
     gemv = (two.tiles, two.gemv_programs, two.steps_per_program)
     assert launched["args"][14:17] == gemv != (one.tiles, one.gemv_programs, one.steps_per_program)
-    # the launch's own plan: the one `usable` checked
+    # the launch's own plan: the one `usable_plan` checked
     decode_lora.set_max_mixed_width(1 << 30)
     try:
         assert decode_lora.plan_for(*gate_up, cuda, 16, 2) == every_slot

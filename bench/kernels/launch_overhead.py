@@ -81,7 +81,8 @@ def pieces(layer):
         "layer_op_with_gemm": lambda: op(*common, run, None, None, w),
     }
     tokens, (slots, total_width) = x.shape[0], layer["lora_a"].shape[:2]
-    if decode_lora.usable(tokens, w.shape[0], x.shape[1], total_width, slots, x.device, slices=widths.shape[0]):
+    plan = decode_lora.usable_plan(tokens, w.shape[0], x.shape[1], total_width, slots, x.device, slices=widths.shape[0])
+    if plan is not None:
         state = decode_lora.layer_decode_state(w.shape[0], x.shape[1], total_width, slots, x.device, widths.shape[0])
         found["layer_op_one_launch"] = lambda: op(*common, run, None, None, w, state)
         found["decode_kernel_launcher"] = lambda: decode_lora.decode_lora_linear(

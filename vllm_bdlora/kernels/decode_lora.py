@@ -432,12 +432,6 @@ def usable_plan(tokens: int, out_features: int, hidden: int, total_width: int, s
     return plan
 
 
-def usable(tokens: int, out_features: int, hidden: int, total_width: int, slots: int, device: torch.device,
-           state: torch.Tensor | None = None, slices: int = 1) -> bool:  # fmt: skip
-    """Whether the layer op may run this kernel for the batch (`usable_plan` finds a plan)."""
-    return usable_plan(tokens, out_features, hidden, total_width, slots, device, state, slices) is not None
-
-
 @triton.jit
 def _settle(state_ptr, old, programs):
     """After this program's arrival (the word's value before it, `old`): the last one resets the count and
