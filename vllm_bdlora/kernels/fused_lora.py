@@ -147,11 +147,12 @@ def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1,
     whole = all_slices_block(width, slices)
     tiles = triton.cdiv(tokens, 64) * triton.cdiv(width * slices, whole)
     parts = max(1, min(8, hidden // 256, 256 // tiles))
-    if tokens >= PREFILL_TILE_MIN_TOKENS and out_features:
+    prefill = tokens >= PREFILL_TILE_MIN_TOKENS
+    if prefill and out_features:
         reread = triton.cdiv(out_features, _PREFILL_EXPAND_BLOCK_N) * width * 4  # bytes per token and part
         parts = max(1, min(parts, _S_REREAD_BYTES_PER_TOKEN // reread))
     parts = 1 << (parts.bit_length() - 1)
-    if tokens >= PREFILL_TILE_MIN_TOKENS and parts <= 2:
+    if prefill and parts <= 2:
         return LaunchConfig(64, whole, 64, split_k=parts, num_stages=4)
     return LaunchConfig(64, whole, 128, split_k=parts)
 
