@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from vllm_bdlora.kernels.compile_ahead import launch
+from vllm_bdlora.kernels.launch_math import cdiv, next_power_of_2
 
 # The kernel keeps every token's rows in one tile of 16 (the smallest tl.dot), 32 or 64 rows; larger batches
 # (prefill, mixed steps) use the layer op's three-kernel path, whose launches amortise over the tokens.
@@ -122,17 +123,17 @@ def make_plan(out_features: int, hidden: int, total_width: int, shrink_programs:
     dimension, so fewer programs add into each element of S."""
     if block_m not in ROW_TILES:
         raise ValueError(f"no decode plan for {block_m}-row tiles")
-    tiles = triton.cdiv(out_features, block_n)
-    k_steps = triton.cdiv(hidden, block_k)
+    tiles = cdiv(out_features, block_n)
+    k_steps = cdiv(hidden, block_k)
     if stream_k:
-        steps = triton.cdiv(tiles * k_steps, gemv_programs)
-        gemv_programs = triton.cdiv(tiles * k_steps, steps)  # the same longest run on fewer programs
+        steps = cdiv(tiles * k_steps, gemv_programs)
+        gemv_programs = cdiv(tiles * k_steps, steps)  # the same longest run on fewer programs
     else:
         steps, gemv_programs = k_steps, tiles
     shrink_columns = shrink_columns or default_shrink_columns(total_width, block_m)
     shrink_k = _shrink_step(shrink_columns)
-    groups = max(1, min(triton.cdiv(total_width, shrink_columns), shrink_programs))
-    hidden_shares = max(1, min(shrink_programs // groups, triton.cdiv(hidden, shrink_k)))
+    groups = max(1, min(cdiv(total_width, shrink_columns), shrink_programs))
+    hidden_shares = max(1, min(shrink_programs // groups, cdiv(hidden, shrink_k)))
     return DecodePlan(block_n, block_k, shrink_k, tiles, gemv_programs, stream_k, steps, groups * hidden_shares,
                       num_stages, num_warps, block_m, shrink_columns, groups)  # fmt: skip
 
@@ -158,11 +159,11 @@ def row_tile(tokens: int) -> int:
 def default_shrink_columns(total_width: int, block_m: int) -> int:
     """Columns of S a shrink program computes at a time: all of them, but at most 8192 accumulators (a
     64-row tile's whole width would spill out of registers)."""
-    return min(max(16, triton.next_power_of_2(total_width)), 8192 // block_m)
+    return min(max(16, next_power_of_2(total_width)), 8192 // block_m)
 
 
 def _shrink_step(columns: int) -> int:
-    return max(16, min(128, 8192 // triton.next_power_of_2(columns)))  # some 16 kB of A per step
+    return max(16, min(128, 8192 // next_power_of_2(columns)))  # some 16 kB of A per step
 
 
 @functools.cache
@@ -245,11 +246,11 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     by_bytes = math.ceil(sms * a_elems / (a_elems + w_elems))
     shrink = min(_MAX_SHRINK_PROGRAMS, max(_SHRINK_PROGRAMS_PER_ADAPTER * adapters, by_bytes))
     shrink_k = _shrink_step(default_shrink_columns(total_width, block_m))
-    shrink = min(shrink, triton.cdiv(hidden, shrink_k))  # none without a share of the hidden
+    shrink = min(shrink, cdiv(hidden, shrink_k))  # none without a share of the hidden
     room = sms - shrink
     if room < 1:
         return None
-    blocks_of_16 = triton.cdiv(out_features, 16)
+    blocks_of_16 = cdiv(out_features, 16)
     narrow = blocks_of_16 <= room  # few outputs: 32-column blocks would leave half the SMs idle
     if narrow and block_m > _STREAM_K_ROWS:
         spare = _shrink_beside(shrink, sms, blocks_of_16)
@@ -259,7 +260,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
                          stream_k=True, gemv_programs=sms - spare, block_m=block_m)  # fmt: skip
     if not narrow:
         for block_n in (32, 64, 128):
-            if triton.cdiv(out_features, block_n) <= room:
+            if cdiv(out_features, block_n) <= room:
                 return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
         if block_m > _STREAM_K_ROWS or total_width > _STREAM_K_MAX_WIDTH:
             return None
@@ -271,7 +272,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     elif hidden >= _LONG_HIDDEN:
         block_n, block_k = 64, 128
     else:
-        block_n, block_k = (64 if triton.cdiv(out_features, 64) >= room else 32), 256
+        block_n, block_k = (64 if cdiv(out_features, 64) >= room else 32), 256
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
                      gemv_programs=room)  # fmt: skip
 
@@ -284,9 +285,9 @@ def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
 def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m) -> DecodePlan:
     """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Programs
     whose hidden loop is long pipeline 6 stages deep (`decode_plan` has the measurements)."""
-    spare = _shrink_beside(shrink, sms, triton.cdiv(out_features, block_n))
+    spare = _shrink_beside(shrink, sms, cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
-    long_loop = triton.cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
+    long_loop = cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
     stages = 6 if long_loop and 6 * 2 * (block_m + block_n) * step <= _DEEP_PIPELINE_BYTES else 4  # 16-bit X, W
     return make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step, stream_k=False,
                      block_m=block_m, num_stages=stages)  # fmt: skip
@@ -667,10 +668,10 @@ def decode_lora_linear(
         x.stride(0), weight.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0),
         lora_b.stride(1), slot_widths.stride(0),
     )  # fmt: skip
-    block_r = max(16, triton.next_power_of_2(total_width))
+    block_r = max(16, next_power_of_2(total_width))
     constants = dict(
         STREAM_K=plan.stream_k, NUM_SLICES=slices, TOTAL_W=total_width, WIDTH=width,
-        BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_R=block_r, R_CHUNK=min(plan.shrink_columns, block_r),
+        BLOCK_W=max(16, next_power_of_2(width)), BLOCK_R=block_r, R_CHUNK=min(plan.shrink_columns, block_r),
         SHRINK_GROUPS=plan.shrink_groups, HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k,
         S_ROWS=DECODE_MAX_TOKENS, SKIP=_SKIPS[skip], num_warps=plan.num_warps, num_stages=plan.num_stages,

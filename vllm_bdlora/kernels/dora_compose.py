@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_bdlora.kernels.launch_math import cdiv, next_power_of_2
 from vllm_bdlora.kernels.op_library import define_op
 from vllm_bdlora.kernels.reference import dora_compose_reference
 
@@ -62,7 +63,7 @@ def _block_sizes(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): ~4K elements per program keeps enough loads in flight to stream
     at copy bandwidth; decode-sized batches use one row per program so small batches still spread
     over the SMs."""
-    block_n = min(1024, triton.next_power_of_2(n_cols))
+    block_n = min(1024, next_power_of_2(n_cols))
     block_m = 1 if n_rows <= 64 else max(1, 4096 // block_n)
     return block_m, block_n, 4
 
@@ -85,7 +86,7 @@ def dora_compose(
         return out
     _check_layout(base, lora, out, scale_table, token_slots, bias)
     block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
     _dora_compose_kernel[grid](
         base,
         lora,

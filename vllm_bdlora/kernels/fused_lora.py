@@ -50,6 +50,7 @@ import triton.language as tl
 
 from vllm_bdlora.kernels import decode_lora
 from vllm_bdlora.kernels.compile_ahead import compile_concurrently, compile_threads, launch
+from vllm_bdlora.kernels.launch_math import cdiv, next_power_of_2
 from vllm_bdlora.kernels.op_library import define_op
 from vllm_bdlora.kernels.triton_cache import CACHE_DIR_ENV, plugin_cache_dir
 
@@ -95,7 +96,7 @@ class LaunchConfig:
 
 def all_slices_block(width: int, slices: int) -> int:
     """The shrink's column block that covers every slice's ranks at once (up to 128 columns): X read once."""
-    return min(128, triton.next_power_of_2(width * slices))
+    return min(128, next_power_of_2(width * slices))
 
 
 def decode_shrink_parts(hidden: int, width: int) -> int:
@@ -145,11 +146,11 @@ def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1,
         per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
         return LaunchConfig(16, per_slice, shrink_hidden_step(hidden, parts), split_k=parts)
     whole = all_slices_block(width, slices)
-    tiles = triton.cdiv(tokens, 64) * triton.cdiv(width * slices, whole)
+    tiles = cdiv(tokens, 64) * cdiv(width * slices, whole)
     parts = max(1, min(8, hidden // 256, 256 // tiles))
     prefill = tokens >= PREFILL_TILE_MIN_TOKENS
     if prefill and out_features:
-        reread = triton.cdiv(out_features, _PREFILL_EXPAND_BLOCK_N) * width * 4  # bytes per token and part
+        reread = cdiv(out_features, _PREFILL_EXPAND_BLOCK_N) * width * 4  # bytes per token and part
         parts = max(1, min(parts, _S_REREAD_BYTES_PER_TOKEN // reread))
     parts = 1 << (parts.bit_length() - 1)
     if prefill and parts <= 2:
@@ -199,7 +200,7 @@ UNROLLED_WIDTH_STEPS = 4
 
 
 def unrolls_width(width: int, block_k: int) -> bool:
-    return triton.cdiv(width, block_k) <= UNROLLED_WIDTH_STEPS
+    return cdiv(width, block_k) <= UNROLLED_WIDTH_STEPS
 
 
 def linear_config(tokens: int) -> LaunchConfig:
@@ -523,7 +524,7 @@ def _rows_major(*tensors: torch.Tensor) -> None:
 
 
 def _groups_grid(groups: TokenGroups, tokens: int, block_m: int, blocks: int) -> tuple[int, int, int]:
-    return triton.cdiv(max(tokens, 1), block_m), groups.group_slot.shape[0], blocks
+    return cdiv(max(tokens, 1), block_m), groups.group_slot.shape[0], blocks
 
 
 def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfig | None = None,
@@ -535,9 +536,9 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
     _rows_major(x, lora_a)
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
     cfg = config or shrink_config(x.shape[0], x.shape[1], total_width // slices, slices, out_features)
-    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
+    k_per_split = cdiv(cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
     out = torch.empty(cfg.split_k, x.shape[0], total_width, dtype=torch.float32, device=x.device)
-    grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(total_width, cfg.block_n) * cfg.split_k)
+    grid = _groups_grid(groups, x.shape[0], cfg.block_m, cdiv(total_width, cfg.block_n) * cfg.split_k)
     launch(_routed_shrink_kernel, grid,
         x, lora_a, out, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, slot_widths,
         x.shape[1], total_width, total_width // slices, k_per_split, x.stride(0), lora_a.stride(0),
@@ -568,7 +569,7 @@ def fused_expand(
     width = lora_b.shape[2]
     cfg = config or expand_config(y.shape[0], width, slot_widths.shape[0])
     n_groups = groups.group_slot.shape[0]
-    grid = _groups_grid(groups, y.shape[0], cfg.block_m, triton.cdiv(y.shape[1], cfg.block_n))
+    grid = _groups_grid(groups, y.shape[0], cfg.block_m, cdiv(y.shape[1], cfg.block_n))
     if overwrite:
         grid = (grid[0], n_groups + 1, grid[2])  # the extra group: rows past the grouped tokens
     launch(_fused_expand_kernel, grid,
@@ -579,7 +580,7 @@ def fused_expand(
         scale_table.stride(0) if scale_table is not None else 0,
         NUM_SLICES=slot_widths.shape[0], SPLIT_K=shrunk.shape[0], HAS_SCALE=slot_scales is not None,
         HAS_DORA=scale_table is not None, HAS_BIAS=bias is not None, OVERWRITE=overwrite,
-        MAX_GROUPS=triton.next_power_of_2(n_groups), WIDTH=width, EVEN_W=width % cfg.block_k == 0,
+        MAX_GROUPS=next_power_of_2(n_groups), WIDTH=width, EVEN_W=width % cfg.block_k == 0,
         UNROLL_W=unrolls_width(width, cfg.block_k), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -614,7 +615,7 @@ def fused_lora_linear(
     width = lora_b.shape[2]
     block_r = 16 if width <= 16 else 32
     cfg = config or linear_config(x.shape[0])
-    grid = _groups_grid(groups, x.shape[0], cfg.block_m, triton.cdiv(weight.shape[0], cfg.block_n))
+    grid = _groups_grid(groups, x.shape[0], cfg.block_m, cdiv(weight.shape[0], cfg.block_n))
     _fused_lora_linear_kernel[grid](
         x, weight, out, shrunk, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count,
         groups.group_start, slot_widths, slice_bounds, _optional(slot_scales, slice_bounds),
