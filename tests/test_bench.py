@@ -588,3 +588,22 @@ def test_shrink_split_report_marks_the_default_and_shows_splits_not_run(tmp_path
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             main(["--out", str(tmp_path)])
+
+
+def test_host_overhead_benchmark_times_every_projections_wrappers_on_the_cpu(tmp_path, monkeypatch):
+    """It runs where CI does (kernel launches stubbed) and writes a row per piece and projection, the plain-integer
+    helpers beside Triton's, and a report summing the decoder layer's wrappers."""
+    from bench.kernels import host_overhead
+    from vllm_bdlora.kernels import fused_lora
+
+    monkeypatch.setattr(fused_lora, "launch", fused_lora.launch)  # the benchmark stubs it out: restored afterwards
+    monkeypatch.setattr(host_overhead, "LOOPS", 3)
+    monkeypatch.setattr(host_overhead, "CALLS_PER_LOOP", 2)
+    assert host_overhead.main(["--out", str(tmp_path), "--tokens", "1100"]) == 0
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    pieces = {(row["piece"], row["layer"]) for row in rows}
+    for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert {("lora_shrink_wrapper", layer), ("fused_expand_wrapper", layer)} <= pieces
+    assert {("triton_cdiv", ""), ("launch_math_cdiv", "")} <= pieces
+    assert all(row["us"] > 0 for row in rows)
+    assert "summed over the decoder layer's projections" in (tmp_path / "host_overhead.md").read_text()
