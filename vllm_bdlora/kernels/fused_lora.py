@@ -39,6 +39,7 @@ its first call, so serving never compiles one for a new batch size.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -133,6 +134,10 @@ _NARROW_EXPAND_MIN_TOKENS = 4096
 _S_REREAD_BYTES_PER_TOKEN = 32 * 1024
 
 
+# Cached: every BD layer asks on every call outside CUDA graphs (eager prefills), with the same few layer shapes
+# and the step's token count, so all but one layer's ask is a lookup (2 and 1 us of Python a call otherwise,
+# bench/results/host-overhead-cpu-s27).
+@functools.lru_cache(maxsize=4096)
 def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1,
                   out_features: int | None = None) -> LaunchConfig:  # fmt: skip
     """Decode-sized batches: a column block per slice and the hidden dimension cut into `decode_shrink_parts`,
@@ -158,6 +163,7 @@ def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1,
     return LaunchConfig(64, whole, 128, split_k=parts)
 
 
+@functools.lru_cache(maxsize=4096)
 def expand_config(tokens: int, width: int, slices: int = 1) -> LaunchConfig:
     """Decode-sized batches: 16 x 64 tiles; up to PREFILL_TILE_MIN_TOKENS 64 x 64; from there 128 x 256 tiles over
     8 warps, which re-read S and B a quarter as often (adapters 256 or wider step 64 deep over their width, 3
