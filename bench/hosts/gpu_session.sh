@@ -100,6 +100,8 @@ watch)
   deadline=$(( $(date +%s) + ${2:-500} ))
   while (( $(date +%s) < deadline )) && ! grep -q "^== .* queue done" /root/queue.log; do sleep 5; done
   date +%T; grep "^== " /root/queue.log
+  # A line that fails fast leaves no results folder; its reason is only in the queue's log (session 27 lost one).
+  grep -iE "error|traceback|failed|no such|usage:" /root/queue.log | grep -v "^== " | tail -8 | cut -c1-300
   for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
     ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
   mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C /root/results .
