@@ -6,7 +6,8 @@ Outside CUDA graphs (prefills longer than the largest captured graph) every BD l
 every step: launch configurations, grids, output buffers, then the Triton launches (`launch_overhead.py` times
 those on a GPU). This times what comes before the launches, with `launch` replaced by a no-op: the shrink and
 expand wrappers per projection of Llama-3.1-8B at one TP (BD r'=128, one adapter), their configuration
-functions, and the integer helpers they size launches with (Triton's constexpr `triton.cdiv` against plain
+functions (cached since the twenty-seventh session, so a repeated call times the cache lookup, as serving's 31 of
+32 layers see it), and the integer helpers they size launches with (Triton's constexpr `triton.cdiv` against plain
 arithmetic). Medians of many timed loops, µs per call, on this machine's CPU. To compare code versions, run the
 same benchmark with another `vllm_bdlora` first on the path (`cd OLD && python -m bench.kernels.host_overhead`,
 `bench/` copied beside it).
