@@ -326,6 +326,21 @@ def test_launch_variants_cover_every_batch_size(hidden, width, slices, out_featu
         assert (expand_config(tokens, width, slices), shrink.split_k, overwrite) in expands, tokens
 
 
+def test_cached_launch_configurations_answer_as_the_functions_do_for_every_argument():
+    """shrink_config / expand_config are cached (every layer asks each eager step): asked in an interleaved order
+    over layer shapes and token counts, including out_features alone differing, each answer must be the uncached
+    function's; a cache keyed on fewer arguments would hand one layer another's launch."""
+    from vllm_bdlora.kernels.fused_lora import expand_config, shrink_config
+
+    asks = [(tokens, hidden, width, slices, out_features)
+            for tokens in (1, 64, 65, 1024, 4096) for hidden, width, slices in ((4096, 128, 3), (14336, 128, 1))
+            for out_features in (None, 4096, 28672)]  # fmt: skip
+    for ask in asks + asks[::-1]:
+        assert shrink_config(*ask) == shrink_config.__wrapped__(*ask), ask
+        assert expand_config(ask[0], ask[2], ask[3]) == expand_config.__wrapped__(ask[0], ask[2], ask[3]), ask
+    assert shrink_config(1024, 14336, 128, 1, 4096) != shrink_config(1024, 14336, 128, 1, 28672)  # out_features counts
+
+
 def test_decode_shrink_splits_fewer_ways_the_wider_the_lora_and_the_shorter_the_hidden_dimension():
     """At decode sizes the three-kernel path's shrink cuts the hidden dimension into the power of two nearest
     sqrt(hidden / width) parts (the lower at a tie; bench/results/kernels-h200-s21), whatever the token count."""
