@@ -81,6 +81,20 @@ def test_whole_block_programs_with_a_long_hidden_loop_pipeline_6_stages_deep():
     assert steps_and_stages(3072, 4096, 192) == (16, 4)  # qkv_proj at TP=2
 
 
+def test_narrow_stream_k_plans_pipeline_3_stages_deep_and_wide_ones_4():
+    """bench/results/kernels-h200-s28-narrow-stages: narrow layers' stream-K programs run short stretches of the
+    hidden dimension, which 3 stages ran faster (8B qkv_proj at TP=4 -0.2 to -0.6 µs); gate_up_proj at TP=1, whose
+    programs run long, lost with 3 (kernels-h200-s24), so it keeps 4."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    for out_features, hidden, width in ((1536, 4096, 32), (768, 4096, 16), (1280, 8192, 16)):  # 8B TP=4, 8; 70B TP=8
+        for slots in (1, 4):
+            plan = decode_plan(out_features, hidden, width * 3, slots, 132)
+            assert plan.stream_k and plan.block_m == 16 and plan.num_stages == 3
+    wide = decode_plan(28672, 4096, 256, 1, 132)  # gate_up_proj at TP=1
+    assert wide.stream_k and wide.num_stages == 4
+
+
 @pytest.mark.parametrize("adapters", [1, 2, 4])
 def test_narrow_multi_slot_layers_give_the_shrink_the_sms_16_column_blocks_would_leave(adapters):
     """bench/results/kernels-h200-s23 (narrow-*): with 4 slots, qkv_proj at TP=4/8 ran faster on 32 shrink

@@ -77,6 +77,10 @@ _SHRINK_PROGRAMS_PER_ADAPTER, _MAX_SHRINK_PROGRAMS = 4, 32
 # Narrow layers with a hidden dimension this long take stream-K in 128-deep steps over 64-column blocks in 16-row
 # tiles, not 256-deep over 32 (Llama-3.1-70B's qkv_proj at TP=8; `decode_plan` has the measurements).
 _LONG_HIDDEN = 8192
+# Narrow layers' stream-K programs (16-row tiles) pipeline 3 stages deep, not 4: each runs a short stretch of the
+# hidden dimension (8B qkv_proj at TP=4: ~7 steps), and on an H200 3 stages ran it 0.1-0.6 µs faster, never slower
+# (bench/results/kernels-h200-s28-narrow-stages). Wide layers' longer runs lost with 3 (kernels-h200-s24).
+_NARROW_STREAM_K_STAGES = 3
 # Two int32 words before the S buffers: the barrier (epoch in the high 16 bits, arrivals in the low 16) and
 # the rows the previous launch added into its S buffer (the rows the next launch but one must find zeroed).
 _STATE_HEADER = 2
@@ -220,6 +224,9 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
     (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9
     µs slower at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
+    These narrow stream-K plans pipeline 3 stages deep: against 4, six runs a side alternated on one H200, 8B
+    qkv_proj at TP=4 8.79 -> 8.18 µs at 1 token and 8.61 -> 8.41 at 16 (with 4 slots 9.15 -> 8.68, 15.55 -> 15.27),
+    70B's at TP=8 -0.1 to -0.2 µs, 8B's at TP=8 level (bench/results/kernels-h200-s28-narrow-stages).
 
     Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, each stage with fewer hidden steps
     (`whole_block_step`), 6 stages deep where a program's hidden loop is long (down_proj at TP=1, 64 rows: 49.8 ->
@@ -267,14 +274,15 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     if narrow and slots > 1:  # the SMs whole 16-column blocks would leave go to the shrink, as in larger tiles
         shrink = _shrink_beside(shrink, sms, blocks_of_16)
         room = sms - shrink
+    stages = 4
     if not narrow:  # no whole blocks fit: 128 columns leave each program fewer blocks to finish after the barrier
         block_n, block_k = 128, 128
     elif hidden >= _LONG_HIDDEN:
-        block_n, block_k = 64, 128
+        block_n, block_k, stages = 64, 128, _NARROW_STREAM_K_STAGES
     else:
-        block_n, block_k = (64 if cdiv(out_features, 64) >= room else 32), 256
+        block_n, block_k, stages = (64 if cdiv(out_features, 64) >= room else 32), 256, _NARROW_STREAM_K_STAGES
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
-                     gemv_programs=room)  # fmt: skip
+                     gemv_programs=room, num_stages=stages)  # fmt: skip
 
 
 def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
