@@ -76,9 +76,30 @@ def test_whole_block_programs_with_a_long_hidden_loop_pipeline_6_stages_deep():
     assert steps_and_stages(4096, 14336, 128) == (56, 6)  # down_proj at TP=1
     assert steps_and_stages(14336, 4096, 128) == (64, 6)  # gate_up_proj at TP=2
     assert steps_and_stages(4096, 7168, 64) == (28, 6)  # down_proj at TP=2
-    assert steps_and_stages(4096, 4096, 128) == (16, 4)  # o_proj at TP=1
-    assert steps_and_stages(4096, 3584, 32) == (14, 4)  # down_proj at TP=4
-    assert steps_and_stages(3072, 4096, 192) == (16, 4)  # qkv_proj at TP=2
+    assert steps_and_stages(4096, 4096, 128) == (16, 3)  # o_proj at TP=1: a short loop, 3 (s28)
+    assert steps_and_stages(4096, 3584, 32) == (14, 3)  # down_proj at TP=4
+    assert steps_and_stages(3072, 4096, 192) == (16, 4)  # qkv_proj at TP=2: short, but 192 wide
+
+
+def test_short_loop_whole_block_plans_follow_what_ran_fastest_on_an_h200():
+    """bench/results/kernels-h200-s28-whole-blocks: for one adapter, short-loop programs over 64-column blocks ran
+    faster in 2 warps (70B o_proj at TP=8), over 32-column blocks at 3 stages where the LoRA is at most 128 wide;
+    qkv_proj at TP=2 (192 wide) lost with 3, and batches mixing adapters were not measured: both keep 4 warps and
+    4 stages, as do long loops (6 stages)."""
+    from vllm_bdlora.kernels.decode_lora import batch_plan, decode_plan
+
+    def warps_stages(out_features, hidden, width, slots=1, tokens=1):
+        plan = batch_plan(out_features, hidden, width, slots, 132, tokens)
+        assert not plan.stream_k
+        return plan.block_n, plan.num_warps, plan.num_stages
+
+    assert warps_stages(8192, 1024, 16) == (64, 2, 4)  # Llama-3.1-70B o_proj at TP=8
+    assert warps_stages(8192, 3584, 16) == (64, 4, 6)  # its down_proj: a long loop
+    for out_features, hidden, width in ((4096, 2048, 64), (4096, 512, 16), (4096, 1792, 16), (3584, 4096, 32)):
+        assert warps_stages(out_features, hidden, width) == (32, 4, 3)  # o_proj TP=2, 8; down, gate_up TP=8
+        assert warps_stages(out_features, hidden, width, slots=4, tokens=16)[1:] == (4, 4)  # adapters mixed
+    assert warps_stages(3072, 4096, 192) == (32, 4, 4)  # qkv_proj at TP=2
+    assert decode_plan(3072, 4096, 192, 1, 132, 16, 1).num_stages == 4
 
 
 def test_narrow_stream_k_plans_pipeline_3_stages_deep_and_wide_ones_4():

@@ -81,6 +81,12 @@ _LONG_HIDDEN = 8192
 # hidden dimension (8B qkv_proj at TP=4: ~7 steps), and on an H200 3 stages ran it 0.1-0.6 µs faster, never slower
 # (bench/results/kernels-h200-s28-narrow-stages). Wide layers' longer runs lost with 3 (kernels-h200-s24).
 _NARROW_STREAM_K_STAGES = 3
+# Whole-block programs with a short hidden loop (the 4-stage ones) in 16-row tiles, for one adapter: 64-column
+# blocks run 2 warps (Llama-3.1-70B's o_proj at TP=8: 7.08 -> 6.50 µs at 1 token, 8/8 rounds), 32-column blocks 3
+# stages where the LoRA is at most this wide (o_proj, down_proj, and gate_up_proj at TP=8: 0.1-0.35 µs faster in most
+# rounds); qkv_proj at TP=2 (192 wide, its shrink on 32 SMs) lost 0.4 µs at 16 tokens with 3 stages, so wider
+# layers keep 4 (bench/results/kernels-h200-s28-whole-blocks).
+_SHORT_LOOP_MAX_WIDTH = 128
 # Two int32 words before the S buffers: the barrier (epoch in the high 16 bits, arrivals in the low 16) and
 # the rows the previous launch added into its S buffer (the rows the next launch but one must find zeroed).
 _STATE_HEADER = 2
@@ -262,13 +268,13 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     if narrow and block_m > _STREAM_K_ROWS:
         spare = _shrink_beside(shrink, sms, blocks_of_16)
         if block_m == ROW_TILES[-1] and blocks_of_16 * 10 >= 9 * (sms - spare):
-            return _whole_block_plan(out_features, hidden, total_width, shrink, sms, 16, block_m)
+            return _whole_block_plan(out_features, hidden, total_width, shrink, sms, 16, block_m, adapters)
         return make_plan(out_features, hidden, total_width, spare, block_n=64, block_k=whole_block_step(64, block_m),
                          stream_k=True, gemv_programs=sms - spare, block_m=block_m)  # fmt: skip
     if not narrow:
         for block_n in (32, 64, 128):
             if cdiv(out_features, block_n) <= room:
-                return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m)
+                return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m, adapters)
         if block_m > _STREAM_K_ROWS or total_width > _STREAM_K_MAX_WIDTH:
             return None
     if narrow and slots > 1:  # the SMs whole 16-column blocks would leave go to the shrink, as in larger tiles
@@ -290,15 +296,21 @@ def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
     return min(_MAX_SHRINK_PROGRAMS, max(shrink, sms - gemv_blocks))
 
 
-def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m) -> DecodePlan:
+def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m, adapters) -> DecodePlan:
     """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Programs
     whose hidden loop is long pipeline 6 stages deep (`decode_plan` has the measurements)."""
     spare = _shrink_beside(shrink, sms, cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
     long_loop = cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
     stages = 6 if long_loop and 6 * 2 * (block_m + block_n) * step <= _DEEP_PIPELINE_BYTES else 4  # 16-bit X, W
+    warps = 4
+    if block_m == 16 and stages == 4 and adapters == 1:  # short hidden loops, one adapter's shrink beside them
+        if block_n == 64:
+            warps = 2
+        elif block_n == 32 and total_width <= _SHORT_LOOP_MAX_WIDTH:
+            stages = 3
     return make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step, stream_k=False,
-                     block_m=block_m, num_stages=stages)  # fmt: skip
+                     block_m=block_m, num_stages=stages, num_warps=warps)  # fmt: skip
 
 
 def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device, tokens: int = 1,
