@@ -78,7 +78,6 @@ def test_whole_block_programs_with_a_long_hidden_loop_pipeline_6_stages_deep():
     assert steps_and_stages(4096, 7168, 64) == (28, 6)  # down_proj at TP=2
     assert steps_and_stages(4096, 4096, 128) == (16, 3)  # o_proj at TP=1: a short loop, 3 (s28)
     assert steps_and_stages(4096, 3584, 32) == (14, 3)  # down_proj at TP=4
-    assert steps_and_stages(3072, 4096, 192) == (16, 4)  # qkv_proj at TP=2: short, but 192 wide
 
 
 def test_short_loop_whole_block_plans_follow_what_ran_fastest_on_an_h200():
@@ -98,8 +97,24 @@ def test_short_loop_whole_block_plans_follow_what_ran_fastest_on_an_h200():
     for out_features, hidden, width in ((4096, 2048, 64), (4096, 512, 16), (4096, 1792, 16), (3584, 4096, 32)):
         assert warps_stages(out_features, hidden, width) == (32, 4, 3)  # o_proj TP=2, 8; down, gate_up TP=8
         assert warps_stages(out_features, hidden, width, slots=4, tokens=16)[1:] == (4, 4)  # adapters mixed
-    assert warps_stages(3072, 4096, 192) == (32, 4, 4)  # qkv_proj at TP=2
-    assert decode_plan(3072, 4096, 192, 1, 132, 16, 1).num_stages == 4
+    # qkv_proj at TP=2 mixing adapters: whole blocks, 4 stages (one adapter: `_split_block_plan`)
+    assert decode_plan(3072, 4096, 192, 4, 132, 16, 4).num_stages == 4
+    mixed = batch_plan(3072, 4096, 192, 4, 132, 16, slices=3)
+    assert (mixed.stream_k, mixed.block_n, mixed.num_warps, mixed.num_stages) == (False, 32, 4, 4)
+
+
+def test_layers_whose_32_column_blocks_leave_a_quarter_of_the_sms_split_64_column_blocks_for_one_adapter():
+    """bench/results/kernels-h200-s28-split-blocks: qkv_proj at TP=2 (96 blocks of 32 on 132 SMs) ran ~1.2 µs faster
+    as stream-K over 64x128 on the same 96 programs, for one adapter; mixing 4 adapters it lost, and layers whose
+    32-column blocks fill more of the SMs (o_proj, down_proj: 128; gate_up_proj at TP=8: 112) keep whole blocks."""
+    from vllm_bdlora.kernels.decode_lora import batch_plan
+
+    for slots in (1, 4):
+        plan = batch_plan(3072, 4096, 192, slots, 132, 1, slices=3)
+        assert plan.stream_k and (plan.block_n, plan.block_k, plan.gemv_programs, plan.chunks) == (64, 128, 96, 32)
+    assert not batch_plan(3072, 4096, 192, 4, 132, 4, slices=3).stream_k  # up to 4 adapters mixed
+    for out_features, hidden, width in ((4096, 2048, 64), (4096, 1024, 32), (3584, 4096, 32)):
+        assert not batch_plan(out_features, hidden, width, 1, 132, 1).stream_k
 
 
 def test_narrow_stream_k_plans_pipeline_3_stages_deep_and_wide_ones_4():

@@ -274,6 +274,8 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     if not narrow:
         for block_n in (32, 64, 128):
             if cdiv(out_features, block_n) <= room:
+                if block_n == 32 and block_m == 16 and adapters == 1 and 4 * cdiv(out_features, 32) <= 3 * sms:
+                    return _split_block_plan(out_features, hidden, total_width, shrink, sms)
                 return _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m, adapters)
         if block_m > _STREAM_K_ROWS or total_width > _STREAM_K_MAX_WIDTH:
             return None
@@ -289,6 +291,18 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
         block_n, block_k, stages = (64 if cdiv(out_features, 64) >= room else 32), 256, _NARROW_STREAM_K_STAGES
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
                      gemv_programs=room, num_stages=stages)  # fmt: skip
+
+
+def _split_block_plan(out_features, hidden, total_width, shrink, sms) -> DecodePlan:
+    """Where whole 32-column blocks would leave a quarter of the SMs or more to the shrink (qkv_proj at TP=2: 96
+    blocks), the same programs as stream-K over 64-column blocks in 128-deep steps (two programs a block, each
+    half the hidden dimension): on an H200, eight runs a side alternated, 11.50 -> 10.29 µs at 1 token and 11.78
+    -> 10.52 at 16 (and with 4 slots, one adapter, 12.08 -> 10.73), every round; batches mixing 4 adapters lost
+    0.25-0.54 µs, so plans sized for several adapters keep whole blocks
+    (bench/results/kernels-h200-s28-split-blocks)."""
+    spare = _shrink_beside(shrink, sms, cdiv(out_features, 32))
+    return make_plan(out_features, hidden, total_width, spare, block_n=64, block_k=128, stream_k=True,
+                     gemv_programs=sms - spare)  # fmt: skip
 
 
 def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
