@@ -206,33 +206,31 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     (bench/results/kernels-h200-s11/iterations; a byte-share rule alone, 4-5 programs there, lost the same
     way again in bench/results/kernels-h200-s12).
 
-    The GEMV takes the other SMs: whole column blocks, the narrowest of 32-128 columns that fit (spreading
-    W over the most SMs; their sums stay in registers), else stream-K runs of 256-deep steps over blocks of
-    64 columns (32 where too few blocks of 64 go round). On an H200 (bench/results/kernels-h200-s12,
-    `--configs`): 16-column blocks stream W slowly, so qkv_proj at TP=4 (1536 outputs) ran 8.25 µs as
-    stream-K 32-column blocks, 9.32 as 96 whole 16-column blocks; but wherever whole blocks of 32-128
-    columns fit, even on 55-78% of the SMs, they matched or beat stream-K (qkv_proj at TP=1: 22.7 µs on 96
-    whole 64-column blocks, 23.1-24.3 as stream-K; o_proj at TP=4: 6.6 on 64 whole blocks, 7.5 as stream-K
-    on 128 programs): stream-K's partial sums make an extra round trip through L2 after the barrier.
-    gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against the three kernels'
-    73.9 at BD r'=128 (total LoRA width 256); at r'=512 (1024) every stream-K candidate lost, the default 254 µs and
-    the best 151 against the three kernels' 130 (bench/results/kernels-h200-s20), so wider layers keep those. Its
-    blocks are 128 columns wide, 128-deep steps: each program then finishes 1-2 blocks after the barrier, not 3-4 of
-    64 columns (one B load and dot at a time), 69.5-69.8 µs against 71.2-71.3 at 1 token, 74.4-74.7 against 76.9 at
-    16 (two hosts, bench/results/kernels-h200-s24).
-    Whole-block programs whose hidden loop has at least 24 steps pipeline 6 stages deep (4 otherwise): on an H200
-    at 1 / 16 tokens qkv_proj at TP=1 (32 steps) 20.0-20.5 -> 17.7-18.5 / 22.4 -> 22.0, down_proj at TP=1 (56)
-    35.3 -> 34.0-34.6 / 36.2-36.8 -> 34.8-35.1, gate_up_proj at TP=2 (64) 36.5 -> 34.8 / 38.3 -> 36.1, down_proj at
-    TP=2 (28) -0.4, gate_up_proj at TP=4 (32) -0.5 to -0.6, Llama-3.1-70B's at TP=8 (64) -0.4 to -1.3 and its
-    down_proj (28) -0.5; with 4-16 steps (o_proj, down_proj at TP=4 and 8, qkv_proj at TP=2) -0.2 to +0.7 µs
-    (s24).
-    Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over
-    64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
-    (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9
-    µs slower at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
-    These narrow stream-K plans pipeline 3 stages deep: against 4, six runs a side alternated on one H200, 8B
-    qkv_proj at TP=4 8.79 -> 8.18 µs at 1 token and 8.61 -> 8.41 at 16 (with 4 slots 9.15 -> 8.68, 15.55 -> 15.27),
-    70B's at TP=8 -0.1 to -0.2 µs, 8B's at TP=8 level (bench/results/kernels-h200-s28-narrow-stages).
+    The GEMV takes the other SMs: whole column blocks, the narrowest of 32-128 columns that fit (spreading W over the
+    most SMs; their sums stay in registers; for one adapter, 32-column blocks that would leave a quarter of the SMs or
+    more split into 64-column ones instead, `_split_block_plan`), else stream-K runs of 256-deep steps over blocks of 64
+    columns (32 where too few blocks of 64 go round). On an H200 (bench/results/kernels-h200-s12, `--configs`):
+    16-column blocks stream W slowly, so qkv_proj at TP=4 (1536 outputs) ran 8.25 µs as stream-K 32-column blocks, 9.32
+    as 96 whole 16-column blocks; but wherever whole blocks of 32-128 columns fit, even on 55-78% of the SMs, they
+    matched or beat stream-K (qkv_proj at TP=1: 22.7 µs on 96 whole 64-column blocks, 23.1-24.3 as stream-K; o_proj at
+    TP=4: 6.6 on 64 whole blocks, 7.5 as stream-K on 128 programs): stream-K's partial sums make an extra round trip
+    through L2 after the barrier. gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against
+    the three kernels' 73.9 at BD r'=128 (total LoRA width 256); at r'=512 (1024) every stream-K candidate lost, the
+    default 254 µs and the best 151 against the three kernels' 130 (bench/results/kernels-h200-s20), so wider layers
+    keep those. Its blocks are 128 columns wide, 128-deep steps: each program then finishes 1-2 blocks after the
+    barrier, not 3-4 of 64 columns (one B load and dot at a time), 69.5-69.8 µs against 71.2-71.3 at 1 token, 74.4-74.7
+    against 76.9 at 16 (two hosts, bench/results/kernels-h200-s24). Whole-block programs whose hidden loop has at least
+    24 steps pipeline 6 stages deep (4 otherwise): on an H200 at 1 / 16 tokens qkv_proj at TP=1 (32 steps) 20.0-20.5 ->
+    17.7-18.5 / 22.4 -> 22.0, down_proj at TP=1 (56) 35.3 -> 34.0-34.6 / 36.2-36.8 -> 34.8-35.1, gate_up_proj at TP=2
+    (64) 36.5 -> 34.8 / 38.3 -> 36.1, down_proj at TP=2 (28) -0.4, gate_up_proj at TP=4 (32) -0.5 to -0.6,
+    Llama-3.1-70B's at TP=8 (64) -0.4 to -1.3 and its down_proj (28) -0.5; with 4-16 steps (o_proj, down_proj at TP=4
+    and 8, qkv_proj at TP=2) -0.2 to +0.7 µs (s24). Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at
+    TP=8, 1280 outputs), 128-deep steps over 64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32
+    columns 11.8 and 12.0 (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but
+    at TP=4 0.9 µs slower at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
+    These narrow stream-K plans pipeline 3 stages deep: against 4, six runs a side alternated on one H200, 8B qkv_proj
+    at TP=4 8.79 -> 8.18 µs at 1 token and 8.61 -> 8.41 at 16 (with 4 slots 9.15 -> 8.68, 15.55 -> 15.27), 70B's at TP=8
+    -0.1 to -0.2 µs, 8B's at TP=8 level (bench/results/kernels-h200-s28-narrow-stages).
 
     Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, each stage with fewer hidden steps
     (`whole_block_step`), 6 stages deep where a program's hidden loop is long (down_proj at TP=1, 64 rows: 49.8 ->
