@@ -219,15 +219,16 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     default 254 µs and the best 151 against the three kernels' 130 (bench/results/kernels-h200-s20), so wider layers
     keep those. Its blocks are 128 columns wide, 128-deep steps: each program then finishes 1-2 blocks after the
     barrier, not 3-4 of 64 columns (one B load and dot at a time), 69.5-69.8 µs against 71.2-71.3 at 1 token, 74.4-74.7
-    against 76.9 at 16 (two hosts, bench/results/kernels-h200-s24). Whole-block programs whose hidden loop has at least
-    24 steps pipeline 6 stages deep (4 otherwise): on an H200 at 1 / 16 tokens qkv_proj at TP=1 (32 steps) 20.0-20.5 ->
-    17.7-18.5 / 22.4 -> 22.0, down_proj at TP=1 (56) 35.3 -> 34.0-34.6 / 36.2-36.8 -> 34.8-35.1, gate_up_proj at TP=2
-    (64) 36.5 -> 34.8 / 38.3 -> 36.1, down_proj at TP=2 (28) -0.4, gate_up_proj at TP=4 (32) -0.5 to -0.6,
-    Llama-3.1-70B's at TP=8 (64) -0.4 to -1.3 and its down_proj (28) -0.5; with 4-16 steps (o_proj, down_proj at TP=4
-    and 8, qkv_proj at TP=2) -0.2 to +0.7 µs (s24). Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at
-    TP=8, 1280 outputs), 128-deep steps over 64-column blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32
-    columns 11.8 and 12.0 (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but
-    at TP=4 0.9 µs slower at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
+    against 76.9 at 16 (two hosts, bench/results/kernels-h200-s24).
+    Whole-block programs whose hidden loop has at least 24 steps pipeline 6 stages deep (4 otherwise): on an H200 at 1 /
+    16 tokens qkv_proj at TP=1 (32 steps) 20.0-20.5 -> 17.7-18.5 / 22.4 -> 22.0, down_proj at TP=1 (56) 35.3 ->
+    34.0-34.6 / 36.2-36.8 -> 34.8-35.1, gate_up_proj at TP=2 (64) 36.5 -> 34.8 / 38.3 -> 36.1, down_proj at TP=2 (28)
+    -0.4, gate_up_proj at TP=4 (32) -0.5 to -0.6, Llama-3.1-70B's at TP=8 (64) -0.4 to -1.3 and its down_proj (28) -0.5;
+    with 4-16 steps (o_proj, down_proj at TP=4 and 8, qkv_proj at TP=2) -0.2 to +0.7 µs (s24).
+    Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over 64-column
+    blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
+    (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9 µs slower
+    at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
     These narrow stream-K plans pipeline 3 stages deep: against 4, six runs a side alternated on one H200, 8B qkv_proj
     at TP=4 8.79 -> 8.18 µs at 1 token and 8.61 -> 8.41 at 16 (with 4 slots 9.15 -> 8.68, 15.55 -> 15.27), 70B's at TP=8
     -0.1 to -0.2 µs, 8B's at TP=8 level (bench/results/kernels-h200-s28-narrow-stages).
