@@ -607,3 +607,70 @@ def test_host_overhead_benchmark_times_every_projections_wrappers_on_the_cpu(tmp
     assert {("triton_cdiv", ""), ("launch_math_cdiv", "")} <= pieces
     assert all(row["us"] > 0 for row in rows)
     assert "summed over the decoder layer's projections" in (tmp_path / "host_overhead.md").read_text()
+
+
+def _decode_row(layer, us, plan, tokens=1):
+    return {"tp": 4, "layer": layer, "tokens": tokens, "adapters": 1, "slots": 1, "shape": "llama-3.1-8b",
+            "one_launch_us": us, "base_gemm_us": 5.0, "plan": plan}  # fmt: skip
+
+
+def test_switch_table_pairs_rounds_and_names_changed_plans(tmp_path):
+    from bench.kernels.switch_table import main, side_round_line
+
+    assert side_round_line("0-r3/tp4_8") == ("0", 3, "tp4_8")
+    assert side_round_line("8b-s4-r12") == ("s4", 12, "8b")
+    assert side_round_line("notes") is None
+    times = {"0": {1: 8.0, 2: 7.0, 3: 8.5}, "1": {1: 7.5, 2: 7.2, 3: 8.0}}  # B faster in rounds 1 and 3
+    for side, rounds in times.items():
+        for round_, us in rounds.items():
+            folder = tmp_path / f"{side}-r{round_}" / "tp4"
+            folder.mkdir(parents=True)
+            plan = "whole" if side == "0" else "stream-K"
+            rows = [_decode_row("qkv_proj", us, plan), _decode_row("o_proj", 5.5, "w")]
+            (folder / "decode_lora.json").write_text(json.dumps({"rows": rows}))
+    main([str(tmp_path), "--sides", "0,1", "--out", str(tmp_path / "t.md")])
+    text = (tmp_path / "t.md").read_text()
+    assert "| tp4 | llama-3.1-8b | 4 | 1 | 1 | 1 | qkv_proj | 8.00 | 7.50 | -0.50 | 2/3 | whole → stream-K |" in text
+    assert "| o_proj | 5.50 | 5.50 | +0.00 | 0/3 |  |" in text
+    assert "| tp4 | llama-3.1-8b | 4 | 1 | 1 | 1 | 10.0 | 13.50 (1.350x) | 13.00 (1.300x) |" in text
+    with pytest.raises(SystemExit, match="no layer was timed on both sides"):
+        main([str(tmp_path), "--sides", "0,2"])
+
+
+def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
+    """The host script's `switch` step, with a stand-in python3 that records which side ran and writes a result."""
+    import subprocess
+    import sys
+    import tarfile
+    import textwrap
+
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        + textwrap.dedent("""
+        import json, os, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        side = os.environ["BDLORA_TRY"]
+        with open(os.environ["ORDER"], "a") as f:
+            f.write(side + "\\n")
+        os.makedirs(out, exist_ok=True)
+        row = {"tp": 4, "layer": "qkv_proj", "tokens": 1, "adapters": 1, "one_launch_us": 8 - int(side),
+               "base_gemm_us": 5, "plan": "p"}
+        with open(os.path.join(out, "decode_lora.json"), "w") as f:
+            json.dump({"rows": [row]}, f)
+    """)
+    )
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "ORDER": str(tmp_path / "order"),
+           "OUT": str(tmp_path / "out")}  # fmt: skip
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_session.sh")
+    text = open(script).read().replace("/root/switch", str(root / "switch")).replace("-C /root", f"-C {root}")
+    (tmp_path / "session.sh").write_text(text)
+    subprocess.run(["bash", str(tmp_path / "session.sh"), "switch", "BDLORA_TRY", "1-3", "--tp 4"], env=env,
+                   check=True, capture_output=True)  # fmt: skip
+    assert (tmp_path / "order").read_text().split() == ["0", "1", "1", "0", "0", "1"]
+    with tarfile.open(tmp_path / "out" / "switch.tgz") as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith("decode_lora.json"))
+    assert names == [f"switch/{v}-r{r}/tp4/decode_lora.json" for v in "01" for r in (1, 2, 3)]

@@ -5,6 +5,9 @@
 #   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
 #   bash bench/hosts/gpu_session.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
 #   bash bench/hosts/gpu_session.sh ab OLD.tgz SIDES "BENCH ARGS" ...  # old code vs this checkout -> $OUT/ab.tgz
+#   bash bench/hosts/gpu_session.sh switch VAR FIRST-LAST "DECODE_LORA ARGS" ...  # a decode-kernel change behind an
+#     environment switch read in the code, VAR=0 (before) vs VAR=1, rounds FIRST..LAST alternated -> $OUT/switch.tgz
+#     (tables: python -m bench.kernels.switch_table switch/)
 #   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
 #     -> $OUT/tp$TP-8b.tgz or -70b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
@@ -71,6 +74,21 @@ ab)  # old code beside this checkout through the layer op, the same benchmark co
     done
   done
   mkdir -p "$OUT" && tar czf "$OUT/ab.tgz" -C /root ab ;;
+switch)  # switch VAR FIRST-LAST "ARGS" ...: every ARGS line of bench.kernels.decode_lora with VAR=0 and VAR=1, round r
+  # running 0 then 1 (odd r) or 1 then 0 (even r) so drift hits both -> /root/switch/V-rR/LINE; all of /root/switch
+  # (earlier calls' rounds too) as $OUT/switch.tgz. Kernel tests and timings need only torch + Triton: no bundle.
+  VAR=${2:?environment variable the change reads}; ROUNDS=${3:?rounds, e.g. 1-4}; shift 3
+  for r in $(seq "${ROUNDS%-*}" "${ROUNDS#*-}"); do
+    if (( r % 2 )); then order="0 1"; else order="1 0"; fi
+    for v in $order; do
+      for args in "$@"; do
+        echo "== $(date +%T) round $r $VAR=$v $args"
+        env "$VAR=$v" PYTHONPATH="$PWD" python3 -m bench.kernels.decode_lora $args \
+          --out "/root/switch/$v-r$r/$(echo "$args" | tr -d ' -' | tr ',' '_')" 2>&1 | tail -1
+      done
+    done
+  done
+  mkdir -p "$OUT" && tar czf "$OUT/switch.tgz" -C /root switch ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
   RESULTS=tp$TP-${SHAPE##*-}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}
