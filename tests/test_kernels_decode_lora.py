@@ -518,3 +518,22 @@ def test_the_benchmarks_candidate_plans_fit_the_tile_and_include_the_default(blo
     assert all(plan.block_m == block_m and plan.programs <= 132 for plan in plans)
     assert any(plan.stream_k for plan in plans)
     assert len({(plan.block_n, plan.block_k, plan.stream_k) for plan in plans}) >= 4
+
+
+def test_this_sessions_plan_changes_stay_within_the_lora_widths_they_were_measured_at():
+    """The twenty-eighth session's three changes were timed at BD r'=128 (16-192 columns per GPU): wider LoRA keeps
+    the plans it ran before (4 warps, 4 stages, whole 32-column blocks) rather than untimed ones."""
+    from vllm_bdlora.kernels.decode_lora import decode_plan
+
+    def shape_of(out_features, hidden, width):
+        plan = decode_plan(out_features, hidden, width, 1, 132)
+        return plan.stream_k, plan.block_n, plan.num_warps, plan.num_stages
+
+    assert shape_of(1536, 4096, 96) == (True, 32, 4, 3)  # qkv_proj at TP=4, r'=128
+    assert shape_of(1536, 4096, 384) == (True, 32, 4, 4)  # ... r'=512
+    assert shape_of(3072, 4096, 192) == (True, 64, 4, 4)  # qkv_proj at TP=2, r'=128: split blocks
+    assert shape_of(3072, 4096, 768) == (False, 32, 4, 4)  # ... r'=512: whole blocks
+    assert shape_of(4096, 2048, 64) == (False, 32, 4, 3)  # o_proj at TP=2, r'=128
+    assert shape_of(4096, 2048, 256) == (False, 64, 4, 4)  # ... r'=512 (64-column blocks: no 2 warps either)
+    assert shape_of(8192, 1024, 16) == (False, 64, 2, 4)  # Llama-3.1-70B o_proj at TP=8, r'=128
+    assert shape_of(8192, 1024, 256) == (False, 64, 4, 4)  # ... LoRA 256 wide
