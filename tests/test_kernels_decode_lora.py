@@ -146,7 +146,8 @@ def test_narrow_multi_slot_layers_give_the_shrink_the_sms_16_column_blocks_would
 
 def test_narrow_layers_plans_follow_what_ran_fastest_on_an_h200():
     """bench/results/kernels-h200-s19: Llama-3.1-70B's qkv_proj at TP=8 (1280 outputs, hidden 8192) ran ~20% faster
-    as stream-K in 128-deep steps over 64 columns than in 256-deep steps over 32, which 8B's qkv_proj keeps; in
+    as stream-K in 128-deep steps over 64 columns than in 256-deep steps over 32, which 8B's keeps at TP=4 (at TP=8,
+    one slot, 64 x 128 since kernels-h200-s28-tp8-qkv); in
     64-row tiles whole 16-column blocks lost to stream-K where they leave SMs idle (TP=8: 48 blocks at 8B, 80 at
     70B) and keep qkv_proj at TP=4, where they fill as many SMs as stream-K would (96)."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
@@ -157,7 +158,8 @@ def test_narrow_layers_plans_follow_what_ran_fastest_on_an_h200():
 
     for block_m in (16, 32, 64):
         assert kind(1280, 8192, 48, block_m) == (True, 64, 128)  # 70B qkv_proj at TP=8
-    assert kind(768, 4096, 48, 16) == kind(1536, 4096, 96, 16) == (True, 32, 256)  # 8B qkv_proj at TP=8, TP=4
+    assert kind(1536, 4096, 96, 16) == (True, 32, 256)  # 8B qkv_proj at TP=4
+    assert kind(768, 4096, 48, 16) == (True, 64, 128)  # at TP=8, one slot (s28)
     assert kind(768, 4096, 48, 64) == (True, 64, 128)
     assert kind(1536, 4096, 96, 64) == (False, 16, 128)
 
@@ -537,3 +539,18 @@ def test_this_sessions_plan_changes_stay_within_the_lora_widths_they_were_measur
     assert shape_of(4096, 2048, 256) == (False, 64, 4, 4)  # ... r'=512 (64-column blocks: no 2 warps either)
     assert shape_of(8192, 1024, 16) == (False, 64, 2, 4)  # Llama-3.1-70B o_proj at TP=8, r'=128
     assert shape_of(8192, 1024, 256) == (False, 64, 4, 4)  # ... LoRA 256 wide
+
+
+def test_one_slot_narrow_layers_of_few_outputs_stream_64_column_blocks():
+    """bench/results/kernels-h200-s28-tp8-qkv: 8B qkv_proj at TP=8 (768 outputs) ran ~0.47 µs faster over 64x128 than
+    32x256 with one slot, and lost with 4 slots; at TP=4 (1536 outputs) 64 columns lost before (s12, s19)."""
+    from vllm_bdlora.kernels.decode_lora import batch_plan
+
+    def blocks(out_features, width, slots, tokens=1):
+        plan = batch_plan(out_features, 4096, width, slots, 132, tokens, 3)
+        assert plan.stream_k
+        return plan.block_n, plan.block_k
+
+    assert blocks(768, 48, 1) == blocks(768, 48, 1, 16) == (64, 128)
+    assert blocks(768, 48, 4) == blocks(768, 48, 4, 16) == (32, 256)
+    assert blocks(1536, 96, 1) == (32, 256)
