@@ -554,3 +554,4 @@ def test_one_slot_narrow_layers_of_few_outputs_stream_64_column_blocks():
     assert blocks(768, 48, 1) == blocks(768, 48, 1, 16) == (64, 128)
     assert blocks(768, 48, 4) == blocks(768, 48, 4, 16) == (32, 256)
     assert blocks(1536, 96, 1) == (32, 256)
+    assert blocks(768, 192, 1) == (32, 256)  # r'=512 at TP=8: not timed with 64 x 128

@@ -85,7 +85,7 @@ _NARROW_STREAM_K_STAGES = 3
 # One-slot narrow layers of at most this many outputs (8B qkv_proj at TP=8, 768) take their stream-K over 64-column
 # blocks in 128-deep steps, not 32 x 256: 7.08 -> 6.60 µs at 1 token, 7.42 -> 6.96 at 16, 8/8 rounds on an H200; with
 # 4 slots (32 shrink programs) it lost in every round, 0.2-0.9 µs (bench/results/kernels-h200-s28-tp8-qkv); at TP=4
-# (1536 outputs) 64 columns lost too (s12, s19).
+# (1536 outputs) 64 columns lost too (s12, s19). Timed at BD r'=128 only: wider LoRA keeps 32 x 256.
 _NARROW_WIDE_BLOCK_MAX_OUTPUTS = 1024
 # Whole-block programs with a short hidden loop (the 4-stage ones) in 16-row tiles, for one adapter of a LoRA at most
 # this many columns wide per GPU (all slices; BD r'=128 measured, 16-128 wide): 64-column blocks run 2 warps
@@ -295,7 +295,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
         block_n, block_k, stages = 64, 128, _narrow_stream_k_stages(total_width)
     else:
         block_n, block_k = (64 if cdiv(out_features, 64) >= room else 32), 256
-        if slots == 1 and out_features <= _NARROW_WIDE_BLOCK_MAX_OUTPUTS:
+        if slots == 1 and out_features <= _NARROW_WIDE_BLOCK_MAX_OUTPUTS and total_width <= _SHORT_LOOP_MAX_WIDTH:
             block_n, block_k = 64, 128
         stages = _narrow_stream_k_stages(total_width)
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
