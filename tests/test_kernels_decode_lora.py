@@ -522,9 +522,9 @@ def test_the_benchmarks_candidate_plans_fit_the_tile_and_include_the_default(blo
     assert len({(plan.block_n, plan.block_k, plan.stream_k) for plan in plans}) >= 4
 
 
-def test_this_sessions_plan_changes_stay_within_the_lora_widths_they_were_measured_at():
-    """The twenty-eighth session's three changes were timed at BD r'=128 (16-192 columns per GPU): wider LoRA keeps
-    the plans it ran before (4 warps, 4 stages, whole 32-column blocks) rather than untimed ones."""
+def test_s28_plan_changes_stay_within_the_lora_widths_they_were_timed_at():
+    """bench/results/kernels-h200-s28-*: each plan change was timed at BD r'=128 (16-192 columns per GPU); wider LoRA
+    keeps the plans it ran before (4 warps, 4 stages, whole 32-column blocks) rather than untimed ones."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
     def shape_of(out_features, hidden, width):
