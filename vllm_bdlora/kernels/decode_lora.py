@@ -77,23 +77,22 @@ _SHRINK_PROGRAMS_PER_ADAPTER, _MAX_SHRINK_PROGRAMS = 4, 32
 # Narrow layers with a hidden dimension this long take stream-K in 128-deep steps over 64-column blocks in 16-row
 # tiles, not 256-deep over 32 (Llama-3.1-70B's qkv_proj at TP=8; `decode_plan` has the measurements).
 _LONG_HIDDEN = 8192
+# The three plan tweaks below were timed at BD r'=128 only, i.e. a LoRA of 16-192 columns per GPU (all slices): each
+# applies up to this width, and wider LoRA keeps the plan it had before them, rather than an untimed one.
+_TUNED_MAX_WIDTH = 128
 # Narrow layers' stream-K programs (16-row tiles) pipeline 3 stages deep, not 4: each runs a short stretch of the
 # hidden dimension (8B qkv_proj at TP=4: ~7 steps), and on an H200 3 stages ran it 0.1-0.6 µs faster, never slower
-# (bench/results/kernels-h200-s28-narrow-stages). Wide layers' longer runs lost with 3 (kernels-h200-s24). Only
-# where the LoRA is at most _SHORT_LOOP_MAX_WIDTH wide, as measured.
+# (bench/results/kernels-h200-s28-narrow-stages). Wide layers' longer runs lost with 3 (kernels-h200-s24).
 _NARROW_STREAM_K_STAGES = 3
 # One-slot narrow layers of at most this many outputs (8B qkv_proj at TP=8, 768) take their stream-K over 64-column
 # blocks in 128-deep steps, not 32 x 256: 7.08 -> 6.60 µs at 1 token, 7.42 -> 6.96 at 16, 8/8 rounds on an H200; with
 # 4 slots (32 shrink programs) it lost in every round, 0.2-0.9 µs (bench/results/kernels-h200-s28-tp8-qkv); at TP=4
-# (1536 outputs) 64 columns lost too (s12, s19). Timed at BD r'=128 only: wider LoRA keeps 32 x 256.
+# (1536 outputs) 64 columns lost too (s12, s19).
 _NARROW_WIDE_BLOCK_MAX_OUTPUTS = 1024
-# Whole-block programs with a short hidden loop (the 4-stage ones) in 16-row tiles, for one adapter of a LoRA at most
-# this many columns wide per GPU (all slices; BD r'=128 measured, 16-128 wide): 64-column blocks run 2 warps
-# (Llama-3.1-70B's o_proj at TP=8: 7.08 -> 6.50 µs at 1 token, 8/8 rounds), 32-column blocks 3 stages (o_proj,
-# down_proj, and gate_up_proj at TP=8: 0.1-0.35 µs faster in most rounds); qkv_proj at TP=2 (192 wide, its shrink on 32
-# SMs) lost 0.4 µs at 16 tokens with 3 stages, so wider layers keep 4 warps and 4 stages
-# (bench/results/kernels-h200-s28-whole-blocks).
-_SHORT_LOOP_MAX_WIDTH = 128
+# Whole-block programs with a short hidden loop (the 4-stage ones) in 16-row tiles, for one adapter: 64-column blocks
+# run 2 warps (Llama-3.1-70B's o_proj at TP=8: 7.08 -> 6.50 µs at 1 token, 8/8 rounds), 32-column blocks 3 stages
+# (o_proj, down_proj, and gate_up_proj at TP=8: 0.1-0.35 µs faster in most rounds); qkv_proj at TP=2 (192 wide, its
+# shrink on 32 SMs) lost 0.4 µs at 16 tokens with 3 stages (bench/results/kernels-h200-s28-whole-blocks).
 # Two int32 words before the S buffers: the barrier (epoch in the high 16 bits, arrivals in the low 16) and
 # the rows the previous launch added into its S buffer (the rows the next launch but one must find zeroed).
 _STATE_HEADER = 2
@@ -288,24 +287,17 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     if narrow and slots > 1:  # the SMs whole 16-column blocks would leave go to the shrink, as in larger tiles
         shrink = _shrink_beside(shrink, sms, blocks_of_16)
         room = sms - shrink
-    stages = 4
+    tuned = total_width <= _TUNED_MAX_WIDTH
     if not narrow:  # no whole blocks fit: 128 columns leave each program fewer blocks to finish after the barrier
-        block_n, block_k = 128, 128
-    elif hidden >= _LONG_HIDDEN:
-        block_n, block_k, stages = 64, 128, _narrow_stream_k_stages(total_width)
+        block_n, block_k, stages = 128, 128, 4
     else:
-        block_n, block_k = (64 if cdiv(out_features, 64) >= room else 32), 256
-        if slots == 1 and out_features <= _NARROW_WIDE_BLOCK_MAX_OUTPUTS and total_width <= _SHORT_LOOP_MAX_WIDTH:
+        stages = _NARROW_STREAM_K_STAGES if tuned else 4
+        if hidden >= _LONG_HIDDEN or (tuned and slots == 1 and out_features <= _NARROW_WIDE_BLOCK_MAX_OUTPUTS):
             block_n, block_k = 64, 128
-        stages = _narrow_stream_k_stages(total_width)
+        else:
+            block_n, block_k = (64 if cdiv(out_features, 64) >= room else 32), 256
     return make_plan(out_features, hidden, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
                      gemv_programs=room, num_stages=stages)  # fmt: skip
-
-
-def _narrow_stream_k_stages(total_width: int) -> int:
-    """Pipeline depth of a narrow layer's stream-K programs in 16-row tiles: 3 where its LoRA is as narrow as measured
-    (BD r'=128 from TP=4 on), 4 for wider ones, which ran 4 before and were not timed with 3."""
-    return _NARROW_STREAM_K_STAGES if total_width <= _SHORT_LOOP_MAX_WIDTH else 4
 
 
 def _splits_32_column_blocks(out_features: int, total_width: int, sms: int, block_m: int, adapters: int) -> bool:
@@ -335,14 +327,13 @@ def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
 def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m, adapters) -> DecodePlan:
     """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Programs
     whose hidden loop is long pipeline 6 stages deep (`decode_plan` has the measurements); short loops for one narrow
-    adapter take 2 warps over 64 columns, 3 stages over 32 (_SHORT_LOOP_MAX_WIDTH)."""
+    adapter take 2 warps over 64 columns, 3 stages over 32 (up to _TUNED_MAX_WIDTH)."""
     spare = _shrink_beside(shrink, sms, cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
     long_loop = cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
     stages = 6 if long_loop and 6 * 2 * (block_m + block_n) * step <= _DEEP_PIPELINE_BYTES else 4  # 16-bit X, W
     warps = 4
-    # short hidden loops, one adapter's narrow LoRA beside them: as measured (_SHORT_LOOP_MAX_WIDTH)
-    if block_m == 16 and stages == 4 and adapters == 1 and total_width <= _SHORT_LOOP_MAX_WIDTH:
+    if block_m == 16 and stages == 4 and adapters == 1 and total_width <= _TUNED_MAX_WIDTH:  # short loops
         if block_n == 64:
             warps = 2
         elif block_n == 32:
