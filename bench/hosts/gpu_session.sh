@@ -32,6 +32,7 @@ STEP=${1:?step}
 GRAPH_CONFIG='"pass_config":{"fuse_allreduce_rms":false}'${CAPTURE_SIZE:+,\"max_cudagraph_capture_size\":$CAPTURE_SIZE}
 GRAPH_ARGS="--compilation-config '{$GRAPH_CONFIG}'"
 SHAPE=${SHAPE:-llama-3.1-8b}
+line_dir() { echo "$1" | tr -d ' -' | tr ',' '_'; }  # a benchmark argument line as a folder name
 case $STEP in
 install)
   bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl
@@ -60,7 +61,7 @@ tune)  # launch configurations of the fused kernels around the defaults (compile
     2>&1 | cut -c1-300 | tail -40 ;;
 ab)  # old code beside this checkout through the layer op, the same benchmark code timing both sides
   # ab OLD.tgz "old1 new1" "--tp 1 --tokens 1024,4096" ...: OLD.tgz a `git archive` of the old vllm_bdlora; every
-  # side runs every argument line -> /root/ab/SIDE/LINE (spaces and dashes dropped, commas made _), then all of
+  # side runs every argument line -> /root/ab/SIDE/`line_dir LINE`, then all of
   # /root/ab as $OUT/ab.tgz: a call's $OUT starts empty and comes back only a few folders deep, so results that
   # must outlive the call (old1 one call, new1 the next) live under /root. Tables: python -m bench.kernels.ab_table
   OLD=${2:?old vllm_bdlora tgz}; SIDES=${3:?sides}; shift 3
@@ -70,7 +71,7 @@ ab)  # old code beside this checkout through the layer op, the same benchmark co
     for args in "$@"; do
       echo "== $(date +%T) $side $args"
       (cd "$tree" && python3 -m bench.kernels.fused_lora $args --paths layer_op \
-        --out "/root/ab/$side/$(echo "$args" | tr -d ' -' | tr ',' '_')" 2>&1 | cut -c1-200 | tail -2)
+        --out "/root/ab/$side/$(line_dir "$args")" 2>&1 | cut -c1-200 | tail -2)
     done
   done
   mkdir -p "$OUT" && tar czf "$OUT/ab.tgz" -C /root ab ;;
@@ -84,7 +85,7 @@ switch)  # switch VAR FIRST-LAST "ARGS" ...: every ARGS line of bench.kernels.de
       for args in "$@"; do
         echo "== $(date +%T) round $r $VAR=$v $args"
         env "$VAR=$v" PYTHONPATH="$PWD" python3 -m bench.kernels.decode_lora $args \
-          --out "/root/switch/$v-r$r/$(echo "$args" | tr -d ' -' | tr ',' '_')" 2>&1 | tail -1
+          --out "/root/switch/$v-r$r/$(line_dir "$args")" 2>&1 | tail -1
       done
     done
   done
