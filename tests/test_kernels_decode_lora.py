@@ -373,12 +373,15 @@ def test_only_16_bit_layers_take_the_one_launch_kernel(monkeypatch, dtype):
 
 KERNEL_CHECK = """
 import sys, torch
+from dataclasses import replace
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch
 from vllm_bdlora.kernels.decode_lora import (DECODE_MAX_TOKENS, decode_lora_linear, make_plan, new_decode_state,
                                              plan_for, row_tile, state_words, whole_block_step)
 from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 device, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[5])
 phases, hidden, kind = int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
+spread = kind.endswith("+spread")  # the shrink's programs numbered among the GEMV's (spread_shrink)
+kind = kind.removesuffix("+spread")
 
 
 def plan_of(b, tokens):
@@ -399,7 +402,7 @@ def plan_of(b, tokens):
     else:  # the planner's own choice (tiles over 16 rows are planned for one-slot layers only)
         plan = plan_for(out_features, hidden, total_width, len(SLOT_WIDTHS[0]) if tile == 16 else 1, device, tile)
     assert plan.gemv_programs > 1 and plan.chunks > 1 and plan.block_m == tile, plan
-    return plan
+    return replace(plan, spread_shrink=True) if spread else plan
 
 
 # One state through batches whose tiles change both ways (16, 64, 32 rows...), as a layer's decode steps do:
@@ -445,7 +448,7 @@ def run_kernel_check(device, dtype, phases, hidden, tol, interpret, kind):
     torch.cuda.is_available(),
     reason="a GPU host checks the compiled kernel instead; Triton 3.6's interpreter there cannot run kernels",
 )
-@pytest.mark.parametrize("kind", ["whole", "stream_k"])
+@pytest.mark.parametrize("kind", ["whole", "stream_k", "whole+spread", "stream_k+spread"])
 def test_kernel_in_interpreter_matches_reference(kind):
     run_kernel_check("cpu", "float32", 2, 200, 1e-4, True, kind)
 
@@ -453,7 +456,7 @@ def test_kernel_in_interpreter_matches_reference(kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("hidden", [272, 4096])  # a hidden size the GEMV's K step does not divide, and 8B's
-@pytest.mark.parametrize("kind", ["whole", "stream_k", "default"])
+@pytest.mark.parametrize("kind", ["whole", "stream_k", "default", "whole+spread", "stream_k+spread"])
 def test_kernel_with_in_kernel_barrier_matches_reference_on_gpu(dtype, hidden, kind):
     run_kernel_check("cuda", dtype, 1, hidden, 3e-2, False, kind)
 
@@ -555,3 +558,25 @@ def test_one_slot_narrow_layers_of_few_outputs_stream_64_column_blocks():
     assert blocks(768, 48, 4) == blocks(768, 48, 4, 16) == (32, 256)
     assert blocks(1536, 96, 1) == (32, 256)
     assert blocks(768, 192, 1) == (32, 256)  # r'=512 at TP=8: not timed with 64 x 128
+
+
+def test_long_loop_whole_block_plans_spread_the_shrink_programs_among_the_gemvs():
+    """bench/results/kernels-h200-s29-spread: whole-block plans streaming long hidden loops (6 stages) beside 16 or more
+    shrink programs ran faster with those numbered among the GEMV's, in 16-row tiles; plans with 4 shrink programs,
+    short loops and stream-K did not, and were kept; the rule holds up to BD r'=128's widest LoRA (384 columns)."""
+    from vllm_bdlora.kernels.decode_lora import batch_plan
+
+    def spread(out_features, hidden, width, slots=1, tokens=1, slices=1):
+        plan = batch_plan(out_features, hidden, width, slots, 132, tokens, slices)
+        return plan.spread_shrink, plan.stream_k, plan.gemv_programs, plan.chunks
+
+    assert spread(6144, 4096, 384, slices=3) == (True, False, 96, 32)  # qkv_proj at TP=1
+    assert spread(14336, 4096, 128, slices=2) == (True, False, 112, 20)  # gate_up_proj at TP=2
+    assert spread(7168, 4096, 64, slices=2) == (True, False, 112, 20)  # ... at TP=4
+    assert spread(4096, 7168, 64, slots=4, tokens=16)[:2] == (True, False)  # down_proj at TP=2, 4 adapters mixed
+    assert spread(4096, 14336, 128) == (False, False, 128, 4)  # down_proj at TP=1: 4 shrink programs
+    assert spread(3584, 4096, 32, slices=2)[0] is False  # gate_up_proj at TP=8: a short loop
+    assert spread(3072, 4096, 192, slices=3)[:2] == (False, True)  # qkv_proj at TP=2: stream-K
+    assert spread(28672, 4096, 256, slices=2)[:2] == (False, True)  # gate_up_proj at TP=1: stream-K
+    assert spread(14336, 4096, 512, slices=2)[0] is False  # r'=512 at TP=2: not timed
+    assert not batch_plan(4096, 14336, 128, 1, 132, 64).spread_shrink  # 64-row tiles: not timed

@@ -55,6 +55,8 @@ def describe(plan) -> str:
         text += f", {plan.block_m}-row tile"
     if plan.shrink_groups > 1:
         text += f", S in {plan.shrink_groups} column groups"
+    if plan.spread_shrink:
+        text += ", shrink spread"
     return text
 
 

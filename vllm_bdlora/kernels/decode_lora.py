@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -89,6 +89,10 @@ _NARROW_STREAM_K_STAGES = 3
 # 4 slots (32 shrink programs) it lost in every round, 0.2-0.9 µs (bench/results/kernels-h200-s28-tp8-qkv); at TP=4
 # (1536 outputs) 64 columns lost too (s12, s19).
 _NARROW_WIDE_BLOCK_MAX_OUTPUTS = 1024
+# Whole-block plans in 16-row tiles whose programs stream a long hidden loop (the 6-stage ones) beside at least this
+# many shrink programs number the programs so that the shrink's fall evenly among the GEMV's (`spread_shrink`), up to
+# this much LoRA width in all (BD r'=128's widest: qkv_proj at TP=1, 3 x 128); see `_whole_block_plan`.
+_SPREAD_MIN_SHRINK, _SPREAD_MAX_WIDTH = 16, 384
 # Whole-block programs with a short hidden loop (the 4-stage ones) in 16-row tiles, for one adapter: 64-column blocks
 # run 2 warps (Llama-3.1-70B's o_proj at TP=8: 7.08 -> 6.50 µs at 1 token, 8/8 rounds), 32-column blocks 3 stages
 # (o_proj, down_proj, and gate_up_proj at TP=8: 0.1-0.35 µs faster in most rounds); qkv_proj at TP=2 (192 wide, its
@@ -113,6 +117,7 @@ class DecodePlan:
     block_m: int = 16  # token rows (one of ROW_TILES): the batches of up to this many tokens it serves
     shrink_columns: int = 128  # columns of S a shrink program computes at a time
     shrink_groups: int = 1  # the shrink programs split S's columns (in shrink_columns) this many ways
+    spread_shrink: bool = False  # shrink programs numbered evenly among the GEMV's, not after them
 
     def __post_init__(self):
         if self.chunks % self.shrink_groups:  # the kernel gives each group chunks // shrink_groups programs
@@ -327,7 +332,19 @@ def _shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
 def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, block_m, adapters) -> DecodePlan:
     """One GEMV program per column block of `block_n`; the shrink takes the SMs the blocks leave (up to 32). Programs
     whose hidden loop is long pipeline 6 stages deep (`decode_plan` has the measurements); short loops for one narrow
-    adapter take 2 warps over 64 columns, 3 stages over 32 (up to _TUNED_MAX_WIDTH)."""
+    adapter take 2 warps over 64 columns, 3 stages over 32 (up to _TUNED_MAX_WIDTH).
+
+    Long-loop plans in 16-row tiles with 16 or more shrink programs number those among the GEMV's programs
+    (`spread_shrink`), not after them. Only which program id takes which role changes, yet the times moved: where a
+    program runs depends on its id (numbered last, the shrink's short-lived programs may share one part of the GPU
+    and leave the GEMV's streams the rest: our reading, not measured). Spreading every
+    plan's shrink on three H200s (3, 3 and 8 alternated rounds a side): faster where long GEMV loops run beside 20-32
+    shrink programs (qkv_proj at TP=1, 96 + 32: 0.1-0.6 µs at 1 token, 1.1-1.3 at 16; gate_up_proj at TP=2, 112 + 20:
+    0.5-1.0 and 1.5-2.0), 0-0.4 µs slower beside 4 shrink programs (128 + 4), with short loops (TP=8's gate_up_proj, 4
+    slots) and in stream-K (qkv_proj at TP=2, up to 1.0), which keep them last. This rule against the same plans
+    unspread on a fourth H200 (8 rounds), per decoder layer at 1 / 16 tokens: TP=1 -0.6% / -1.1%, TP=2 -0.3% / -1.7%,
+    Llama-3.1-70B at TP=8 -1.2% / -2.0% (its gate_up_proj 0.7 / 1.4 µs); TP=4's gate_up_proj +0.2 µs there, 0.2-0.35
+    faster on the other three (bench/results/kernels-h200-s29-spread)."""
     spare = _shrink_beside(shrink, sms, cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
     long_loop = cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
@@ -338,8 +355,11 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
             warps = 2
         elif block_n == 32:
             stages = 3
-    return make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step, stream_k=False,
+    plan = make_plan(out_features, hidden, total_width, spare, block_n=block_n, block_k=step, stream_k=False,
                      block_m=block_m, num_stages=stages, num_warps=warps)  # fmt: skip
+    if block_m == 16 and stages == 6 and plan.chunks >= _SPREAD_MIN_SHRINK and total_width <= _SPREAD_MAX_WIDTH:
+        plan = replace(plan, spread_shrink=True)
+    return plan
 
 
 def plan_for(out_features: int, hidden: int, total_width: int, slots: int, device, tokens: int = 1,
@@ -566,13 +586,18 @@ def _decode_lora_linear_kernel(
     PHASE: tl.constexpr, STREAM_K: tl.constexpr, NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHRINK_K: tl.constexpr, S_ROWS: tl.constexpr,
-    R_CHUNK: tl.constexpr, SHRINK_GROUPS: tl.constexpr, SKIP: tl.constexpr,
+    R_CHUNK: tl.constexpr, SHRINK_GROUPS: tl.constexpr, SKIP: tl.constexpr, SPREAD_SHRINK: tl.constexpr,
 ):  # fmt: skip
     """Programs below `gemv_programs` run the GEMV and then finish column blocks; the rest compute S. PHASE 0:
     one launch with the in-kernel barrier. PHASE 1: the shrink, stream-K partial sums and every arrival;
     PHASE 2: the rest, after a PHASE 1 launch (the launch boundary stands in for the barrier)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    if SPREAD_SHRINK:  # the shrink's programs fall evenly among the GEMV's: below, pid is the program's role
+        shrinks = programs - gemv_programs
+        shrinks_before = pid * shrinks // programs
+        is_shrink = (pid + 1) * shrinks // programs > shrinks_before
+        pid = tl.where(is_shrink, gemv_programs + shrinks_before, pid - shrinks_before)
     s_buffers = (state_ptr + 2).to(tl.pointer_type(tl.float32))  # after the barrier word and the rows word
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
@@ -723,7 +748,8 @@ def decode_lora_linear(
         BLOCK_W=max(16, next_power_of_2(width)), BLOCK_R=block_r, R_CHUNK=min(plan.shrink_columns, block_r),
         SHRINK_GROUPS=plan.shrink_groups, HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k,
-        S_ROWS=DECODE_MAX_TOKENS, SKIP=_SKIPS[skip], num_warps=plan.num_warps, num_stages=plan.num_stages,
+        S_ROWS=DECODE_MAX_TOKENS, SKIP=_SKIPS[skip], SPREAD_SHRINK=plan.spread_shrink, num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )  # fmt: skip
     grid = (plan.programs,)
     if phases == 2:
