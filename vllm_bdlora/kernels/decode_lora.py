@@ -340,10 +340,10 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
     leave the GEMV's streams the rest: our reading, not measured). Spreading every plan's shrink on three H200s (3, 3
     and 8 alternated rounds a side): faster where long GEMV loops run beside 20-32 shrink programs (qkv_proj at TP=1,
     96+32: 0.1-0.6 µs at 1 token, 1.1-1.3 at 16; gate_up_proj at TP=2, 112+20: 0.5-1.0 and 1.5-2.0), 0-0.4 µs slower
-    beside 4 shrink programs (128+4), with short loops (TP=8's gate_up_proj, 4 slots) and in stream-K (qkv_proj at TP=2,
-    up to 1.0), which keep them last. This rule against the same plans unspread on a fourth H200 (8 rounds), per decoder
-    layer at 1 / 16 tokens: TP=1 -0.6% / -1.1%, TP=2 -0.3% / -1.7%, Llama-3.1-70B at TP=8 -1.2% / -2.0% (its
-    gate_up_proj 0.7 / 1.4 µs); TP=4's gate_up_proj +0.2 µs there, 0.2-0.35 faster on the other three
+    beside 4 shrink programs (128+4) and in stream-K (qkv_proj at TP=2, up to 1.0), -0.2 to +0.3 with short loops
+    (TP=8's gate_up_proj, 4 slots): those keep them last. This rule against the same plans unspread on a fourth H200 (8
+    rounds), per decoder layer at 1 / 16 tokens: TP=1 -0.6% / -1.1%, TP=2 -0.3% / -1.7%, Llama-3.1-70B at TP=8 -1.2% /
+    -2.0% (its gate_up_proj 0.7 / 1.4 µs); TP=4's gate_up_proj +0.06 to +0.2 µs there, -0.35 to +0.07 on the other three
     (bench/results/kernels-h200-s29-spread)."""
     spare = _shrink_beside(shrink, sms, cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
