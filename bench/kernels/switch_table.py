@@ -64,7 +64,7 @@ def tables(found: dict, side_a: str, side_b: str) -> str:
     lines = [f"One-launch µs, median over rounds; rounds: pairs where {side_b} was faster.", "",
              f"{point} layer | {side_a} | {side_b} | {side_b} - {side_a} | rounds | plan (where the sides differ) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    per_layer = defaultdict(lambda: {"a": 0.0, "b": 0.0, "base": []})
+    per_layer = defaultdict(lambda: {"a": 0.0, "b": 0.0, "base": [], "rounds": []})
     for key in keys:
         a, b = found[key][side_a], found[key][side_b]
         median_a = statistics.median(row["one_launch_us"] for row in a.values())
@@ -80,12 +80,16 @@ def tables(found: dict, side_a: str, side_b: str) -> str:
         total["a"] += median_a
         total["b"] += median_b
         total["base"].append(statistics.median(row["base_gemm_us"] for row in [*a.values(), *b.values()]))
-    lines += ["", "Per decoder layer (the projections timed, medians summed; base = cuBLAS GEMMs alone):", "",
-              f"{point} base µs | {side_a} | {side_b} |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        total["rounds"].append({r: b[r]["one_launch_us"] - a[r]["one_launch_us"] for r in paired})
+    lines += ["", "Per decoder layer (the projections timed, medians summed; base = cuBLAS GEMMs alone; rounds: those "
+              f"whose projections summed were faster on {side_b}):", "",
+              f"{point} base µs | {side_a} | {side_b} | rounds |", "|---" * 10 + "|"]  # fmt: skip
     for (line, shape, tp, slots, adapters, tokens), total in per_layer.items():
         base, a, b = sum(total["base"]), total["a"], total["b"]
+        common = set.intersection(*(set(deltas) for deltas in total["rounds"]))  # rounds every projection has
+        won = sum(sum(deltas[r] for deltas in total["rounds"]) < 0 for r in common)
         lines.append(f"| {line} | {shape} | {tp} | {slots} | {adapters} | {tokens} | {base:.1f} | "
-                     f"{a:.2f} ({a / base:.3f}x) | {b:.2f} ({b / base:.3f}x) |")  # fmt: skip
+                     f"{a:.2f} ({a / base:.3f}x) | {b:.2f} ({b / base:.3f}x) | {won}/{len(common)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
