@@ -69,18 +69,18 @@ def tables(found: dict, side_a: str, side_b: str) -> str:
         a, b = found[key][side_a], found[key][side_b]
         median_a = statistics.median(row["one_launch_us"] for row in a.values())
         median_b = statistics.median(row["one_launch_us"] for row in b.values())
-        paired = sorted(set(a) & set(b))
-        won = sum(b[r]["one_launch_us"] < a[r]["one_launch_us"] for r in paired)
+        deltas = {r: b[r]["one_launch_us"] - a[r]["one_launch_us"] for r in set(a) & set(b)}  # paired rounds
+        won = sum(delta < 0 for delta in deltas.values())
         plan_a, plan_b = next(iter(a.values()))["plan"], next(iter(b.values()))["plan"]
         plans = "" if plan_a == plan_b else f"{plan_a} → {plan_b}"
         line, shape, tp, layer, tokens, adapters, slots = key
         lines.append(f"| {line} | {shape} | {tp} | {slots} | {adapters} | {tokens} | {layer} | {median_a:.2f} | "
-                     f"{median_b:.2f} | {median_b - median_a:+.2f} | {won}/{len(paired)} | {plans} |")  # fmt: skip
+                     f"{median_b:.2f} | {median_b - median_a:+.2f} | {won}/{len(deltas)} | {plans} |")  # fmt: skip
         total = per_layer[(line, shape, tp, slots, adapters, tokens)]
         total["a"] += median_a
         total["b"] += median_b
         total["base"].append(statistics.median(row["base_gemm_us"] for row in [*a.values(), *b.values()]))
-        total["rounds"].append({r: b[r]["one_launch_us"] - a[r]["one_launch_us"] for r in paired})
+        total["rounds"].append(deltas)
     lines += ["", "Per decoder layer (the projections timed, medians summed; base = cuBLAS GEMMs alone; rounds: those "
               f"whose projections summed were faster on {side_b}):", "",
               f"{point} base µs | {side_a} | {side_b} | rounds |", "|---" * 10 + "|"]  # fmt: skip
