@@ -93,10 +93,6 @@ _NARROW_WIDE_BLOCK_MAX_OUTPUTS = 1024
 # many shrink programs number the programs so that the shrink's fall evenly among the GEMV's (`spread_shrink`), up to
 # this much LoRA width in all (BD r'=128's widest: qkv_proj at TP=1, 3 x 128); see `_whole_block_plan`.
 _SPREAD_MIN_SHRINK, _SPREAD_MAX_WIDTH = 16, 384
-# Whole-block programs with a short hidden loop (the 4-stage ones) in 16-row tiles, for one adapter: 64-column blocks
-# run 2 warps (Llama-3.1-70B's o_proj at TP=8: 7.08 -> 6.50 µs at 1 token, 8/8 rounds), 32-column blocks 3 stages
-# (o_proj, down_proj, and gate_up_proj at TP=8: 0.1-0.35 µs faster in most rounds); qkv_proj at TP=2 (192 wide, its
-# shrink on 32 SMs) lost 0.4 µs at 16 tokens with 3 stages (bench/results/kernels-h200-s28-whole-blocks).
 # Two int32 words before the S buffers: the barrier (epoch in the high 16 bits, arrivals in the low 16) and
 # the rows the previous launch added into its S buffer (the rows the next launch but one must find zeroed).
 _STATE_HEADER = 2
@@ -350,7 +346,11 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
     long_loop = cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
     stages = 6 if long_loop and 6 * 2 * (block_m + block_n) * step <= _DEEP_PIPELINE_BYTES else 4  # 16-bit X, W
     warps = 4
-    if block_m == 16 and stages == 4 and adapters == 1 and total_width <= _TUNED_MAX_WIDTH:  # short loops
+    # Short hidden loops (the 4-stage programs) in 16-row tiles, for one adapter: 64-column blocks run 2 warps
+    # (Llama-3.1-70B's o_proj at TP=8: 7.08 -> 6.50 µs at 1 token, 8/8 rounds), 32-column blocks 3 stages (o_proj,
+    # down_proj, and gate_up_proj at TP=8: 0.1-0.35 µs faster in most rounds); qkv_proj at TP=2 (192 wide, its shrink
+    # on 32 SMs) lost 0.4 µs at 16 tokens with 3 stages (bench/results/kernels-h200-s28-whole-blocks).
+    if block_m == 16 and stages == 4 and adapters == 1 and total_width <= _TUNED_MAX_WIDTH:
         if block_n == 64:
             warps = 2
         elif block_n == 32:
