@@ -675,3 +675,29 @@ def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
     with tarfile.open(tmp_path / "out" / "switch.tgz") as tar:
         names = sorted(n for n in tar.getnames() if n.endswith("decode_lora.json"))
     assert names == [f"switch/{v}-r{r}/tp4/decode_lora.json" for v in "01" for r in (1, 2, 3)]
+
+
+def test_gpu_session_stops_on_a_host_without_the_bundle(tmp_path):
+    """A host taken back between the part calls comes back bare: `install` must fail with what it found, and
+    `queue` must refuse to start sweeps that would each die on a missing vLLM (stand-in python3 without it)."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit(1)\n")
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_session.sh")
+    (tmp_path / "session.sh").write_text(open(script).read().replace("/root/", f"{root}/"))
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+
+    def step(*args):
+        return subprocess.run(["bash", str(tmp_path / "session.sh"), *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    installed = step("install")
+    assert installed.returncode == 1 and "install failed" in installed.stdout
+    queued = step("queue", "llama-3.1-8b 1 64 base")
+    assert queued.returncode == 3 and "run install first" in queued.stdout
+    assert not (root / "queue.plan").exists()

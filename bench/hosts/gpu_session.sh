@@ -35,7 +35,13 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 line_dir() { echo "$1" | tr -d ' -' | tr ',' '_'; }  # a benchmark argument line as a folder name
 case $STEP in
 install)
-  bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl
+  # A host taken back between the part calls comes back bare, so later parts land without the earlier ones: stop
+  # here with what is there rather than let `queue` start sweeps that each fail on a missing vLLM.
+  if ! { bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl; }; then
+    echo "install failed; /root/pkg holds: $(ls /root/pkg 2>/dev/null | tr '\n' ' ')"
+    echo "it needs every part p00..pNN, bundle.md5 and the FlashInfer wheel (carried here: .gpu/install_bundle.sh, .whl)"
+    exit 1
+  fi
   # A FlashInfer JIT cache brought back by an earlier session's `watch` (copied to .gpu/ and carried to /root/pkg
   # like a bundle part) should spare a fresh host's first server its ~90 s sampler compile (README.md). Ninja
   # rebuilds an object when a source is newer than the object's build-log entry, and the install has just written
@@ -103,6 +109,9 @@ sweep)
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches after"
   mkdir -p "$OUT" && tar czf "$OUT/$RESULTS.tgz" --exclude='*.pt.trace.json*' -C /root/results "$RESULTS" ;;
 queue)
+  if ! python3 -c "import vllm, vllm_bdlora" 2> /dev/null; then
+    echo "no vLLM or vllm_bdlora on this host: copy the bundle parts and run install first (README.md)"; exit 3
+  fi
   shift; printf '%s\n' "$@" > /root/queue.plan
   # A line may start with NAME=VALUE settings for its sweep alone (CAPTURE_SIZE=1024 llama-3.1-8b 2 64 ...).
   setsid nohup bash -c 'while read -r line; do
