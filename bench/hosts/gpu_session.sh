@@ -39,7 +39,8 @@ install)
   # here with what is there rather than let `queue` start sweeps that each fail on a missing vLLM.
   if ! { bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl; }; then
     echo "install failed; /root/pkg holds: $(ls /root/pkg 2>/dev/null | tr '\n' ' ')"
-    echo "it needs every part p00..pNN, bundle.md5 and the FlashInfer wheel (carried here: .gpu/install_bundle.sh, .whl)"
+    echo "it needs every part p00..pNN, bundle.md5 and the FlashInfer wheel there;"
+    echo "this call must carry .gpu/install_bundle.sh and .whl"
     exit 1
   fi
   # A FlashInfer JIT cache brought back by an earlier session's `watch` (copied to .gpu/ and carried to /root/pkg
