@@ -638,18 +638,35 @@ def test_switch_table_pairs_rounds_and_names_changed_plans(tmp_path):
         main([str(tmp_path), "--sides", "0,2"])
 
 
-def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
-    """The host script's `switch` step, with a stand-in python3 that records which side ran and writes a result."""
+def _host_session(tmp_path, python_source: str, **env):
+    """bench/hosts/gpu_session.sh with its /root moved under tmp_path and a stand-in `python3` (running
+    python_source) first on PATH; returns a runner of one step (its completed process) and the stand-in /root."""
+    import re
     import subprocess
     import sys
-    import tarfile
-    import textwrap
 
     fake = tmp_path / "bin" / "python3"
     fake.parent.mkdir()
-    fake.write_text(
-        f"#!{sys.executable}\n"
-        + textwrap.dedent("""
+    fake.write_text(f"#!{sys.executable}\n{python_source}")
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_session.sh")
+    (tmp_path / "session.sh").write_text(re.sub(r"/root\b", str(root), open(script).read()))
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), **env}
+
+    def step(*args):
+        return subprocess.run(["bash", str(tmp_path / "session.sh"), *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    return step, root
+
+
+def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
+    """The host script's `switch` step, with a stand-in python3 that records which side ran and writes a result."""
+    import tarfile
+    import textwrap
+
+    step, _ = _host_session(tmp_path, textwrap.dedent("""
         import json, os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         side = os.environ["BDLORA_TRY"]
@@ -660,17 +677,9 @@ def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
                "base_gemm_us": 5, "plan": "p"}
         with open(os.path.join(out, "decode_lora.json"), "w") as f:
             json.dump({"rows": [row]}, f)
-    """)
-    )
-    fake.chmod(0o755)
-    root = tmp_path / "root"
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "ORDER": str(tmp_path / "order"),
-           "OUT": str(tmp_path / "out")}  # fmt: skip
-    script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_session.sh")
-    text = open(script).read().replace("/root/switch", str(root / "switch")).replace("-C /root", f"-C {root}")
-    (tmp_path / "session.sh").write_text(text)
-    subprocess.run(["bash", str(tmp_path / "session.sh"), "switch", "BDLORA_TRY", "1-3", "--tp 4"], env=env,
-                   check=True, capture_output=True)  # fmt: skip
+    """), ORDER=str(tmp_path / "order"))  # fmt: skip
+    switched = step("switch", "BDLORA_TRY", "1-3", "--tp 4")
+    assert switched.returncode == 0, switched.stderr
     assert (tmp_path / "order").read_text().split() == ["0", "1", "1", "0", "0", "1"]
     with tarfile.open(tmp_path / "out" / "switch.tgz") as tar:
         names = sorted(n for n in tar.getnames() if n.endswith("decode_lora.json"))
@@ -680,22 +689,7 @@ def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
 def test_gpu_session_stops_on_a_host_without_the_bundle(tmp_path):
     """A host taken back between the part calls comes back bare: `install` must fail with what it found, and
     `queue` must refuse to start sweeps that would each die on a missing vLLM (stand-in python3 without it)."""
-    import subprocess
-    import sys
-
-    fake = tmp_path / "bin" / "python3"
-    fake.parent.mkdir()
-    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit(1)\n")
-    fake.chmod(0o755)
-    root = tmp_path / "root"
-    script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_session.sh")
-    (tmp_path / "session.sh").write_text(open(script).read().replace("/root/", f"{root}/"))
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
-
-    def step(*args):
-        return subprocess.run(["bash", str(tmp_path / "session.sh"), *args], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
-
+    step, root = _host_session(tmp_path, "import sys\nsys.exit(1)\n")
     installed = step("install")
     assert installed.returncode == 1 and "install failed" in installed.stdout
     queued = step("queue", "llama-3.1-8b 1 64 base")
