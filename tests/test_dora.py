@@ -112,3 +112,20 @@ def test_ranks_agree_on_the_adapter_they_load(monkeypatch, other_rank_id, other_
     else:
         with pytest.raises(RuntimeError, match=outcome):
             loading._agree_across_ranks([], layer, "a", 7)
+
+
+def test_dora_over_a_quantized_base_layer_is_refused_naming_the_method():
+    from types import SimpleNamespace
+
+    from vllm_bdlora.loading import quantized_base_problems
+
+    def item(name, method):
+        return SimpleNamespace(
+            name=name, target=SimpleNamespace(layer=SimpleNamespace(base_quantization=lambda: method))
+        )
+
+    problems = quantized_base_problems([item("o_proj", "Fp8LinearMethod"), item("q_proj", None)])
+    assert problems == [
+        "o_proj: DoRA over a quantized base layer (Fp8LinearMethod) is not served: the magnitude norm needs the "
+        "dequantized base weight; serve this adapter on an unquantized base, or as LoRA without its magnitudes"
+    ]

@@ -27,11 +27,20 @@ PATCH_TESTS = {
     "dora_scales_into_slots": ["test_dora_engine.py::test_dora_tp1_matches_peft"],
     "bd_lora_layer_classes": ["test_patching.py::test_bd_classes_lead_the_class_tuple", "test_engine_vs_peft.py"],
     "lora_manager_bd_layers": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
-    "adapter_loading": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
+    "adapter_loading": [
+        "test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters",
+        "test_server_guards.py::test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving",
+        "test_server_guards.py::test_admitted_adapter_is_served_as_admitted_after_its_files_change",
+    ],
     "adapter_load_order": ["test_dora_engine.py::test_dora_tp2_matches_peft_and_rejects_bad_adapters"],
     "add_lora_failures_as_replies": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
     "cpu_lora_ops_ignore_unadapted_tokens": ["test_patching.py::test_cpu_ops_ignore_unadapted_tokens"],
-    "load_lora_adapter_status": ["test_server.py::test_bad_adapters_get_400_and_the_server_keeps_serving"],
+    "load_lora_adapter_policy": [
+        "test_server.py::test_bad_adapters_get_400_and_the_server_keeps_serving",
+        "test_server_guards.py::test_adapter_paths_outside_the_roots_get_one_uniform_403",
+    ],
+    "api_key_covers_every_route": ["test_server_guards.py::test_every_route_but_the_probes_needs_the_api_key"],
+    "engine_death_exit_status": ["test_server_guards.py::test_dead_engine_turns_health_to_503_and_exits_non_zero"],
 }
 
 
@@ -164,7 +173,9 @@ def test_vllm_console_script_runs():
 
     proc = subprocess.run(["vllm", "serve", "--help=BD-LoRA"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--enable-bdlora" in proc.stdout and "Implies --enable-lora" in proc.stdout
+    text = " ".join(proc.stdout.split())  # help is wrapped to the terminal's width
+    assert "--enable-bdlora" in text and "Implies --enable-lora" in text
+    assert "--allowed-adapter-roots DIR [DIR ...]" in text and "--block-diagonal-sharded-loras" in text
 
 
 def test_cpu_ops_ignore_unadapted_tokens():
@@ -179,6 +190,11 @@ def test_cpu_ops_ignore_unadapted_tokens():
     punica_cpu.bgmv_shrink(x, weights, out, torch.tensor([-1, 2]), 1.0)
     assert torch.equal(out[0], torch.zeros(4))
     torch.testing.assert_close(out[1], weights[2, 0] @ x[1])
+    # A non-finite weight in slot 0 (which the unadapted row is run against) must not reach that row.
+    weights[0] = float("nan")
+    out = torch.full((2, 8), 5.0)
+    punica_cpu.bgmv_expand(torch.randn(2, 4), weights.transpose(2, 3).contiguous(), out, torch.tensor([-1, 2]), True)
+    assert torch.equal(out[0], torch.full((8,), 5.0)) and bool(torch.isfinite(out[1]).all())
 
 
 def test_kernels_compile_into_the_cache_directory_in_effect_before_vllm_changed_it(monkeypatch, tmp_path):

@@ -145,7 +145,7 @@ def test_bad_adapters_get_400_and_the_server_keeps_serving(server, assets, refer
             ("model.layers.2.self_attn.q_proj", "no such LoRA-capable module in this model"),
         ),
         "rank_over_max": (
-            broken_copy(assets["bd64"], tmp_path / "r128", lambda c: c.update(r=128)),
+            tiny.make_adapter(assets["model"], str(tmp_path / "r128"), rank=128, nblocks=2, seed=3),
             ("LoRA rank 128 is greater than max_lora_rank 64",),
         ),
     }

@@ -159,9 +159,12 @@ class AdapterFormat:
         return f"standard {variant}"
 
 
-def read_adapter_format(adapter_dir: str, adapter: str) -> AdapterFormat:
-    config = read_adapter_config(adapter_dir)
+def adapter_format(config: dict, adapter: str) -> AdapterFormat:
     return AdapterFormat(parse_block_diagonal_spec(config, adapter), parse_dora_flag(config, adapter))
+
+
+def read_adapter_format(adapter_dir: str, adapter: str) -> AdapterFormat:
+    return adapter_format(read_adapter_config(adapter_dir), adapter)
 
 
 @dataclass(frozen=True)

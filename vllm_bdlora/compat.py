@@ -49,6 +49,31 @@ def allowed_max_lora_ranks() -> tuple[int, ...]:
     return tuple(sorted(typing.get_args(MaxLoRARanks)))
 
 
+def adapter_absolute_path(lora_path: str) -> str:
+    """Where vLLM reads an adapter from: a local path made absolute (with `~` expanded), else a model-hub
+    download's local directory."""
+    from vllm.lora.utils import get_adapter_absolute_path
+
+    return get_adapter_absolute_path(lora_path)
+
+
+def with_lora_path(lora_request, lora_path: str):
+    """A copy of a LoRARequest (a msgspec struct in every supported version) reading from `lora_path`."""
+    import msgspec
+
+    return msgspec.structs.replace(lora_request, lora_path=lora_path)
+
+
+def without_load_inplace(lora_request):
+    """A step's request for an adapter that was loaded in place: vLLM's LRU worker manager reloads an adapter
+    whose request has `load_inplace` on every step that names it; the reload belongs to the load request only."""
+    import msgspec
+
+    if not getattr(lora_request, "load_inplace", False):
+        return lora_request
+    return msgspec.structs.replace(lora_request, load_inplace=False)
+
+
 def token_groups(punica_wrapper) -> tuple:
     """(sorted token ids, slot per group, tokens per group, group starts, CPU no-LoRA flag) that vLLM's GPU
     punica wrapper computes once per step for its own LoRA kernels; Nones where the wrapper has none (CPU)."""

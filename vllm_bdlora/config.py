@@ -56,6 +56,12 @@ class BdLoraSettings:
     # adapter at a time gives up 7-9% per layer at TP=1, r'=128, 4-16 tokens: a larger value keeps those on the one
     # kernel (65536: every batch of up to 16 tokens, as before); 0 keeps multi-slot layers on the three kernels.
     one_launch_max_mixed_width: int = 256
+    # Directories under which runtime adapter loads (every route) may read; empty: any path the server can read.
+    # Paths are resolved (symlinks, "..", relative to the server's working directory) before they are compared.
+    allowed_adapter_roots: tuple[str, ...] = ()
+    # Where each worker keeps the copies of admitted adapters it serves from (vllm_bdlora/admission.py);
+    # None: the system's temporary directory.
+    adapter_copy_dir: str | None = None
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -98,6 +104,17 @@ class BdLoraSettings:
                 f'additional_config["{CONFIG_KEY}"]["one_launch_max_mixed_width"] must be an integer >= 0 (LoRA '
                 f"columns per GPU), got {mixed_width!r}."
             )
+        roots = section.get("allowed_adapter_roots", [])
+        if isinstance(roots, str) or not isinstance(roots, (list, tuple)) or not all(isinstance(r, str) for r in roots):
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"]["allowed_adapter_roots"] must be a list of directories, got '
+                f"{roots!r}."
+            )
+        copy_dir = section.get("adapter_copy_dir")
+        if copy_dir is not None and not isinstance(copy_dir, str):
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"]["adapter_copy_dir"] must be a directory, got {copy_dir!r}.'
+            )
         return cls(
             enabled=values["enabled"],
             dora=values["enabled"] and values["dora"],
@@ -105,6 +122,8 @@ class BdLoraSettings:
             one_launch_decode=values["one_launch_decode"],
             one_launch_max_tokens=max_tokens,
             one_launch_max_mixed_width=mixed_width,
+            allowed_adapter_roots=tuple(roots),
+            adapter_copy_dir=copy_dir,
         )
 
     @classmethod
@@ -112,13 +131,17 @@ class BdLoraSettings:
         return cls.from_additional_config(getattr(vllm_config, "additional_config", None))
 
 
-def with_bdlora_enabled(additional_config: Mapping[str, Any] | None, dora: bool = False) -> dict[str, Any]:
-    """`additional_config` with the BD-LoRA section switched on (and DoRA, if asked), keeping whatever
-    else it holds."""
+def with_bdlora_enabled(
+    additional_config: Mapping[str, Any] | None, dora: bool = False, allowed_adapter_roots: list[str] | None = None
+) -> dict[str, Any]:
+    """`additional_config` with the BD-LoRA section switched on (and DoRA, and adapter roots, if given),
+    keeping whatever else it holds."""
     merged = dict(additional_config or {})
     section = dict(merged.get(CONFIG_KEY) or {})
     section["enabled"] = True
     if dora:
         section["dora"] = True
+    if allowed_adapter_roots:
+        section["allowed_adapter_roots"] = list(allowed_adapter_roots)
     merged[CONFIG_KEY] = section
     return merged

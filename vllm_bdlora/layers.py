@@ -107,6 +107,13 @@ class BlockDiagonalLoRALayer:
     def lora_output_heights(self) -> tuple[int, ...]:
         return (self.output_size,)
 
+    def base_quantization(self) -> str | None:
+        """The name of the base layer's quantization method, or None for an unquantized base."""
+        method = getattr(self.base_layer, "quant_method", None)
+        if method is None or isinstance(method, UnquantizedLinearMethod):
+            return None
+        return type(method).__name__
+
     def base_weight_rows(self, slice_index: int) -> torch.Tensor | ProbedWeight:
         """This rank's base weight rows of one output slice (what DoRA's norm is taken over): the weight
         itself when the layer keeps it as a plain matrix, else read through the layer's own GEMM."""

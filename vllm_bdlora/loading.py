@@ -7,16 +7,33 @@ so a bad adapter never leaves half-written state behind.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from vllm_bdlora.adapters import AdapterFormat, AdapterRejected
-from vllm_bdlora.compat import allowed_max_lora_ranks
+from vllm_bdlora.adapter_files import check_adapter_dir
+from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, adapter_format, read_adapter_format
+from vllm_bdlora.admission import AdmittedCopies, is_admitting
+from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks, with_lora_path
+from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.dora import magnitude_scale, squared_row_norms
 from vllm_bdlora.layers import BlockDiagonalLoRALayer
 from vllm_bdlora.sharding import LocalFactors, ShardingError, localize, localize_magnitude
+
+logger = logging.getLogger("vllm.bdlora")
+
+ENABLE_HINT = (
+    'start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, additional_config={"bdlora": {}}))'
+)
+DORA_HINT = (
+    "start the server with --enable-dora (Python API: LLM(..., enable_lora=True, "
+    'additional_config={"bdlora": {"dora": True}}))'
+)
+NON_FINITE_HINT = "the adapter's training diverged or its file is damaged; re-train or re-save it."
 
 # Attributes vllm-bdlora adds to vLLM's LoRAModel: the DoRA magnitude vectors as read from the file
 # (patching/dora.py) and, after load, this rank's magnitude scales g per adapter module.
@@ -92,6 +109,9 @@ def localize_adapter(
     (--lora-target-modules), under which vLLM wraps only those modules and drops the adapter's others without
     a word; they are returned so that the caller can say so. Returns a one-line summary for the log and the
     adapter's modules that are not served."""
+    non_finite = non_finite_problems(lora_model)
+    if non_finite:
+        raise AdapterRejected(adapter, non_finite, NON_FINITE_HINT)
     spec = fmt.block_diagonal
     targets = bd_targets(manager)
     known = known_lora_modules(manager)
@@ -131,6 +151,8 @@ def localize_adapter(
         staged.append(StagedModule(module, weights, local, target))
     magnitudes = getattr(lora_model, DORA_MAGNITUDES, {})
     problems += _stage_magnitudes(staged, magnitudes, fmt.dora)
+    if fmt.dora:
+        problems += quantized_base_problems(staged)
     if fmt.dora and staged:
         _agree_across_ranks(problems, staged[0].target.layer, adapter, lora_model.id)
     if problems:
@@ -185,6 +207,19 @@ def _stage_magnitudes(staged: list[StagedModule], magnitudes: dict, dora: bool) 
     return problems
 
 
+def quantized_base_problems(staged: list[StagedModule]) -> list[str]:
+    """DoRA's magnitude scale g = m / ||W + s·B·A|| needs the base weight W as the layer applies it. A quantized
+    layer keeps W in its own storage (FP8 transposed with separate scales, packed 4-bit, ...), whose values are not
+    W; reading it as W made g wrong by orders of magnitude on square FP8 layers. Until the norm is taken over the
+    dequantized weight of each method, DoRA over a quantized layer is refused, never served wrong."""
+    return [
+        f"{item.name}: DoRA over a quantized base layer ({method}) is not served: the magnitude norm needs the "
+        "dequantized base weight; serve this adapter on an unquantized base, or as LoRA without its magnitudes"
+        for item in staged
+        if (method := item.target.layer.base_quantization())
+    ]
+
+
 def _agree_across_ranks(problems: list[str], layer: BlockDiagonalLoRALayer, adapter: str, adapter_id: int) -> None:
     """DoRA scales of row-parallel layers need one all-reduce; every rank must reach it or none may, and
     for the same adapter. A rank whose own checks passed raises when another rank's did not; ranks loading
@@ -232,3 +267,107 @@ def _dora_scales(staged: list[StagedModule]) -> tuple[dict[str, torch.Tensor], l
         except ValueError as e:
             problems.append(str(e))
     return scales, problems
+
+
+def non_finite_problems(lora_model) -> list[str]:
+    """One pass over every tensor: NaN or Inf in a LoRA factor would make the adapter's answers empty or
+    garbage, and in a shared slot buffer could reach other adapters' rows."""
+    problems = []
+    for module, weights in lora_model.loras.items():
+        for factor, tensor in (("lora_A", weights.lora_a), ("lora_B", weights.lora_b)):
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                problems.append(f"{module}: {factor} holds NaN or Inf")
+    return problems
+
+
+def base_quantization(layer) -> str | None:
+    return layer.base_quantization() if isinstance(layer, BlockDiagonalLoRALayer) else None
+
+
+def is_first_tp_rank(manager) -> bool:
+    """True on the first tensor-parallel rank only, so each log line appears once per engine."""
+    return all(getattr(layer, "tp_rank", 0) == 0 for layer in manager.modules.values())
+
+
+def refuse_unserved_kinds(fmt: AdapterFormat, settings: BdLoraSettings, adapter: str) -> None:
+    """A BD adapter on a server without BD-LoRA would be served as dense (wrong output); a DoRA adapter
+    without DoRA serving would lose its magnitudes. Both are refused with the flag that serves them."""
+    spec = fmt.block_diagonal
+    if spec is not None and not settings.enabled:
+        problem = f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"
+        raise AdapterRejected(adapter, [problem], ENABLE_HINT)
+    if fmt.dora and not settings.dora:
+        problem = f"it is a {fmt.describe()} adapter (use_dora) and DoRA serving is off"
+        raise AdapterRejected(adapter, [problem], DORA_HINT)
+
+
+def load_adapter(worker_manager, lora_request, read: Callable):
+    """vLLM's `WorkerLoRAManager._load_adapter` with vllm-bdlora's rules: `read(request)` is vLLM's own reader.
+
+    With BD-LoRA on, the adapter is admitted first (`vllm_bdlora.admission`): its files are copied, checked
+    (`vllm_bdlora.adapter_files`) and read from the copy, then every module is validated against its layer and
+    cut to this rank's share. A later read of an admitted adapter (after vLLM's CPU cache dropped it) reads the
+    same copy, so it passes as it passed before: no load can fail inside an engine step because of its files."""
+    manager = worker_manager._adapter_manager
+    settings = getattr(manager, "_bdlora_settings", BdLoraSettings())
+    name = lora_request.lora_name
+    if not settings.enabled:
+        try:
+            fmt = read_adapter_format(adapter_absolute_path(lora_request.lora_path), name)
+        except AdapterRejected:
+            raise
+        except (OSError, ValueError):
+            fmt = AdapterFormat(None, dora=False)  # vLLM's own reader reports missing or unreadable adapters
+        refuse_unserved_kinds(fmt, settings, name)
+        return read(lora_request)
+    copies = admitted_copies(worker_manager, settings)
+    adapter_id = lora_request.lora_int_id
+    copy = copies.get(adapter_id)
+    new_copy = None
+    if copy is None or is_admitting():
+        source = adapter_absolute_path(lora_request.lora_path)
+        if not os.path.exists(source):
+            return read(lora_request)  # vLLM's "not found" (HTTP 404)
+        copy = new_copy = copies.stage(source, name)
+    try:
+        files = check_adapter_dir(copy.directory, name)
+        fmt = adapter_format(files.config, name)
+        refuse_unserved_kinds(fmt, settings, name)
+        try:
+            lora_model = read(with_lora_path(lora_request, copy.directory))
+        except ValueError as e:
+            if isinstance(e, AdapterRejected):
+                raise
+            raise AdapterRejected(name, [str(e)]) from e
+        deployment_targets = getattr(manager.lora_config, "target_modules", None)
+        summary, not_served = localize_adapter(lora_model, fmt, manager, name, deployment_targets)
+    except BaseException:
+        if new_copy is not None:
+            copies.discard(new_copy)
+        raise
+    if new_copy is not None:
+        copies.keep(adapter_id, new_copy)
+    if is_first_tp_rank(manager):
+        logger.info("vllm-bdlora: %s", summary)
+        if not_served:
+            logger.warning(
+                "vllm-bdlora: adapter '%s' is served without its LoRA on %d module(s) that --lora-target-modules %s "
+                "leaves out (%s): its outputs differ from the adapter's as trained. Add their names to "
+                "--lora-target-modules to serve it whole.",
+                name, len(not_served), " ".join(deployment_targets), _module_kinds(not_served),
+            )  # fmt: skip
+    return lora_model
+
+
+def admitted_copies(worker_manager, settings: BdLoraSettings) -> AdmittedCopies:
+    copies = getattr(worker_manager, "_bdlora_admitted", None)
+    if copies is None:
+        copies = AdmittedCopies(settings.adapter_copy_dir)
+        worker_manager._bdlora_admitted = copies
+    return copies
+
+
+def _module_kinds(modules: list[str]) -> str:
+    """'lm_head, 2 x up_proj' rather than every layer's full name."""
+    kinds = Counter(module.rsplit(".", 1)[-1] for module in modules)
+    return ", ".join(kind if count == 1 else f"{count} x {kind}" for kind, count in sorted(kinds.items()))

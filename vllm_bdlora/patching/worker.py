@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
-from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, read_adapter_format
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_method
 from vllm_bdlora.sharding import per_rank_width
 
 logger = logging.getLogger("vllm.bdlora")
-
-ENABLE_HINT = (
-    'start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, additional_config={"bdlora": {}}))'
-)
-DORA_HINT = (
-    "start the server with --enable-dora (Python API: LLM(..., enable_lora=True, "
-    'additional_config={"bdlora": {"dora": True}}))'
-)
-
-
-def is_first_tp_rank(manager) -> bool:
-    """True on the first tensor-parallel rank only, so each log line appears once per engine."""
-    return all(getattr(layer, "tp_rank", 0) == 0 for layer in manager.modules.values())
-
 
 ADAPTER_FLAGS_WE_INTERPRET = ("use_bdlora", "use_dora")
 
@@ -70,6 +54,7 @@ def patch_lora_manager() -> bool:
 
     from vllm_bdlora.kernels import decode_lora
     from vllm_bdlora.layers import describe_sharding, selecting_bd_layers, uses_fused_kernels
+    from vllm_bdlora.loading import base_quantization, is_first_tp_rank
 
     require_parameters(LoRAModelManager.__init__, ("lora_config", "vllm_config"), "LoRAModelManager.__init__")
 
@@ -101,6 +86,13 @@ def patch_lora_manager() -> bool:
             if not lines:
                 logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
             if settings.dora:
+                quantized = sorted({m for layer in self.modules.values() if (m := base_quantization(layer))})
+                if quantized:
+                    lines.append(
+                        "DoRA adapters are refused on this model: its base layers are quantized "
+                        f"({', '.join(quantized)}) and DoRA's magnitude norm needs the dequantized weight. LoRA "
+                        "adapters are served."
+                    )
                 path = "fused Triton kernel" if current_platform.is_cuda_alike() else "torch reference"
                 lines.append(
                     "DoRA on: each BD layer keeps a float32 magnitude scale per LoRA slot and output channel; "
@@ -171,63 +163,35 @@ def eager_steps_summary(vllm_config) -> str | None:
             "'{\"max_cudagraph_capture_size\": N}'.")  # fmt: skip
 
 
-def _module_kinds(modules: list[str]) -> str:
-    """'lm_head, 2 x up_proj' rather than every layer's full name."""
-    kinds = Counter(module.rsplit(".", 1)[-1] for module in modules)
-    return ", ".join(kind if count == 1 else f"{count} x {kind}" for kind, count in sorted(kinds.items()))
-
-
 def patch_adapter_loading() -> bool:
-    """Validate and cut every adapter to this rank's share before it can reach a LoRA slot; turn load
-    errors into `AdapterRejected` (HTTP 400 through `patch_load_lora_adapter_status`)."""
-    from vllm.lora.utils import get_adapter_absolute_path
+    """Admit, check and cut every adapter to this rank's share before it can reach a LoRA slot
+    (`vllm_bdlora.loading.load_adapter`); load errors become `AdapterRejected` (HTTP 400)."""
     from vllm.lora.worker_manager import WorkerLoRAManager
 
-    from vllm_bdlora.loading import localize_adapter
+    from vllm_bdlora.loading import load_adapter
 
     require_parameters(WorkerLoRAManager._load_adapter, ("lora_request",), "WorkerLoRAManager._load_adapter")
+    require_parameters(WorkerLoRAManager.remove_adapter, ("adapter_id",), "WorkerLoRAManager.remove_adapter")
 
-    def make(original):
+    def make_load(original):
         def _load_adapter(self, lora_request):
-            manager = self._adapter_manager
-            settings = getattr(manager, "_bdlora_settings", BdLoraSettings())
-            name = lora_request.lora_name
-            try:
-                fmt = read_adapter_format(get_adapter_absolute_path(lora_request.lora_path), name)
-            except AdapterRejected:
-                raise
-            except (OSError, ValueError):
-                fmt = AdapterFormat(None, dora=False)  # vLLM's own loader reports missing or unreadable adapters
-            spec = fmt.block_diagonal
-            if spec is not None and not settings.enabled:
-                problem = f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"
-                raise AdapterRejected(name, [problem], ENABLE_HINT)
-            if fmt.dora and not settings.dora:
-                problem = f"it is a {fmt.describe()} adapter (use_dora) and DoRA serving is off"
-                raise AdapterRejected(name, [problem], DORA_HINT)
-            try:
-                lora_model = original(self, lora_request)
-            except AdapterRejected:
-                raise
-            except ValueError as e:
-                raise AdapterRejected(name, [str(e)]) from e
-            if settings.enabled:
-                deployment_targets = getattr(manager.lora_config, "target_modules", None)
-                summary, not_served = localize_adapter(lora_model, fmt, manager, name, deployment_targets)
-                if is_first_tp_rank(manager):
-                    logger.info("vllm-bdlora: %s", summary)
-                    if not_served:
-                        logger.warning(
-                            "vllm-bdlora: adapter '%s' is served without its LoRA on %d module(s) that "
-                            "--lora-target-modules %s leaves out (%s): its outputs differ from the adapter's as "
-                            "trained. Add their names to --lora-target-modules to serve it whole.",
-                            name, len(not_served), " ".join(deployment_targets), _module_kinds(not_served),
-                        )  # fmt: skip
-            return lora_model
+            return load_adapter(self, lora_request, lambda request: original(self, request))
 
         return _load_adapter
 
-    return wrap_method(WorkerLoRAManager, "_load_adapter", make)
+    def make_remove(original):
+        def remove_adapter(self, adapter_id):
+            removed = original(self, adapter_id)
+            copies = getattr(self, "_bdlora_admitted", None)
+            if copies is not None:
+                copies.forget(adapter_id)
+            return removed
+
+        return remove_adapter
+
+    loading = wrap_method(WorkerLoRAManager, "_load_adapter", make_load)
+    removing = wrap_method(WorkerLoRAManager, "remove_adapter", make_remove)
+    return loading or removing
 
 
 def patch_add_lora_failures() -> bool:
@@ -237,6 +201,7 @@ def patch_add_lora_failures() -> bool:
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
     from vllm_bdlora.adapters import AdapterLoadFailure
+    from vllm_bdlora.admission import admission_receipt, admitting, check_admission_replies
 
     require_parameters(LoRAModelRunnerMixin.add_lora, ("lora_request",), "LoRAModelRunnerMixin.add_lora")
     require_parameters(Executor.add_lora, ("lora_request",), "Executor.add_lora")
@@ -244,9 +209,11 @@ def patch_add_lora_failures() -> bool:
     def make_runner_add_lora(original):
         def add_lora(self, lora_request):
             try:
-                return original(self, lora_request)
+                with admitting():
+                    loaded = original(self, lora_request)
             except Exception as e:
                 return AdapterLoadFailure(str(e))
+            return admission_receipt(self.lora_manager, lora_request, loaded)
 
         return add_lora
 
@@ -254,12 +221,7 @@ def patch_add_lora_failures() -> bool:
         def add_lora(self, lora_request):
             assert lora_request.lora_int_id > 0, "lora_id must be greater than 0."
             replies = self.collective_rpc("add_lora", args=(lora_request,))
-            failures = [r for r in replies if isinstance(r, AdapterLoadFailure)]
-            if failures:
-                # A rank that only learned that another rank rejected the adapter has the least to say.
-                failures.sort(key=lambda f: AdapterRejected.OTHER_RANK in f.message)
-                raise RuntimeError(failures[0].message)
-            return all(replies)
+            return check_admission_replies(replies, lora_request, lambda: self.remove_lora(lora_request.lora_int_id))
 
         return add_lora
 
@@ -278,15 +240,18 @@ CPU_LORA_OP_NAMESPACES = (
 
 def ignore_unadapted_tokens(op):
     """Make a CPU bgmv op treat LoRA index -1 ("no adapter") as no contribution, instead of indexing
-    the last LoRA slot as Python's negative indexing does."""
+    the last LoRA slot as Python's negative indexing does. The op runs those rows against slot 0 and their
+    output rows are then put back as they were: zeroing their inputs instead would still turn a non-finite
+    weight in slot 0 into NaN (0 * NaN), and leak it into base-model rows."""
 
     def masked(inputs, weights, output, lora_indices, *args, **kwargs):
-        unadapted = lora_indices < 0
-        if bool(unadapted.any()):
-            # One index per input row (the ops' einsum requires it).
-            inputs = inputs.masked_fill(unadapted[:, None], 0)
-            lora_indices = lora_indices.clamp(min=0)
-        return op(inputs, weights, output, lora_indices, *args, **kwargs)
+        unadapted = lora_indices < 0  # one index per input row and output row (the ops' einsum requires it)
+        if not bool(unadapted.any()):
+            return op(inputs, weights, output, lora_indices, *args, **kwargs)
+        kept = output[unadapted].clone()
+        result = op(inputs, weights, output, lora_indices.clamp(min=0), *args, **kwargs)
+        output[unadapted] = kept
+        return result
 
     masked.__bdlora_original__ = op
     masked.__name__ = op.__name__
@@ -323,9 +288,11 @@ def patch_adapter_load_order() -> bool:
     its own order, and load-time collectives (DoRA's row-layer norms) would pair different adapters."""
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
+    from vllm_bdlora.compat import without_load_inplace
+
     def make(original):
         def _apply_adapters(self, requests):
-            ordered = sorted((r for r in requests if r), key=lambda r: r.adapter_id)
+            ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
             return original(self, ordered)
 
         return _apply_adapters

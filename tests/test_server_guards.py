@@ -1,0 +1,237 @@
+"""A server an adversarial client cannot break: `vllm serve --enable-bdlora` at TP=2 with --api-key,
+--allowed-adapter-roots and a one-adapter CPU cache (so adapters are dropped and read again), against PEFT.
+
+Covered: every route but the probes needs the key; adapter paths outside the roots get one uniform 403; every
+kind of bad adapter gets a 4xx naming it (bench/bad_adapters.py) and the others keep serving; an admitted
+adapter whose files are changed or deleted afterwards keeps being served as admitted; a bad --lora-modules
+entry stops start-up naming it; a dead engine turns /health to 503 and the process exits non-zero."""
+
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+from bench.bad_adapters import BAD_ADAPTERS
+from tests.conftest import cpu_engine_env
+from vllm_bdlora.access import OPEN_PATHS, PATH_REFUSED
+from vllm_bdlora.peft_reference import greedy, load_reference
+from vllm_bdlora.serve.process import free_port, launch, stop_server, wait_healthy
+
+pytestmark = pytest.mark.engine
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = [10, 20, 30, 40, 50, 60]
+MAX_TOKENS = 12
+START_TIMEOUT = 240
+
+
+def serve_command(model, port, lora_modules, *extra):
+    return [
+        "vllm", "serve", model, "--enable-bdlora", "--tensor-parallel-size", "2", "--max-lora-rank", "64",
+        "--max-loras", "1", "--max-cpu-loras", "1", "--dtype", "float32", "--max-model-len", "256",
+        "--enforce-eager", "--port", str(port), "--api-key", KEY, *extra, "--lora-modules",
+        *[f"{name}={path}" for name, path in lora_modules.items()],
+    ]  # fmt: skip
+
+
+def server_env():
+    env = cpu_engine_env(2)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return env
+
+
+@pytest.fixture(scope="module")
+def roots(assets, tmp_path_factory):
+    """An allowed root holding copies of two adapters, and a directory outside it holding another."""
+    base = tmp_path_factory.mktemp("guards")
+    inside, outside = base / "adapters", base / "elsewhere"
+    inside.mkdir()
+    outside.mkdir()
+    for name in ("bd64", "std16", "bd48"):
+        shutil.copytree(assets[name], inside / name)
+    shutil.copytree(assets["bd64"], outside / "bd64")
+    return inside, outside
+
+
+@pytest.fixture(scope="module")
+def server(assets, roots, tmp_path_factory):
+    inside, _ = roots
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("guarded") / "server.log"
+    command = serve_command(assets["model"], port, {"bd64": inside / "bd64"}, "--allowed-adapter-roots", str(inside))
+    proc = launch(command, str(log_path), tp=2, env=server_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, str(log_path), START_TIMEOUT)
+        yield url, log_path
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def reference_words(assets):
+    def words(adapter):
+        tokens, _ = greedy(load_reference(assets["model"], assets[adapter]), PROMPT, MAX_TOKENS)
+        return [f"w{t}" for t in tokens]
+
+    return {name: words(name) for name in ("bd64", "std16", "bd48")}
+
+
+def complete(url, model):
+    body = {"model": model, "prompt": " ".join(f"w{i}" for i in PROMPT), "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    response = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"].split()
+
+
+def load(url, name, path, headers=AUTH):
+    body = {"lora_name": name, "lora_path": str(path)}
+    return requests.post(f"{url}/v1/load_lora_adapter", json=body, headers=headers, timeout=120)
+
+
+def unload(url, name):
+    return requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=AUTH, timeout=60)
+
+
+def routes_from_log(log: str) -> list[tuple[str, str]]:
+    """(path, method) of every route the app has: vLLM logs them all at start-up (mounts without methods)."""
+    routes = []
+    for path, methods in re.findall(r"Route: (\S+), Methods: (.+)", log):
+        routes += [(path, m.strip()) for m in methods.split(",")]
+    routes += [(path, "GET") for path in re.findall(r"Route: (\S+), Endpoint: ", log)]
+    return sorted(set(routes))
+
+
+def test_every_route_but_the_probes_needs_the_api_key(server):
+    url, log_path = server
+    routes = routes_from_log(log_path.read_text())
+    paths = {path for path, _ in routes}
+    assert {"/v1/completions", "/adapters", "/adapters/{adapter_name}", "/invocations", "/health"} <= paths
+    open_to_anyone = []
+    for path, method in routes:
+        concrete = re.sub(r"\{[^}]+\}", "x", path)
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+            status = requests.request(method, f"{url}{concrete}", headers=headers, timeout=30).status_code
+            if status != 401:
+                open_to_anyone.append((method, path, status))
+    assert sorted({path for _, path, _ in open_to_anyone}) == sorted(OPEN_PATHS & paths), open_to_anyone
+    # The key still opens the guarded routes.
+    assert requests.get(f"{url}/v1/models", headers=AUTH, timeout=10).status_code == 200
+
+
+def test_adapter_paths_outside_the_roots_get_one_uniform_403(server, roots, tmp_path):
+    url, _ = server
+    inside, outside = roots
+    (inside / "link-out").symlink_to(outside / "bd64")
+    attempts = [
+        outside / "bd64",  # exists, outside
+        outside / "nothing-here",  # does not exist, outside
+        f"{inside}/../elsewhere/bd64",  # traversal
+        inside / "link-out",  # a symlink inside that points outside
+        "relative/bd64",  # relative to the server's working directory
+        "/etc",
+    ]
+    bodies = set()
+    for i, path in enumerate(attempts):
+        response = load(url, f"escape{i}", path)
+        assert response.status_code == 403, (path, response.text)
+        bodies.add(response.json()["error"]["message"].replace(f"escape{i}", "NAME"))
+    assert len(bodies) == 1 and PATH_REFUSED in bodies.pop()  # nothing tells the paths apart
+    sagemaker = requests.post(f"{url}/adapters", json={"name": "escape-sm", "src": str(outside / "bd64")},
+                              headers=AUTH, timeout=60)  # fmt: skip
+    assert sagemaker.status_code == 403, sagemaker.text
+    assert load(url, "inside", inside / "std16").status_code == 200
+    assert unload(url, "inside").status_code == 200
+
+
+@pytest.mark.parametrize("bad", BAD_ADAPTERS, ids=lambda b: b.kind)
+def test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving(server, roots, assets, reference_words, bad):
+    url, _ = server
+    inside, _ = roots
+    name = f"bad-{bad.kind}"
+    path = bad.make(assets["bd64"], inside / name)
+    response = load(url, name, path)
+    assert response.status_code == bad.status, response.text
+    message = response.json()["error"]["message"]
+    for fragment in (name, *bad.says):
+        assert fragment in message, message
+    assert complete(url, "bd64") == reference_words["bd64"]
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_admitted_adapter_is_served_as_admitted_after_its_files_change(server, roots, reference_words):
+    """One CPU cache entry: loading std16 drops bd48 from it, so the next bd48 request reads bd48 again. Its
+    files were re-saved with other weights, then truncated, then deleted: each time it is served as admitted."""
+    url, log_path = server
+    inside, _ = roots
+    source = inside / "bd48"
+    log_start = len(log_path.read_text())
+    assert load(url, "bd48", source).status_code == 200
+    assert load(url, "std16", inside / "std16").status_code == 200
+    assert complete(url, "bd48") == reference_words["bd48"]
+    edits = [
+        lambda: shutil.copyfile(inside / "bd64" / "adapter_model.safetensors", source / "adapter_model.safetensors"),
+        lambda: os.truncate(source / "adapter_model.safetensors", 100),
+        lambda: shutil.rmtree(source),
+    ]
+    for edit in edits:
+        assert complete(url, "std16") == reference_words["std16"]  # evicts bd48 from the CPU cache
+        edit()
+        assert complete(url, "bd48") == reference_words["bd48"]
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    assert "Traceback" not in log_path.read_text()[log_start:]
+
+
+def test_bad_lora_modules_entry_stops_startup_naming_it(assets, tmp_path):
+    truncated = BAD_ADAPTERS[0].make(assets["bd64"], tmp_path / "truncated")
+    proc = subprocess.run(
+        serve_command(assets["model"], free_port(), {"bd64": assets["bd64"], "broken": truncated}),
+        env=server_env(), capture_output=True, text=True, timeout=START_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "LoRA adapter rejected: 'broken'" in output and "adapter_model.safetensors: truncated" in output
+
+
+def test_dead_engine_turns_health_to_503_and_exits_non_zero(assets, tmp_path):
+    import psutil
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    proc = launch(serve_command(assets["model"], port, {"bd64": assets["bd64"]}), str(log_path), 2, server_env())
+    try:
+        wait_healthy(proc, url, str(log_path), START_TIMEOUT)
+        in_flight = {}
+
+        def long_request():
+            body = {"model": "bd64", "prompt": "w5 w6", "max_tokens": 200, "ignore_eos": True}
+            try:
+                in_flight["status"] = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+            except requests.RequestException as e:
+                in_flight["status"] = e
+
+        client = threading.Thread(target=long_request)
+        client.start()
+        time.sleep(1)
+        processes = psutil.Process(proc.pid).children(recursive=True)
+        worker = next(p for p in processes if "Worker_TP1" in " ".join(p.cmdline()))
+        worker.kill()
+        killed = time.monotonic()
+        while requests.get(f"{url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() - killed < 2, "/health still answers 200 two seconds after a worker died"
+            time.sleep(0.1)
+        client.join(timeout=60)
+        assert not client.is_alive(), "an in-flight request hangs after the engine died"
+        assert proc.wait(timeout=60) == 1
+        assert "the engine died" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
