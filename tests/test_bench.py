@@ -157,7 +157,7 @@ def test_a_resumed_sweep_adds_its_command_to_the_environment_record(tmp_path, mo
     from bench import sweep
 
     monkeypatch.setattr(sweep, "environment", lambda: {"vllm": "0.26.0"})
-    (tmp_path / "environment.json").write_text(json.dumps({"vllm": "0.26.0", "started": "s1", "command": "first"}))
+    (tmp_path / "environment.json").write_text(json.dumps({"vllm": "0.26.0", "started": "t1", "command": "first"}))
     for argv in (["--tp", "2"], ["--tp", "4", "--extra-server-args", "--a b"]):
         sweep.record_environment(str(tmp_path), argv)
     runs = json.loads((tmp_path / "environment.json").read_text())["runs"]
@@ -165,7 +165,7 @@ def test_a_resumed_sweep_adds_its_command_to_the_environment_record(tmp_path, mo
         "first", "python -m bench.sweep --tp 2", "python -m bench.sweep --tp 4 --extra-server-args '--a b'"
     ]  # fmt: skip
     text = report.write_summary(str(tmp_path), [synthetic_row("bdlora", 128, 10.0, 100)], {})
-    assert "- started s1: `first`" in text and "`python -m bench.sweep --tp 2`" in text
+    assert "- started t1: `first`" in text and "`python -m bench.sweep --tp 2`" in text
 
 
 def test_profiled_servers_write_their_tables_beside_the_results(tmp_path):
@@ -315,29 +315,29 @@ def test_median_itl_comes_from_the_points_or_else_the_raw_file(tmp_path):
 
 def test_overview_compares_bd_only_with_baselines_of_the_same_run(tmp_path):
     """Two runs: S-LoRA in one, NFS and base in the other. BD is compared with each baseline of its own run and
-    never across runs (a cross-run S-LoRA ratio here would be 13/8, not None); session s9 is listed before s10."""
+    never across runs (a cross-run S-LoRA ratio here would be 13/8, not None); tp2 is listed before tp16."""
     from bench import overview
     from bench.sweep import COLUMNS
 
     runs = {
-        "run-s9": [synthetic_row("bdfused", 128, 10.0, 100), synthetic_row("slora", 64, 13.0, 80)],
-        "run-s10": [{**synthetic_row("bdfused", 128, 8.0, 100), "median_itl_ms": 6.0},
+        "tp2-run": [synthetic_row("bdfused", 128, 10.0, 100), synthetic_row("slora", 64, 13.0, 80)],
+        "tp16-run": [{**synthetic_row("bdfused", 128, 8.0, 100), "median_itl_ms": 6.0},
                     synthetic_row("nfs", 64, 10.0, 90), {**synthetic_row("base", 0, 5.0, 200), "median_itl_ms": 4.8}],
     }  # fmt: skip
     for run, rows in runs.items():
-        (tmp_path / run).mkdir()
-        with open(tmp_path / run / "points.csv", "w", newline="") as f:
+        (tmp_path / "serving" / run).mkdir(parents=True)
+        with open(tmp_path / "serving" / run / "points.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows({**row, "model_shape": "llama-3.1-8b"} for row in rows)
     a, b = overview.comparisons(str(tmp_path))
-    assert (a["run"], a["tpot_vs_slora"], a["tpot_vs_nfs"], a["tpot_over_base"]) == ("run-s9", 1.3, None, None)
-    assert (b["run"], b["tpot_vs_slora"], b["tpot_vs_nfs"], b["tpot_over_base"]) == ("run-s10", None, 1.25, 1.6)
+    assert (a["run"], a["tpot_vs_slora"], a["tpot_vs_nfs"], a["tpot_over_base"]) == ("tp2-run", 1.3, None, None)
+    assert (b["run"], b["tpot_vs_slora"], b["tpot_vs_nfs"], b["tpot_over_base"]) == ("tp16-run", None, 1.25, 1.6)
     assert b["throughput_vs_nfs"] == pytest.approx(100 / 90)
     assert a["itl_over_base"] is None and b["itl_over_base"] == pytest.approx(1.25)  # the decode step: 6.0 / 4.8
     overview.main([str(tmp_path)])
     text = (tmp_path / "overview.md").read_text()
-    assert "| `run-s10` | llama-3.1-8b | 4 | 1024/128 | 1 | 1 | fused | 64 / 128 | — | 1.25× |" in text
+    assert "| `tp16-run` | llama-3.1-8b | 4 | 1024/128 | 1 | 1 | fused | 64 / 128 | — | 1.25× |" in text
     assert text.rstrip().endswith("| 1.60× | 1.25× |")
     assert (tmp_path / "overview.png").stat().st_size > 0
 
@@ -407,13 +407,13 @@ def test_fused_lora_report_lists_paths_that_failed_to_compile(tmp_path):
 
 
 def test_fused_lora_report_refuses_a_json_from_before_the_layer_op_and_says_why(tmp_path):
-    """The first H200 run (bench/results/kernels-h200) has no layer-op columns: `--report` on it names that,
+    """A benchmark JSON written before the layer op existed (tests/data/fused-lora-report) has no layer-op columns: `--report` on it names that,
     rather than failing with a KeyError."""
     import shutil
 
     from bench.kernels.fused_lora import main
 
-    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200")
+    run = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "fused-lora-report")
     shutil.copy(os.path.join(run, "fused_lora.json"), tmp_path / "fused_lora.json")
     with pytest.raises(SystemExit, match="predates the layer op \\(no layer_op_ms, delta_first_ms column\\)"):
         main(["--report", str(tmp_path / "fused_lora.json")])
@@ -434,7 +434,7 @@ def test_decode_kernel_report_rebuilds_the_committed_one_from_its_json(tmp_path)
 
     from bench.kernels.decode_lora import report
 
-    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s11")
+    run = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "decode-report")
     shutil.copy(os.path.join(run, "decode_lora.json"), tmp_path / "decode_lora.json")
     text = open(report(str(tmp_path / "decode_lora.json"))).read()
     assert text == open(os.path.join(run, "decode_lora.md")).read()
@@ -449,13 +449,13 @@ def test_decode_kernel_report_sums_multi_slot_layers_by_the_adapters_a_batch_mix
 
     from bench.kernels.decode_lora import report
 
-    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s22")
-    for name in ("slots-r512-mixed", "slots-r128-one"):
+    run = os.path.join(os.path.dirname(__file__), "..", "tests", "data")
+    for name in ("decode-report-slots-r512-mixed", "decode-report-slots-r128-one"):
         shutil.copy(os.path.join(run, name, "decode_lora.json"), tmp_path / "decode_lora.json")
         text = open(report(str(tmp_path / "decode_lora.json"))).read()
         assert text == open(os.path.join(run, name, "decode_lora.md")).read()
     assert "| 1 | 1 of 4 slots | 4 | 113.2 | 172.3 (1.52) | 156.9 (1.39) | 1.10× |" in text
-    data = json.loads(open(os.path.join(run, "slots-r512-mixed", "decode_lora.json")).read())
+    data = json.loads(open(os.path.join(run, "decode-report-slots-r512-mixed", "decode_lora.json")).read())
     for row in data["rows"]:
         row["layer_op_picks"] = "one launch" if row["tokens"] == 1 else "three kernels"
     (tmp_path / "decode_lora.json").write_text(json.dumps(data))
@@ -483,7 +483,7 @@ def test_decode_configs_report_names_the_multi_slot_plans_among_the_candidates(t
 
     from bench.kernels.decode_lora import configs_report
 
-    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s23", "configs-tp4-one")
+    run = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "decode-configs-report")
     shutil.copy(os.path.join(run, "decode_configs.json"), tmp_path / "decode_configs.json")
     text = open(configs_report(str(tmp_path / "decode_configs.json"))).read()
     assert text == open(os.path.join(run, "decode_configs.md")).read()
@@ -510,7 +510,7 @@ def test_decode_kernel_benchmark_times_70b_layers_at_tp8_on_one_gpu(tmp_path):
     if not torch.cuda.is_available():  # past the argument check, the benchmark asks for its GPU
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             main(["--model-shape", "llama-3.1-70b", "--tp", "8", "--out", str(tmp_path)])
-    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "kernels-h200-s11")
+    run = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "decode-report")
     shutil.copy(os.path.join(run, "decode_lora.json"), tmp_path / "decode_lora.json")
     data = json.loads((tmp_path / "decode_lora.json").read_text())
     data["rows"] = [{"shape": "llama-3.1-70b", **row} for row in data["rows"]]
@@ -618,7 +618,7 @@ def test_switch_table_pairs_rounds_and_names_changed_plans(tmp_path):
     from bench.kernels.switch_table import main, side_round_line
 
     assert side_round_line("0-r3/tp4_8") == ("0", 3, "tp4_8")
-    assert side_round_line("8b-s4-r12") == ("s4", 12, "8b")
+    assert side_round_line("8b-new-r12") == ("new", 12, "8b")
     assert side_round_line("notes") is None
     times = {"0": {1: 8.0, 2: 7.0, 3: 8.5}, "1": {1: 7.5, 2: 7.2, 3: 8.0}}  # B faster in rounds 1 and 3
     for side, rounds in times.items():
@@ -638,8 +638,8 @@ def test_switch_table_pairs_rounds_and_names_changed_plans(tmp_path):
         main([str(tmp_path), "--sides", "0,2"])
 
 
-def _host_session(tmp_path, python_source: str, **env):
-    """bench/hosts/gpu_session.sh with its /root moved under tmp_path and a stand-in `python3` (running
+def _stand_in_host(tmp_path, python_source: str, **env):
+    """bench/hosts/gpu_host.sh with its /root moved under tmp_path and a stand-in `python3` (running
     python_source) first on PATH; returns a runner of one step (its completed process) and the stand-in /root."""
     import re
     import subprocess
@@ -650,23 +650,23 @@ def _host_session(tmp_path, python_source: str, **env):
     fake.write_text(f"#!{sys.executable}\n{python_source}")
     fake.chmod(0o755)
     root = tmp_path / "root"
-    script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_session.sh")
-    (tmp_path / "session.sh").write_text(re.sub(r"/root\b", str(root), open(script).read()))
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_host.sh")
+    (tmp_path / "host.sh").write_text(re.sub(r"/root\b", str(root), open(script).read()))
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), **env}
 
     def step(*args):
-        return subprocess.run(["bash", str(tmp_path / "session.sh"), *args], env=env, cwd=tmp_path,
+        return subprocess.run(["bash", str(tmp_path / "host.sh"), *args], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
 
     return step, root
 
 
-def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
+def test_gpu_host_switch_alternates_the_sides_round_by_round(tmp_path):
     """The host script's `switch` step, with a stand-in python3 that records which side ran and writes a result."""
     import tarfile
     import textwrap
 
-    step, _ = _host_session(tmp_path, textwrap.dedent("""
+    step, _ = _stand_in_host(tmp_path, textwrap.dedent("""
         import json, os, sys
         out = sys.argv[sys.argv.index("--out") + 1]
         side = os.environ["BDLORA_TRY"]
@@ -686,10 +686,10 @@ def test_gpu_session_switch_alternates_the_sides_round_by_round(tmp_path):
     assert names == [f"switch/{v}-r{r}/tp4/decode_lora.json" for v in "01" for r in (1, 2, 3)]
 
 
-def test_gpu_session_stops_on_a_host_without_the_bundle(tmp_path):
+def test_gpu_host_stops_on_a_host_without_the_bundle(tmp_path):
     """A host taken back between the part calls comes back bare: `install` must fail with what it found, and
     `queue` must refuse to start sweeps that would each die on a missing vLLM (stand-in python3 without it)."""
-    step, root = _host_session(tmp_path, "import sys\nsys.exit(1)\n")
+    step, root = _stand_in_host(tmp_path, "import sys\nsys.exit(1)\n")
     installed = step("install")
     assert installed.returncode == 1 and "install failed" in installed.stdout
     queued = step("queue", "llama-3.1-8b 1 64 base")
