@@ -198,7 +198,7 @@ def first_wave_ms(results_dir: str, row: dict) -> float | None:
     """Milliseconds from the first request's start until each of the first `concurrency` requests to start has
     its first token, from the raw file's per-request timings (None where the file does not keep them).
 
-    At high concurrency the server hands out first tokens in bunches (TP=2, BS=64, session 9: 32 of the first
+    At high concurrency the server hands out first tokens in bunches (TP=2, BS=64, one H200 run: 32 of the first
     64 within 3 ms), so the median TTFT moves with where a bunch falls; the first wave's completion time is the
     prefill throughput the median was meant to show."""
     raw = raw_result(results_dir, row)
@@ -215,7 +215,7 @@ def median_itl_ms(results_dir: str, row: dict) -> float | None:
 
     Median TPOT is each request's decode time per token, so at high concurrency a request that decodes
     through other requests' prefills carries them in its TPOT; the median inter-token latency is the plain
-    decode step, which moves far less from run to run (TP=2, BS=64: TPOT 10.5 vs 15.4 ms in two sessions,
+    decode step, which moves far less from run to run (TP=2, BS=64: TPOT 10.5 vs 15.4 ms in two runs,
     ITL 6.48 vs 6.56)."""
     if row.get("median_itl_ms") is not None:
         return row["median_itl_ms"]

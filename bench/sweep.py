@@ -1,6 +1,6 @@
 """One command, one serving sweep: base vs NFS-LoRA vs S-LoRA vs BD-LoRA, side by side in one run.
 
-    python -m bench.sweep --model-shape llama-3.1-8b --tp 4 --out bench/results/tp4-h200
+    python -m bench.sweep --model-shape llama-3.1-8b --tp 4 --out bench/results/serving/tp4-llama3.1-8b-h200
 
 For every server configuration (mode, TP, rank, number of adapters) it starts `vllm serve` once, waits
 for /health (with a timeout, failing early if the engine dies), runs `vllm bench serve` for every
@@ -107,14 +107,14 @@ def parse_args(argv=None):
         default="",
         help="comma-separated, given to every LoRA server (not base) as vLLM's --lora-target-modules, e.g. "
         "qkv_proj,o_proj,gate_up_proj,down_proj: vLLM then skips its LoRA on lm_head and the embeddings, which "
-        "it otherwise runs on every step (results/tp1-8b-h200-s14-target-modules)",
+        "it otherwise runs on every step (bench/results/serving/tp1-llama3.1-8b-h200-projections-only)",
     )
     p.add_argument(
         "--bdlora-settings",
         type=json.loads,
         default={},
         help='a JSON object merged into every BD server\'s "bdlora" --additional-config section, e.g. '
-        '{"one_launch_max_tokens":16} (no spaces, so it survives gpu_session.sh queue lines)',
+        '{"one_launch_max_tokens":16} (no spaces, so it survives gpu_host.sh queue lines)',
     )
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument(

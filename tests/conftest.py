@@ -38,7 +38,7 @@ def cpu_engine_env(tp: int) -> dict:
     return env
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def assets(tmp_path_factory) -> dict:
     """Tiny model and PEFT adapters with random non-zero weights, shared by all tests."""
     root = tmp_path_factory.mktemp("assets")
@@ -56,14 +56,14 @@ def assets(tmp_path_factory) -> dict:
     return paths
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prompts() -> dict:
     rng = random.Random(1234)
     vocab = tiny.TINY_LLAMA["vocab_size"]
     return {name: [rng.randrange(4, vocab) for _ in range(6 + i)] for i, name in enumerate(BATCH)}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def peft_reference(assets, prompts) -> dict:
     """name -> (tokens, logprobs) from PEFT, for the base model (None) and every adapter."""
     from vllm_bdlora.peft_reference import greedy, load_reference

@@ -63,7 +63,7 @@ def test_plan_takes_stream_k_where_whole_blocks_would_be_narrow_or_do_not_fit():
 
 
 def test_whole_block_programs_with_a_long_hidden_loop_pipeline_6_stages_deep():
-    """bench/results/kernels-h200-s24: in 16-row tiles 6 stages won where a program's hidden loop has 24 or more
+    """archived H200 runs: in 16-row tiles 6 stages won where a program's hidden loop has 24 or more
     steps and lost or tied with 4-16; larger tiles, whose stages hold fewer steps, keep their own threshold."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
@@ -76,12 +76,12 @@ def test_whole_block_programs_with_a_long_hidden_loop_pipeline_6_stages_deep():
     assert steps_and_stages(4096, 14336, 128) == (56, 6)  # down_proj at TP=1
     assert steps_and_stages(14336, 4096, 128) == (64, 6)  # gate_up_proj at TP=2
     assert steps_and_stages(4096, 7168, 64) == (28, 6)  # down_proj at TP=2
-    assert steps_and_stages(4096, 4096, 128) == (16, 3)  # o_proj at TP=1: a short loop, 3 (s28)
+    assert steps_and_stages(4096, 4096, 128) == (16, 3)  # o_proj at TP=1: a short loop, 3
     assert steps_and_stages(4096, 3584, 32) == (14, 3)  # down_proj at TP=4
 
 
 def test_short_loop_whole_block_plans_follow_what_ran_fastest_on_an_h200():
-    """bench/results/kernels-h200-s28-whole-blocks: for one adapter, short-loop programs over 64-column blocks ran
+    """archived H200 runs: for one adapter, short-loop programs over 64-column blocks ran
     faster in 2 warps (70B o_proj at TP=8), over 32-column blocks at 3 stages where the LoRA is at most 128 wide;
     qkv_proj at TP=2 (192 wide) lost with 3, and batches mixing adapters were not measured: both keep 4 warps and
     4 stages, as do long loops (6 stages)."""
@@ -104,7 +104,7 @@ def test_short_loop_whole_block_plans_follow_what_ran_fastest_on_an_h200():
 
 
 def test_layers_whose_32_column_blocks_leave_a_quarter_of_the_sms_split_64_column_blocks_for_one_adapter():
-    """bench/results/kernels-h200-s28-split-blocks: qkv_proj at TP=2 (96 blocks of 32 on 132 SMs) ran ~1.2 µs faster
+    """archived H200 runs: qkv_proj at TP=2 (96 blocks of 32 on 132 SMs) ran ~1.2 µs faster
     as stream-K over 64x128 on the same 96 programs, for one adapter; mixing 4 adapters it lost, and layers whose
     32-column blocks fill more of the SMs (o_proj, down_proj: 128; gate_up_proj at TP=8: 112) keep whole blocks."""
     from vllm_bdlora.kernels.decode_lora import batch_plan
@@ -118,9 +118,9 @@ def test_layers_whose_32_column_blocks_leave_a_quarter_of_the_sms_split_64_colum
 
 
 def test_narrow_stream_k_plans_pipeline_3_stages_deep_and_wide_ones_4():
-    """bench/results/kernels-h200-s28-narrow-stages: narrow layers' stream-K programs run short stretches of the
+    """archived H200 runs: narrow layers' stream-K programs run short stretches of the
     hidden dimension, which 3 stages ran faster (8B qkv_proj at TP=4 -0.2 to -0.6 µs); gate_up_proj at TP=1, whose
-    programs run long, lost with 3 (kernels-h200-s24), so it keeps 4."""
+    programs run long, lost with 3 (archived H200 runs), so it keeps 4."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
     for out_features, hidden, width in ((1536, 4096, 32), (768, 4096, 16), (1280, 8192, 16)):  # 8B TP=4, 8; 70B TP=8
@@ -133,7 +133,7 @@ def test_narrow_stream_k_plans_pipeline_3_stages_deep_and_wide_ones_4():
 
 @pytest.mark.parametrize("adapters", [1, 2, 4])
 def test_narrow_multi_slot_layers_give_the_shrink_the_sms_16_column_blocks_would_leave(adapters):
-    """bench/results/kernels-h200-s23 (narrow-*): with 4 slots, qkv_proj at TP=4/8 ran faster on 32 shrink
+    """archived H200 runs (narrow-*): with 4 slots, qkv_proj at TP=4/8 ran faster on 32 shrink
     programs than on 4 per adapter mixed; with one slot, TP=8 lost, so one-slot layers keep 4 per adapter."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
@@ -145,9 +145,9 @@ def test_narrow_multi_slot_layers_give_the_shrink_the_sms_16_column_blocks_would
 
 
 def test_narrow_layers_plans_follow_what_ran_fastest_on_an_h200():
-    """bench/results/kernels-h200-s19: Llama-3.1-70B's qkv_proj at TP=8 (1280 outputs, hidden 8192) ran ~20% faster
+    """archived H200 runs: Llama-3.1-70B's qkv_proj at TP=8 (1280 outputs, hidden 8192) ran ~20% faster
     as stream-K in 128-deep steps over 64 columns than in 256-deep steps over 32, which 8B's keeps at TP=4 (at TP=8,
-    one slot, 64 x 128 since kernels-h200-s28-tp8-qkv); in
+    one slot, 64 x 128 since archived H200 runs); in
     64-row tiles whole 16-column blocks lost to stream-K where they leave SMs idle (TP=8: 48 blocks at 8B, 80 at
     70B) and keep qkv_proj at TP=4, where they fill as many SMs as stream-K would (96)."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
@@ -159,14 +159,14 @@ def test_narrow_layers_plans_follow_what_ran_fastest_on_an_h200():
     for block_m in (16, 32, 64):
         assert kind(1280, 8192, 48, block_m) == (True, 64, 128)  # 70B qkv_proj at TP=8
     assert kind(1536, 4096, 96, 16) == (True, 32, 256)  # 8B qkv_proj at TP=4
-    assert kind(768, 4096, 48, 16) == (True, 64, 128)  # at TP=8, one slot (s28)
+    assert kind(768, 4096, 48, 16) == (True, 64, 128)  # at TP=8, one slot
     assert kind(768, 4096, 48, 64) == (True, 64, 128)
     assert kind(1536, 4096, 96, 64) == (False, 16, 128)
 
 
 @pytest.mark.parametrize("slots", [1, 4])
 def test_wide_layers_keep_stream_k_only_for_narrow_lora_widths(slots):
-    """bench/results/kernels-h200-s20: gate_up_proj at TP=1 (28672 outputs, no whole blocks fit) as stream-K beat
+    """archived H200 runs: gate_up_proj at TP=1 (28672 outputs, no whole blocks fit) as stream-K beat
     the three kernels at BD r'=128 (total width 256) but ran 254 µs against their 130 at r'=512 (1024), no
     candidate plan below 151: wider LoRA keeps the three kernels. Layers with whole blocks keep the kernel."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
@@ -526,7 +526,7 @@ def test_the_benchmarks_candidate_plans_fit_the_tile_and_include_the_default(blo
 
 
 def test_s28_plan_changes_stay_within_the_lora_widths_they_were_timed_at():
-    """bench/results/kernels-h200-s28-*: each plan change was timed at BD r'=128 (16-192 columns per GPU); wider LoRA
+    """archived H200 runs: each plan change was timed at BD r'=128 (16-192 columns per GPU); wider LoRA
     keeps the plans it ran before (4 warps, 4 stages, whole 32-column blocks) rather than untimed ones."""
     from vllm_bdlora.kernels.decode_lora import decode_plan
 
@@ -545,8 +545,8 @@ def test_s28_plan_changes_stay_within_the_lora_widths_they_were_timed_at():
 
 
 def test_one_slot_narrow_layers_of_few_outputs_stream_64_column_blocks():
-    """bench/results/kernels-h200-s28-tp8-qkv: 8B qkv_proj at TP=8 (768 outputs) ran ~0.47 µs faster over 64x128 than
-    32x256 with one slot, and lost with 4 slots; at TP=4 (1536 outputs) 64 columns lost before (s12, s19)."""
+    """archived H200 runs: 8B qkv_proj at TP=8 (768 outputs) ran ~0.47 µs faster over 64x128 than
+    32x256 with one slot, and lost with 4 slots; at TP=4 (1536 outputs) 64 columns lost before."""
     from vllm_bdlora.kernels.decode_lora import batch_plan
 
     def blocks(out_features, width, slots, tokens=1):
@@ -561,7 +561,7 @@ def test_one_slot_narrow_layers_of_few_outputs_stream_64_column_blocks():
 
 
 def test_long_loop_whole_block_plans_spread_the_shrink_programs_among_the_gemvs():
-    """bench/results/kernels-h200-s29-spread: whole-block plans streaming long hidden loops (6 stages) beside 16 or more
+    """bench/results/kernels/decode-llama3.1-8b-h200: whole-block plans streaming long hidden loops (6 stages) beside 16 or more
     shrink programs ran faster with those numbered among the GEMV's, in 16-row tiles; plans with 4 shrink programs,
     short loops and stream-K did not, and were kept; the rule holds up to BD r'=128's widest LoRA (384 columns)."""
     from vllm_bdlora.kernels.decode_lora import batch_plan

@@ -343,7 +343,7 @@ def test_cached_launch_configurations_answer_as_the_functions_do_for_every_argum
 
 def test_decode_shrink_splits_fewer_ways_the_wider_the_lora_and_the_shorter_the_hidden_dimension():
     """At decode sizes the three-kernel path's shrink cuts the hidden dimension into the power of two nearest
-    sqrt(hidden / width) parts (the lower at a tie; bench/results/kernels-h200-s21), whatever the token count."""
+    sqrt(hidden / width) parts (the lower at a tie; archived H200 runs), whatever the token count."""
     from vllm_bdlora.kernels.fused_lora import decode_shrink_parts, shrink_config
 
     assert [shrink_config(t, 4096, 32, 3).split_k for t in (1, 16, 17, 64)] == [8, 8, 8, 8]  # 8B qkv_proj, TP=4
@@ -357,7 +357,7 @@ def test_decode_shrink_splits_fewer_ways_the_wider_the_lora_and_the_shorter_the_
 
 def test_prefill_batches_split_the_shrink_only_as_far_as_the_expands_re_reads_of_s_allow():
     """From PREFILL_TILE_MIN_TOKENS the expand takes 128 x 256 tiles and the shrink's split is capped by the bytes
-    of S each expand program re-reads per column block (bench/results/kernels-h100-s25): wide layers (gate_up_proj
+    of S each expand program re-reads per column block (archived H100 runs): wide layers (gate_up_proj
     at TP=1) run one part, long narrow ones (down_proj) keep several; smaller batches are as before, and adapters
     narrower than 64 go back to the earlier expand tiles from 4096 tokens."""
     from vllm_bdlora.kernels.fused_lora import PREFILL_TILE_MIN_TOKENS, LaunchConfig, expand_config, shrink_config

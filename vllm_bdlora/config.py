@@ -31,19 +31,19 @@ class BdLoraSettings:
     # kernels on CUDA, vLLM's elsewhere (the fused op's CPU path is a torch reference, slower than vLLM's CPU
     # LoRA ops). On H200s the fused kernels decode 1.08-1.21x faster than vLLM's at TP=1, 2 and 4 and
     # raise throughput x1.13-1.52, except TP=4 at 64 concurrent requests (x0.94, TTFT slower; not yet
-    # understood): bench/results/tp{1,2}-8b-h200-s5, tp4-8b-h200-s6. "vllm" is the way back.
+    # understood): archived H200 runs at TP=1, 2 and 4. "vllm" is the way back.
     lora_kernels: str = "auto"
     # Under the fused kernels, batches of up to 16 tokens over an unquantized base (up to 64 in layers with one
     # LoRA slot, i.e. --max-loras 1) run base GEMV, shrink and expand as one kernel (kernels/decode_lora.py),
     # whose grid-wide barrier needs each of its programs on an SM at once. false: those batches take the
     # three-kernel path too (e.g. on a GPU shared with other processes through MPS, where fewer SMs may be free
     # than the GPU has). Per decoder layer at TP=4 the one kernel takes 1.09x the base GEMMs' time, the three
-    # 1.63x (bench/results/kernels-h200-s12).
+    # 1.63x (archived H200 runs).
     one_launch_decode: bool = True
     # The largest batch (in tokens: 16, 32 or 64) the one-launch kernel serves; 16 keeps 17-64-token decode
     # batches (concurrency above 16) on the three-kernel path, as before the kernel had 32- and 64-row tiles.
     # Per decoder layer at 32/64 tokens (one adapter) the one kernel took 0.80/0.86x the three kernels' time
-    # at TP=2, 0.84/0.88x at TP=4, 0.88/0.99x at TP=1 (bench/results/kernels-h200-s15).
+    # at TP=2, 0.84/0.88x at TP=4, 0.88/0.99x at TP=1 (archived H200 runs).
     one_launch_max_tokens: int = 64
     # With --max-loras above 1 a decode batch of t tokens may mix min(t, max_loras) adapters, and the one kernel
     # then runs every one's shrink and B load in turn: it serves such a layer's batch only while the adapters the
@@ -51,7 +51,7 @@ class BdLoraSettings:
     # batches take the three kernels. With --max-loras 4 the default 256 keeps BD r'=128 on the one kernel at
     # TP >= 2 and up to 2 tokens at TP=1, r'=512 up to 1 token at TP=2 and never at TP=1: mixing 4 adapters, the
     # one kernel took up to 1.16x the three kernels' time per decoder layer at r'=128 and 2x at r'=512
-    # (bench/results/kernels-h200-s22; served at TP=1 with 16 adapters, 16 concurrent requests decoded 1.11x
+    # (archived H200 runs; served at TP=1 with 16 adapters, 16 concurrent requests decoded 1.11x
     # faster than with every batch of up to 16 tokens on the one kernel, 1.52x at r'=512). Traffic that batches one
     # adapter at a time gives up 7-9% per layer at TP=1, r'=128, 4-16 tokens: a larger value keeps those on the one
     # kernel (65536: every batch of up to 16 tokens, as before); 0 keeps multi-slot layers on the three kernels.

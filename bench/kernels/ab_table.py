@@ -1,4 +1,4 @@
-"""Old code vs new through the layer op, side by side: tables from `gpu_session.sh ab` runs.
+"""Old code vs new through the layer op, side by side: tables from `gpu_host.sh ab` runs.
 
 Each side is one or more run folders (e.g. old1, old2 and new1, new2 of one host, run old, new, new, old so drift
 and warm-up hit both), each holding a folder per benchmark line with its `fused_lora.csv`. Per projection it lists

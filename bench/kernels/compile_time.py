@@ -4,14 +4,14 @@ A BD layer's first call compiles every kernel variant it can launch (`fused_lora
 fused expand configurations for 1-65536 tokens, and with a decode state the one-launch decode kernel for each
 tile of token rows); Triton caches them on disk, so this is paid once per LoRA width and layer kind on a host
 with an empty cache. On an H200 a TP=1 server of BD r'=512 adapters spent ~250 s there before its CUDA-graph
-capture (`bench/results/tp1-8b-h200-s19-r256/logs/`), against 42 s at r'=128 (`tp1-8b-h200-s18/logs/`).
+capture (`archived H200 runs/`), against 42 s at r'=128 (`archived H200 runs/logs/`).
 Compiling for a GPU needs no
 GPU: Triton lowers to PTX and runs the `ptxas` its wheel ships. This benchmark hands Triton a driver that names
 a CUDA target (sm_90 by default: H100/H200) and makes every kernel call compile without launching, then
 compiles each layer's variants as `warm_up` would, with a fresh Triton cache per LoRA width, and times each
 compile by kernel.
 
-    python -m bench.kernels.compile_time --tp 1 --widths 128,512 --out bench/results/compile-time
+    python -m bench.kernels.compile_time --tp 1 --widths 128,512 --out archived H200 runs
 
 Seconds are this machine's (Triton's passes and ptxas run on the CPU; `--threads N` compiles each layer's
 variants on N threads as `warm_up` does); a GPU host's CPU compiles faster or slower, but the shares per kernel

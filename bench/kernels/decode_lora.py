@@ -3,7 +3,7 @@ against the layer op's three-kernel path (cuBLAS GEMM, routed shrink, fused expa
 alone, at Llama-3.1-8B's (or --model-shape's) per-GPU shapes for TP = 1, 2, 4 (--tp) with BD r'=128 (per-GPU
 LoRA width 128 / TP; --bd-rank for another r').
 
-    python -m bench.kernels.decode_lora --out bench/results/kernels-h200-s12
+    python -m bench.kernels.decode_lora --out archived H200 runs
     python -m bench.kernels.decode_lora --model-shape llama-3.1-70b --tp 8,4 --out DIR   # one GPU, TP=8's layers
 
 Both LoRA paths are the custom op BD layers call (`fused_lora_slices_` over an unquantized base), without
@@ -236,7 +236,7 @@ def configs_report(json_path: str) -> str:
 
 def sized_label(row) -> str:
     """' (4 slots, sized for 1, 2)' where the plan is a 4-slot layer's for those adapter counts (runs before the
-    twenty-third session's record none)."""
+    earliest record none)."""
     sized = row.get("sized_for")
     return f" (4 slots, sized for {', '.join(map(str, sized))})" if sized else ""
 
@@ -262,7 +262,7 @@ def report(json_path: str) -> str:
         "GB/s, of copy) | speed-up | one launch, no adapter µs (×base) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    with_plans = all("plan" in r for r in rows)  # runs before the eleventh session's did not record it
+    with_plans = all("plan" in r for r in rows)  # older runs did not record it
     if with_plans:
         lines[-2:] = [lines[-2] + " one-launch plan |", lines[-1] + "---|"]
     for r in rows:
@@ -311,8 +311,8 @@ def per_decoder_layer_one_adapter(rows) -> list[str]:
 
 
 def plan_label(row) -> str:
-    """The one-launch plan, and where the layer op would not run it by default (rows from the twenty-second
-    session on say so: the mixed-adapter limit)."""
+    """The one-launch plan, and where the layer op would not run it by default (rows of current
+    runs say so: the mixed-adapter limit)."""
     turned_down = row.get("layer_op_picks") == "three kernels" and not row["plan"].startswith("none")
     return row["plan"] + ("; the layer op picks three kernels" if turned_down else "")
 

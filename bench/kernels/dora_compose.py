@@ -1,6 +1,6 @@
 """DoRA compose kernel vs the unfused torch path, and the factored norm's memory vs the dense B·A path.
 
-    python -m bench.kernels.dora_compose --out bench/results/kernels-h200
+    python -m bench.kernels.dora_compose --out bench/results/kernels/dora-compose-h200
 
 Compose: rows × cols in bf16 (rows 1…32768, cols 4096…28672), one adapter, no bias; bytes moved
 (3·rows·cols + cols)·2; median of 200 CUDA-event trials after 10 warm-ups; achieved GB/s as a fraction of

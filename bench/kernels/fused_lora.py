@@ -4,7 +4,7 @@ fused kernels of vllm_bdlora.kernels.fused_lora: the custom op BD layers call (l
 orders on their own: shrink + delta-writing expand + cuBLAS GEMM accumulating onto it (delta_first),
 cuBLAS GEMM + shrink + in-place fused expand (fused_expand); and shrink + split-graph fused GEMM.
 
-    python -m bench.kernels.fused_lora --out bench/results/kernels-h200 [--tune]
+    python -m bench.kernels.fused_lora --out bench/results/kernels/dora-compose-h200 [--tune]
 
 Packed layers keep their slices (qkv: q, k, v; gate_up: gate, up), so each path serves the whole layer.
 Batches hold one adapter, or several (tokens dealt round robin, --adapters). Every path is checked against
@@ -393,7 +393,7 @@ def layer_grid(args):
 
 def run_bd_rank(rows) -> int:
     """The BD r' a kernel benchmark's rows were made with: per-GPU width x TP (the first runs, all TP=4, record no
-    TP; decode `--configs` rows before the twentieth session record no width, and all used r'=128)."""
+    TP; decode `--configs` rows of older runs record no width, and all used r'=128)."""
     return rows[0]["width"] * rows[0].get("tp", 4) if rows and "width" in rows[0] else 128
 
 
@@ -408,7 +408,7 @@ def report(json_path: str) -> str:
         json_path, "Fused LoRA kernels vs vLLM's LoRA kernels: whole adapted layer (base GEMM + LoRA)"
     )
     missing = [column for column in ("layer_op_ms", "delta_first_ms") if rows and column not in rows[0]]
-    if missing:  # the first sessions' runs timed the kernels alone, before the layer op existed
+    if missing:  # the oldest runs timed the kernels alone, before the layer op existed
         raise SystemExit(
             f"{json_path} predates the layer op (no {', '.join(missing)} column): its fused_lora.md was written "
             "by the benchmark of its day and cannot be rebuilt; re-run `python3 -m bench.kernels.fused_lora --out "

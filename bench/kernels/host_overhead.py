@@ -1,12 +1,12 @@
 """The layer op's own Python on the host, kernel launches left out: runs on any machine, GPU or not.
 
-    python -m bench.kernels.host_overhead --out bench/results/host-overhead-cpu [--tokens 1024]
+    python -m bench.kernels.host_overhead --out archived CPU runs [--tokens 1024]
 
 Outside CUDA graphs (prefills longer than the largest captured graph) every BD layer's op runs its Python on
 every step: launch configurations, grids, output buffers, then the Triton launches (`launch_overhead.py` times
 those on a GPU). This times what comes before the launches, with `launch` replaced by a no-op: the shrink and
 expand wrappers per projection of Llama-3.1-8B at one TP (BD r'=128, one adapter), their configuration
-functions (cached since the twenty-seventh session, so a repeated call times the cache lookup, as serving's 31 of
+functions (cached, so a repeated call times the cache lookup, as serving's 31 of
 32 layers see it), and the integer helpers they size launches with (Triton's constexpr `triton.cdiv` against plain
 arithmetic). Medians of many timed loops, µs per call, on this machine's CPU. To compare code versions, run the
 same benchmark with another `vllm_bdlora` first on the path (`cd OLD && python -m bench.kernels.host_overhead`,

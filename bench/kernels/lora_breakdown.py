@@ -3,11 +3,11 @@ shows sums): the base GEMM as cuBLAS runs it alone and accumulating onto an exis
 shrink and expand (in place, and writing the delta), and vLLM's shrink and expand, at Llama-3.1-8B TP=4
 per-GPU shapes, one adapter, bf16. `--configs` also ranks our kernels' launch configurations.
 
-Two candidates timed here before were measured and dropped (bench/results/README.md, kernels-h200-s8): a
+Two candidates timed here before were measured and dropped (bench/results/README.md, archived H200 runs): a
 K-augmented prefill layer (one cuBLAS GEMM over [X | S]·[W | B]ᵀ) and a single-pass decode kernel (the shrink
 inside the expand). Their code is in git history (commit d20fd56).
 
-    python -m bench.kernels.lora_breakdown --out bench/results/kernels-h200
+    python -m bench.kernels.lora_breakdown --out bench/results/kernels/dora-compose-h200
 
 Times: median of CUDA-event-timed replays of a CUDA graph of 10 calls. Streaming kernels also report GB/s
 (the bytes they must move: output read and/or written, S, X for the shrink) against the measured copy

@@ -1,9 +1,9 @@
 """Two sides of a decode-kernel change, alternated round by round on one host: per-projection medians and the rounds
-each side won, from `gpu_session.sh switch` runs (or any folders of `bench.kernels.decode_lora` results).
+each side won, from `gpu_host.sh switch` runs (or any folders of `bench.kernels.decode_lora` results).
 
 Every `decode_lora.json` under RUNS is read; its folder's path names the side and the round as `SIDE-rROUND` (the
 rest of the path names the benchmark line): `0-r3/tp4_8/decode_lora.json` is side 0, round 3, line tp4_8;
-`8b-s4-r1/decode_lora.json` is side s4, round 1, line 8b. Rounds pair the sides, so a host that drifts during the
+`8b-new-r1/decode_lora.json` is side new, round 1, line 8b. Rounds pair the sides, so a host that drifts during the
 call moves both (the switch runs them in alternating order), and "rounds" counts the pairs where B was faster.
 
     python -m bench.kernels.switch_table RUNS --sides 0,1 [--out RUNS/switch.md]

@@ -2,7 +2,7 @@
 
 `fused_lora.warm_up` launches every variant a layer can use, once, so that serving never compiles; launched one
 after another, the first start of a server spends 42 s compiling at LoRA width 128 and 201 s at 512 (Llama-3.1-8B,
-TP=1: bench/results/compile-time-cpu-s19). Compiles overlap well on threads (on 2 cores, 23.6 and 106.3 s
+TP=1: archived CPU runs). Compiles overlap well on threads (on 2 cores, 23.6 and 106.3 s
 instead), and Triton's `AsyncCompileMode` (in 3.6 and 3.9, the versions of vLLM 0.26 and 0.32; a Triton without
 it compiles one at a time as before) hands the compiles of `warmup` calls to an executor. So `warm_up` first
 runs its launch sequence with every launch made a `warmup` call (`launch`), the compiles on a thread pool, and

@@ -2,13 +2,13 @@
 
 At decode sizes each kernel of the layer op (cuBLAS GEMM, routed shrink, fused expand) costs 3-7 µs of
 mostly fixed latency, so the LoRA work, a few hundred kB of A and B, costs as much as the base GEMM itself
-(bench/results/kernels-h200-s8: +5.4-7.5 µs per adapted layer at 1 token). This kernel pays one launch,
+(archived H200 runs: +5.4-7.5 µs per adapted layer at 1 token). This kernel pays one launch,
 with two kinds of programs running side by side:
 
 * shrink programs (a few SMs) each compute S = X·A[slot]ᵀ over a slice of the hidden dimension, for every
   adapter of the batch (one tl.dot per adapter present, its tokens' rows), and add it into a float32 S
   buffer with atomics (where S is wider than a program computes at once, each group of programs takes one
-  chunk of its columns: qkv_proj at TP=1 in 64-row tiles, 34.5 -> 26.3 µs, bench/results/kernels-h200-s16);
+  chunk of its columns: qkv_proj at TP=1 in 64-row tiles, 34.5 -> 26.3 µs, archived H200 runs);
 * GEMV programs (the other SMs) stream W and accumulate X·Wᵀ, the part that bounds the layer, while the
   shrink runs; then they wait at a grid-wide barrier for every shrink program, add S·B[slot]ᵀ (+ bias) and
   write the output once. Either each owns one block of output columns over the whole hidden dimension
@@ -39,7 +39,7 @@ take megabytes).
 Triton's interpreter runs programs one after another, so a spinning program would wait forever: there (and
 in `phases=2`, for tests) the shrink and the rest run as two launches, the launch boundary being the barrier.
 `lora_linear_slices_reference` in reference.py holds the contract. Measured on an H200 (Llama-3.1-8B shapes, BD
-r'=128, bench/results/kernels-h200-s12): an adapted decoder layer's four projections take 1.09-1.12× the base
+r'=128, archived H200 runs): an adapted decoder layer's four projections take 1.09-1.12× the base
 GEMMs' time at TP=4 and 1-4 tokens (three kernels: 1.63×), 1.12-1.14× at TP=2, 1.20-1.23× at TP=1. Batches
 mixing 4 adapters over 4 tokens or more gain little or lose (qkv_proj at TP=4: 1.1× the three kernels' time):
 the shrink programs run the batch's adapters one after another.
@@ -82,12 +82,12 @@ _LONG_HIDDEN = 8192
 _TUNED_MAX_WIDTH = 128
 # Narrow layers' stream-K programs (16-row tiles) pipeline 3 stages deep, not 4: each runs a short stretch of the
 # hidden dimension (8B qkv_proj at TP=4: ~7 steps), and on an H200 3 stages ran it 0.1-0.6 µs faster, never slower
-# (bench/results/kernels-h200-s28-narrow-stages). Wide layers' longer runs lost with 3 (kernels-h200-s24).
+# (archived H200 runs). Wide layers' longer runs lost with 3 (archived H200 runs).
 _NARROW_STREAM_K_STAGES = 3
 # One-slot narrow layers of at most this many outputs (8B qkv_proj at TP=8, 768) take their stream-K over 64-column
 # blocks in 128-deep steps, not 32 x 256: 7.08 -> 6.60 µs at 1 token, 7.42 -> 6.96 at 16, 8/8 rounds on an H200; with
-# 4 slots (32 shrink programs) it lost in every round, 0.2-0.9 µs (bench/results/kernels-h200-s28-tp8-qkv); at TP=4
-# (1536 outputs) 64 columns lost too (s12, s19).
+# 4 slots (32 shrink programs) it lost in every round, 0.2-0.9 µs (archived H200 runs); at TP=4
+# (1536 outputs) 64 columns lost too.
 _NARROW_WIDE_BLOCK_MAX_OUTPUTS = 1024
 # Whole-block plans in 16-row tiles whose programs stream a long hidden loop (the 6-stage ones) beside at least this
 # many shrink programs number the programs so that the shrink's fall evenly among the GEMV's (`spread_shrink`), up to
@@ -210,45 +210,45 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     the hidden dimension, so a batch of 4 adapters does 4 times the work of one: with one slot, 4 shrink
     programs kept o_proj and down_proj at TP=4 fast; with 4 slots and 4 adapters in the batch, 4 programs
     left the GEMV waiting (down_proj at TP=1 1.8x slower than the three-kernel path), 16 about broke even
-    (bench/results/kernels-h200-s11/iterations; a byte-share rule alone, 4-5 programs there, lost the same
-    way again in bench/results/kernels-h200-s12).
+    (archived H200 runs; a byte-share rule alone, 4-5 programs there, lost the same
+    way again in archived H200 runs).
 
     The GEMV takes the other SMs: whole column blocks, the narrowest of 32-128 columns that fit (spreading W over the
     most SMs; their sums stay in registers; for one adapter, 32-column blocks that would leave a quarter of the SMs or
     more split into 64-column ones instead, `_split_block_plan`), else stream-K runs of 256-deep steps over blocks of 64
-    columns (32 where too few blocks of 64 go round). On an H200 (bench/results/kernels-h200-s12, `--configs`):
+    columns (32 where too few blocks of 64 go round). On an H200 (archived H200 runs, `--configs`):
     16-column blocks stream W slowly, so qkv_proj at TP=4 (1536 outputs) ran 8.25 µs as stream-K 32-column blocks, 9.32
     as 96 whole 16-column blocks; but wherever whole blocks of 32-128 columns fit, even on 55-78% of the SMs, they
     matched or beat stream-K (qkv_proj at TP=1: 22.7 µs on 96 whole 64-column blocks, 23.1-24.3 as stream-K; o_proj at
     TP=4: 6.6 on 64 whole blocks, 7.5 as stream-K on 128 programs): stream-K's partial sums make an extra round trip
     through L2 after the barrier. gate_up_proj at TP=1 (28672 outputs) fits no whole blocks: stream-K, 71.8 µs against
     the three kernels' 73.9 at BD r'=128 (total LoRA width 256); at r'=512 (1024) every stream-K candidate lost, the
-    default 254 µs and the best 151 against the three kernels' 130 (bench/results/kernels-h200-s20), so wider layers
+    default 254 µs and the best 151 against the three kernels' 130 (archived H200 runs), so wider layers
     keep those. Its blocks are 128 columns wide, 128-deep steps: each program then finishes 1-2 blocks after the
     barrier, not 3-4 of 64 columns (one B load and dot at a time), 69.5-69.8 µs against 71.2-71.3 at 1 token, 74.4-74.7
-    against 76.9 at 16 (two hosts, bench/results/kernels-h200-s24).
+    against 76.9 at 16 (two hosts, archived H200 runs).
     Whole-block programs whose hidden loop has at least 24 steps pipeline 6 stages deep (4 otherwise): on an H200 at 1 /
     16 tokens qkv_proj at TP=1 (32 steps) 20.0-20.5 -> 17.7-18.5 / 22.4 -> 22.0, down_proj at TP=1 (56) 35.3 ->
     34.0-34.6 / 36.2-36.8 -> 34.8-35.1, gate_up_proj at TP=2 (64) 36.5 -> 34.8 / 38.3 -> 36.1, down_proj at TP=2 (28)
     -0.4, gate_up_proj at TP=4 (32) -0.5 to -0.6, Llama-3.1-70B's at TP=8 (64) -0.4 to -1.3 and its down_proj (28) -0.5;
-    with 4-16 steps (o_proj, down_proj at TP=4 and 8, qkv_proj at TP=2) -0.2 to +0.7 µs (s24).
+    with 4-16 steps (o_proj, down_proj at TP=4 and 8, qkv_proj at TP=2) -0.2 to +0.7 µs.
     Where the hidden dimension is 8192 (Llama-3.1-70B's qkv_proj at TP=8, 1280 outputs), 128-deep steps over 64-column
     blocks ran 9.35 and 9.84 µs at 1 and 16 tokens, 256-deep over 32 columns 11.8 and 12.0
-    (bench/results/kernels-h200-s19); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9 µs slower
-    at 16 tokens and on either side of 32 columns at 1 token (s12, s19), so 8B keeps 32 columns.
+    (archived H200 runs); at 4096 (8B) 64 columns were 0.25-0.4 µs faster at TP=8, but at TP=4 0.9 µs slower
+    at 16 tokens and on either side of 32 columns at 1 token so 8B keeps 32 columns.
     These narrow stream-K plans pipeline 3 stages deep: against 4, six runs a side alternated on one H200, 8B qkv_proj
     at TP=4 8.79 -> 8.18 µs at 1 token and 8.61 -> 8.41 at 16 (with 4 slots 9.15 -> 8.68, 15.55 -> 15.27), 70B's at TP=8
-    -0.1 to -0.2 µs, 8B's at TP=8 level (bench/results/kernels-h200-s28-narrow-stages).
+    -0.1 to -0.2 µs, 8B's at TP=8 level (archived H200 runs).
 
     Tiles of 32 and 64 rows take whole blocks of 32-128 columns where they fit, each stage with fewer hidden steps
     (`whole_block_step`), 6 stages deep where a program's hidden loop is long (down_proj at TP=1, 64 rows: 49.8 ->
-    42.8 µs; at TP=2 26.1 -> 22.5; gate_up_proj at TP=2 -3 to -5%; bench/results/kernels-h200-s17); narrow layers,
+    42.8 µs; at TP=2 26.1 -> 22.5; gate_up_proj at TP=2 -3 to -5%; archived H200 runs); narrow layers,
     where blocks of 32 would leave half the SMs idle (qkv_proj at TP=4: 48 of them), take stream-K over 64-column
     blocks in 32-row tiles (13.1 -> 9.8-10.1 µs), and in 64-row tiles too unless whole 16-column blocks fill at
     least 90% of the programs stream-K would run: qkv_proj at TP=4 (96 blocks of 16 against 96 programs) ran
-    12.1-12.3 µs on whole blocks, 11.8-13.3 as stream-K (s17, s19); at TP=8 whole blocks left SMs idle and lost,
-    12.35 -> 10.6 µs as stream-K (8B, 48 blocks), 19.8 -> 14.2 (70B, 80 blocks; bench/results/kernels-h200-s19).
-    Only layers with one LoRA slot use these tiles. Per decoder layer on an H200 (bench/results/kernels-h200-s15)
+    12.1-12.3 µs on whole blocks, 11.8-13.3 as stream-K; at TP=8 whole blocks left SMs idle and lost,
+    12.35 -> 10.6 µs as stream-K (8B, 48 blocks), 19.8 -> 14.2 (70B, 80 blocks; archived H200 runs).
+    Only layers with one LoRA slot use these tiles. Per decoder layer on an H200 (archived H200 runs)
     one adapter at 32 and 64 tokens took 12-20% less time than the three kernels at TP=2 and 4, but a batch mixing
     4 adapters 2-15% more (the finish runs one B load and dot per adapter of the batch after the barrier), and the
     layer cannot know before the launch how many adapters a batch mixes.
@@ -257,7 +257,7 @@ def decode_plan(out_features: int, hidden: int, total_width: int, slots: int, sm
     16-row tiles too: with 4 slots, qkv_proj at TP=4 and 8 (8B) and at TP=8 (70B) ran 0.1-2.7 µs faster on 32
     shrink programs than on 5-27 (whatever the adapters mixed, but 70B at 2 and 16 tokens of one adapter, 0.4 µs
     slower); with one slot it helped at TP=4 (-0.5 µs) and lost at TP=8 (+0.3-0.5), so one-slot layers keep 4 per
-    adapter (bench/results/kernels-h200-s23, narrow-*)."""
+    adapter (archived H200 runs, narrow-*)."""
     if block_m > largest_tile(slots):
         return None
     adapters = max(1, slots if adapters is None else adapters)
@@ -314,7 +314,7 @@ def _split_block_plan(out_features, hidden, total_width, shrink, sms) -> DecodeP
     half the hidden dimension): on an H200, eight runs a side alternated, 11.50 -> 10.29 µs at 1 token and 11.78
     -> 10.52 at 16 (and with 4 slots, one adapter, 12.08 -> 10.73), every round; batches mixing 4 adapters lost
     0.25-0.54 µs, so plans sized for several adapters keep whole blocks
-    (bench/results/kernels-h200-s28-split-blocks)."""
+    (archived H200 runs)."""
     spare = _shrink_beside(shrink, sms, cdiv(out_features, 32))
     return make_plan(out_features, hidden, total_width, spare, block_n=64, block_k=128, stream_k=True,
                      gemv_programs=sms - spare)  # fmt: skip
@@ -340,7 +340,7 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
     (TP=8's gate_up_proj, 4 slots): those keep them last. This rule against the same plans unspread on a fourth H200 (8
     rounds), per decoder layer at 1 / 16 tokens: TP=1 -0.6% / -1.1%, TP=2 -0.3% / -1.7%, Llama-3.1-70B at TP=8 -1.2% /
     -2.0% (its gate_up_proj 0.7 / 1.4 µs); TP=4's gate_up_proj +0.06 to +0.2 µs there, -0.35 to +0.07 on the other three
-    (bench/results/kernels-h200-s29-spread)."""
+    (bench/results/kernels/decode-llama3.1-8b-h200)."""
     spare = _shrink_beside(shrink, sms, cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
     long_loop = cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)
@@ -349,7 +349,7 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
     # Short hidden loops (the 4-stage programs) in 16-row tiles, for one adapter: 64-column blocks run 2 warps
     # (Llama-3.1-70B's o_proj at TP=8: 7.08 -> 6.50 µs at 1 token, 8/8 rounds), 32-column blocks 3 stages (o_proj,
     # down_proj, and gate_up_proj at TP=8: 0.1-0.35 µs faster in most rounds); qkv_proj at TP=2 (192 wide, its shrink
-    # on 32 SMs) lost 0.4 µs at 16 tokens with 3 stages (bench/results/kernels-h200-s28-whole-blocks).
+    # on 32 SMs) lost 0.4 µs at 16 tokens with 3 stages (archived H200 runs).
     if block_m == 16 and stages == 4 and adapters == 1 and total_width <= _TUNED_MAX_WIDTH:
         if block_n == 64:
             warps = 2
@@ -430,7 +430,7 @@ _max_tokens = DECODE_MAX_TOKENS
 # Layers with several LoRA slots: a batch of t tokens may mix min(t, slots) adapters, and the one kernel then runs
 # every one's shrink on its few shrink programs and one B load and dot per adapter after the barrier, while the
 # three kernels spread the adapters over the whole GPU. Per decoder layer on an H200 (4 slots, 4 adapters mixed,
-# bench/results/kernels-h200-s22), the one kernel against the three (with the twenty-first session's shrink split):
+# archived H200 runs), the one kernel against the three (with the current shrink split):
 # BD r'=128 at 4-16 tokens 0.86x as fast at TP=1 (128 columns per slice), 0.97-0.99x at TP=2 (64), 0.99-1.07x at
 # TP=4 (32); r'=512 0.62-0.64x at TP=1 (512), 0.50-0.56x at TP=2 (256); at 1-2 tokens 1.02-1.42x, except r'=512
 # (0.75-0.96x). So a multi-slot layer's batch takes the kernel only while the adapters it may mix are at most this

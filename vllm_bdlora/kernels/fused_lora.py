@@ -28,7 +28,7 @@ count only, so they are CUDA-graph safe. `fused_lora_slices_` (custom op
 `lora_kernels: "auto"`, and everywhere under `"fused"`; CPU tensors take the torch references. Given the
 layer's decode state, it hands decode-sized batches over an unquantized base to `decode_lora` (one kernel).
 
-Measured on an H200 at Llama-3.1-8B TP=4 shapes (bench/results/kernels-h200-s5/fused_lora.md): the layer
+Measured on an H200 at Llama-3.1-8B TP=4 shapes (archived H200 runs): the layer
 op is 1.10-2.07× faster than vLLM's GEMM + shrink + expand at 1-64 tokens in every layer kind, 1.47-1.68×
 (qkv), 1.13-1.21× (gate_up) and 0.97-1.07× (o, down) at 1024-8192 tokens. The split-graph Triton GEMM loses
 to cuBLAS at prefill, so the layers do not use it.
@@ -92,7 +92,7 @@ class LaunchConfig:
 
 # Launch configurations and the delta-first threshold below were chosen from launch-configuration sweeps
 # on an H200 at Llama-3.1-8B TP=4 shapes (bench/kernels/lora_breakdown.py --configs; results in
-# bench/results/kernels-h200-s4).
+# archived H200 runs).
 
 
 def all_slices_block(width: int, slices: int) -> int:
@@ -105,7 +105,7 @@ def decode_shrink_parts(hidden: int, width: int) -> int:
     sqrt(hidden / width) (the lower one at a tie), 1 to 16, each part at least 64 features. More parts spread
     the A reads over more SMs, but each expand program then reads every part of its rows' S (parts x width
     floats per row), so the best split falls as the width grows: the shrink + expand pair timed at every split
-    (bench/results/kernels-h200-s21) took 1.02x the best split's time in all with this rule, worst case 1.14x,
+    (archived H200 runs) took 1.02x the best split's time in all with this rule, worst case 1.14x,
     against 1.36x and 2.79x (gate_up_proj at width 512, 16 tokens, 4 adapters: 16 parts) with the earlier
     fixed 16 (8 from 17 tokens)."""
     parts = 1
@@ -123,7 +123,7 @@ def shrink_hidden_step(hidden: int, parts: int) -> int:
 # as the S re-reads those tiles make allow (`shrink_config`, `expand_config`; found with an H100's sweeps). On an
 # H200, Llama-3.1-8B shapes, the LoRA time the layer op adds to the base GEMMs of a decoder layer at 1024 / 4096
 # tokens fell from 352 to 160 / 549 to 464 us at TP=1 (BD r'=128), 537 to 401 / 1262 to 1199 at TP=1 (r'=512), 146
-# to 96 / 266 to 250 at TP=2, 70 to 61 / level at TP=4 (bench/results/kernels-h100-s25, kernels-h200-s25). Smaller
+# to 96 / 266 to 250 at TP=2, 70 to 61 / level at TP=4 (archived H100 runs, archived H200 runs). Smaller
 # batches keep the earlier tiles: with 128 x 256 tiles a 128-token batch would have a few programs.
 PREFILL_TILE_MIN_TOKENS = 1024
 _PREFILL_EXPAND_BLOCK_N = 256
@@ -136,7 +136,7 @@ _S_REREAD_BYTES_PER_TOKEN = 32 * 1024
 
 # Cached: every BD layer asks on every call outside CUDA graphs (eager prefills), with the same few layer shapes
 # and the step's token count, so all but one layer's ask is a lookup (2 and 1 us of Python a call otherwise,
-# bench/results/host-overhead-cpu-s27).
+# archived CPU runs).
 @functools.lru_cache(maxsize=4096)
 def shrink_config(tokens: int, hidden: int, width: int, slices: int = 1,
                   out_features: int | None = None) -> LaunchConfig:  # fmt: skip
@@ -169,7 +169,7 @@ def expand_config(tokens: int, width: int, slices: int = 1) -> LaunchConfig:
     8 warps, which re-read S and B a quarter as often (adapters 256 or wider step 64 deep over their width, 3
     stages: gate_up_proj at TP=1, r'=512, 1024 tokens: 568 -> 546 us). Adapters narrower than 64 (r'=128 from TP=4
     on) go back to 64-128 x 128 tiles from _NARROW_EXPAND_MIN_TOKENS, where S is small and the expand streams the
-    output: 128 x 256 tiles cost 1-9 us more per projection at 4096 tokens (bench/results/kernels-h100-s25)."""
+    output: 128 x 256 tiles cost 1-9 us more per projection at 4096 tokens (archived H100 runs)."""
     block_k = 16 if width <= 16 else 32
     if tokens <= 64:
         return LaunchConfig(16, 64, block_k, num_stages=2)
@@ -199,8 +199,8 @@ def writes_delta_first(delta_first_layer: bool, tokens: int) -> bool:
 # The expand's rank steps per slice that compile inline; wider adapters loop over their own width instead.
 # Inline, a layer's expand carries slices x steps x split_k loads of S: at width 512 (32-wide steps, split_k 16)
 # its slowest variant took 31-35 s to compile and a TP=1 server's first start 201 s in all
-# (bench/results/compile-time-cpu-s19); looped, 43.5 s; on an H200 at width 512 the unrolled expand took 0.98-1.11x
-# the looped one's time at 1024-8192 tokens (bench/results/kernels-h200-s20). Widths up to 128 at BLOCK_K 32 (every BD
+# (archived CPU runs); looped, 43.5 s; on an H200 at width 512 the unrolled expand took 0.98-1.11x
+# the looped one's time at 1024-8192 tokens (archived H200 runs). Widths up to 128 at BLOCK_K 32 (every BD
 # r' <= 512 from TP=4 on) unroll.
 UNROLLED_WIDTH_STEPS = 4
 

@@ -2,7 +2,7 @@
 
 Triton's `triton.cdiv` and `triton.next_power_of_2` are constexpr functions (in Triton 3.6 and 3.9 alike): callable
 from kernels at compile time, but each host call goes through `ConstexprFunction.__call__` (an import, argument
-unwrapping), some 2 µs against 0.03 for the arithmetic (bench/results/host-overhead-cpu-s26). The layer op sizes a
+unwrapping), some 2 µs against 0.03 for the arithmetic (archived CPU runs). The layer op sizes a
 dozen of them per call outside CUDA graphs, so host code uses these; kernels keep `tl.cdiv`.
 """
 

@@ -2,7 +2,7 @@
 
 The ops are defined on a `torch.library.Library` with one implementation per device key, as vLLM registers
 its own ops, rather than with `torch.library.custom_op`, whose Python wrapper costs more per call: 21-29 µs
-against 7-10 µs on an H200 host (bench/results/kernels-h200-s5/launch_overhead.json), 98 µs against 4.6 µs
+against 7-10 µs on an H200 host (archived H200 runs), 98 µs against 4.6 µs
 on a CI machine. Layers outside CUDA graphs (prefill) pay it on every call. torch.compile sees the same
 schema and fake implementation either way.
 """

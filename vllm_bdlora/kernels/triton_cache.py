@@ -3,8 +3,7 @@
 Before the first forward pass, where the layer op's warm-up compiles, vLLM's Inductor adaptor points
 TRITON_CACHE_DIR at a directory inside its compile cache, keyed by the engine's configuration (TP size, CUDA
 graph sizes, LoRA settings, ...). Our kernels do not depend on any of it, yet every server started with a new
-configuration compiled them again: ~35 s of a BD server's start at TP=1 (bench/hosts/README.md, thirteenth
-session). The plugin's entry points, which run in every process before vLLM compiles anything, remember the
+configuration compiled them again: ~35 s of a BD server's start at TP=1 on an H200. The plugin's entry points, which run in every process before vLLM compiles anything, remember the
 directory in effect before vLLM changes it (the user's TRITON_CACHE_DIR, else Triton's default) in
 VLLM_BDLORA_TRITON_CACHE_DIR, which child processes inherit; the warm-up compiles there. No vLLM code is
 patched. Deletable once vLLM no longer keys TRITON_CACHE_DIR by configuration (`initialize_cache` of its

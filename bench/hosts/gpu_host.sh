@@ -1,23 +1,23 @@
 #!/bin/bash
-# One lent-GPU session, step by step (one `run` call per step, back to back; files under /root persist
-# between calls while the host stays warm). See bench/hosts/README.md for the bundle copy steps before these.
-#   bash bench/hosts/gpu_session.sh install            # vLLM 0.26 bundle (parts in /root/pkg) + our wheel
-#   bash bench/hosts/gpu_session.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
-#   bash bench/hosts/gpu_session.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
-#   bash bench/hosts/gpu_session.sh ab OLD.tgz SIDES "BENCH ARGS" ...  # old code vs this checkout -> $OUT/ab.tgz
-#   bash bench/hosts/gpu_session.sh switch VAR FIRST-LAST "DECODE_LORA ARGS" ...  # a decode-kernel change behind an
+# Serving and benchmarking on an offline GPU host, step by step (one remote call per step, back to back; files
+# under /root persist between calls while the host stays up). See bench/hosts/README.md for the bundle steps.
+#   bash bench/hosts/gpu_host.sh install            # vLLM 0.26 bundle (parts in /root/pkg) + our wheel
+#   bash bench/hosts/gpu_host.sh kernels            # GPU kernel tests + kernel benchmarks -> $OUT/kernels
+#   bash bench/hosts/gpu_host.sh tune               # fused kernels' launch configurations -> $OUT/kernels-tune
+#   bash bench/hosts/gpu_host.sh ab OLD.tgz SIDES "BENCH ARGS" ...  # old code vs this checkout -> $OUT/ab.tgz
+#   bash bench/hosts/gpu_host.sh switch VAR FIRST-LAST "DECODE_LORA ARGS" ...  # a decode-kernel change behind an
 #     environment switch read in the code, VAR=0 (before) vs VAR=1, rounds FIRST..LAST alternated -> $OUT/switch.tgz
 #     (tables: python -m bench.kernels.switch_table switch/)
-#   bash bench/hosts/gpu_session.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
+#   bash bench/hosts/gpu_host.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
 #     -> $OUT/tp$TP-8b.tgz or -70b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
 #     SHAPE=llama-3.1-70b picks another model shape (results in tp$TP-70b).
-#   bash bench/hosts/gpu_session.sh queue "[NAME=VALUE ...] SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the
+#   bash bench/hosts/gpu_host.sh queue "[NAME=VALUE ...] SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the
 #     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone
-#   bash bench/hosts/gpu_session.sh watch SECONDS      # keep the host held (at most SECONDS: it returns when the
+#   bash bench/hosts/gpu_host.sh watch SECONDS      # keep the host held (at most SECONDS: it returns when the
 #     queue is done), then bring back /root/results (and the FlashInfer JIT cache, for `install` on a later host)
 #     A call that returns kills what it started, and a server start cut by the call's 10-minute limit is
-#     lost; `queue` runs its sweeps one after another in a new session (setsid), which lives until the host
+#     lost; `queue` runs its sweeps one after another under setsid, which lives until the host
 #     goes back, so no server start is wasted at call boundaries. Follow it with back-to-back `watch` calls
 #     (the host is released after 30 s idle); the last one's SECONDS must end before the device budget does.
 set -uo pipefail
@@ -43,11 +43,11 @@ install)
     echo "this call must carry .gpu/install_bundle.sh and .whl"
     exit 1
   fi
-  # A FlashInfer JIT cache brought back by an earlier session's `watch` (copied to .gpu/ and carried to /root/pkg
+  # A FlashInfer JIT cache brought back by an earlier host's `watch` (copied to .gpu/ and carried to /root/pkg
   # like a bundle part) should spare a fresh host's first server its ~90 s sampler compile (README.md). Ninja
   # rebuilds an object when a source is newer than the object's build-log entry, and the install has just written
   # FlashInfer's (and tvm_ffi's) sources with today's mtimes: it rebuilt everything when the cache was simply
-  # unpacked (session 8). So the freshly installed sources are dated back first (checked with ninja 1.11 here).
+  # unpacked. So the freshly installed sources are dated back first (checked with ninja 1.11 here).
   caches=(/root/pkg/flashinfer-cache*.tgz)
   if [ -e "${caches[0]}" ]; then
     site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -118,18 +118,18 @@ queue)
   setsid nohup bash -c 'while read -r line; do
       echo "== $(date +%T) $line"; set -- $line; settings=()
       while [[ $1 == *=* ]]; do settings+=("$1"); shift; done
-      env "${settings[@]}" SHAPE=$1 OUT=/root/queue-out bash bench/hosts/gpu_session.sh sweep "$2" "$3" "$4" 999 "${@:5}" < /dev/null
+      env "${settings[@]}" SHAPE=$1 OUT=/root/queue-out bash bench/hosts/gpu_host.sh sweep "$2" "$3" "$4" 999 "${@:5}" < /dev/null
     done < /root/queue.plan; echo "== $(date +%T) queue done"' > /root/queue.log 2>&1 < /dev/null &
   sleep 2; cat /root/queue.log ;;
 watch)
-  # A host released between calls (30 s idle) comes back bare: say so at once rather than sleep on it (session 10
-  # lost 9 minutes of device time that way).
+  # A host released between calls (30 s idle) comes back bare: say so at once rather than sleep on it (sleeping on
+  # a bare host once cost 9 minutes of device time).
   if [ ! -e /root/queue.log ]; then echo "no /root/queue.log: this is a fresh host; bring-up and queue again"; exit 3; fi
   # Up to SECONDS, but back as soon as the queue has finished: sleeping past its end costs device time for nothing.
   deadline=$(( $(date +%s) + ${2:-500} ))
   while (( $(date +%s) < deadline )) && ! grep -q "^== .* queue done" /root/queue.log; do sleep 5; done
   date +%T; grep "^== " /root/queue.log
-  # A line that fails fast leaves no results folder; its reason is only in the queue's log (session 27 lost one).
+  # A line that fails fast leaves no results folder; its reason is only in the queue's log.
   grep -iE "error|traceback|failed|no such|usage:" /root/queue.log | grep -v "^== " | tail -8 | cut -c1-300
   for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
     ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
