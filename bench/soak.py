@@ -135,8 +135,11 @@ def run(args) -> dict:
 
 def traffic(server, model, served, churned, adapters, expected, args, workdir) -> dict:
     rng = random.Random(args.seed)
-    plan = [(rng.choice([model, *served]), rng.randrange(len(PROMPTS))) for _ in range(args.requests)]
-    fault_at = int(args.requests * 0.9) if args.fault else None
+    # With a fault, traffic goes on past --requests: the worker is killed after request --requests, with requests
+    # still in flight and more arriving.
+    after_fault = args.concurrency * 8 if args.fault else 0
+    plan = [(rng.choice([model, *served]), rng.randrange(len(PROMPTS))) for _ in range(args.requests + after_fault)]
+    fault_at = args.requests - 1 if args.fault else None
     errors, mismatches, lost_after_fault = [], [], []
     done = threading.Event()
     rss: list[tuple[float, int]] = []
@@ -188,7 +191,7 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
             completed[0] += 1
             if fault.get("killed"):
                 if not ok:
-                    lost_after_fault.append(index)
+                    lost_after_fault.append(time.monotonic() - fault["killed_monotonic"])
                 return
             if not ok:
                 errors.append((index, name, text))
@@ -204,7 +207,7 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
     deadline = started + args.max_minutes * 60
     with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
         futures = []
-        for i in range(args.requests):
+        for i in range(len(plan)):
             if time.monotonic() > deadline or server.proc.poll() is not None:
                 break
             futures.append(pool.submit(one, i))
@@ -231,6 +234,7 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
     if fault_at is not None:
         fault.update(wait_for_death(server, fault))
         fault["requests_failed_after_kill"] = len(lost_after_fault)
+        fault["last_failure_after_kill_s"] = round(max(lost_after_fault, default=0), 2)
         result["fault"] = fault
     return result
 
@@ -341,7 +345,8 @@ def write_results(out: Path, report: dict, failures: list[str], argv: list[str])
         lines += [
             f"| worker killed after request {fault['killed_at_request']} | /health 503 after "
             f"{fault.get('health_503_after_s')} s; exit status {fault['exit_status']}; "
-            f"{fault['requests_failed_after_kill']} in-flight/later requests failed (none hung) |",
+            f"{fault['requests_failed_after_kill']} in-flight and later requests failed, the last "
+            f"{fault['last_failure_after_kill_s']} s after the kill (none hung) |",
         ]
     lines += ["", "Verdict: " + ("**passed**" if not failures else "**FAILED**: " + "; ".join(failures)), ""]
     (out / "summary.md").write_text("\n".join(lines))
