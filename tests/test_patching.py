@@ -40,6 +40,10 @@ PATCH_TESTS = {
         "test_server_guards.py::test_adapter_paths_outside_the_roots_get_one_uniform_403",
     ],
     "api_key_covers_every_route": ["test_server_guards.py::test_every_route_but_the_probes_needs_the_api_key"],
+    "adapter_refusals_as_warnings": [
+        "test_patching.py::test_adapter_refusal_logs_one_warning_line",
+        "test_server_guards.py::test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving",
+    ],
     "engine_death_exit_status": ["test_server_guards.py::test_dead_engine_turns_health_to_503_and_exits_non_zero"],
 }
 
@@ -66,6 +70,38 @@ def test_every_patch_has_a_test_and_every_test_exists():
             file, _, function = test.partition("::")
             source = (ROOT / "tests" / file).read_text()
             assert not function or f"def {function}(" in source, f"{name}: {test} does not exist"
+
+
+def test_adapter_refusal_logs_one_warning_line(caplog):
+    import logging
+
+    from vllm_bdlora.adapters import AdapterRejected
+    from vllm_bdlora.serve.quiet_logs import ENGINE_CORE_LOGGER
+
+    logger = logging.getLogger(ENGINE_CORE_LOGGER)
+    with caplog.at_level(logging.DEBUG, logger=ENGINE_CORE_LOGGER):
+        for error in (RuntimeError(str(AdapterRejected("ad", ["x: bad", "y: worse"], "fix it"))), ValueError("other")):
+            try:
+                raise error
+            except Exception:
+                logger.exception("Invocation of %s method failed", "add_lora")
+    debug, refusal, other = caplog.records[-3:]  # the traceback is logged while the refusal is filtered
+    assert (refusal.levelname, refusal.getMessage()) == (
+        "WARNING",
+        "vllm-bdlora: LoRA adapter rejected: 'ad'. - x: bad - y: worse Fix: fix it",
+    ) and refusal.exc_info is None
+    assert debug.levelname == "DEBUG" and debug.exc_info is not None  # the traceback, for whoever asks
+    assert other.levelname == "ERROR" and other.exc_info is not None  # other failures unchanged
+
+
+def test_the_cli_lists_every_patch_readably_and_writes_the_table():
+    import subprocess
+
+    listing = subprocess.run(["vllm-bdlora", "patches"], capture_output=True, text=True, timeout=120).stdout
+    assert all(f"\n{p.name}\n  patches " in listing for p in PATCHES)
+    assert max(len(line) for line in listing.splitlines()) <= 120 and "|" not in listing
+    markdown = subprocess.run(["vllm-bdlora", "patches", "--markdown"], capture_output=True, text=True, timeout=120)
+    assert markdown.stdout == patch_table()
 
 
 def test_patches_apply_once():
@@ -102,6 +138,8 @@ def test_targets_are_patched(patch):
         pytest.skip("only applies on vLLM's CPU platform")
     if patch.name == "bd_lora_layer_classes":
         pytest.skip("a tuple, not a function: see test_bd_classes_lead_the_class_tuple")
+    if patch.name == "adapter_refusals_as_warnings":
+        pytest.skip("a logging filter, not a function: see test_adapter_refusal_logs_one_warning_line")
     for target in patch.targets:
         value = resolve(target)
         assert getattr(value, "__bdlora_original__", None) or original_of(value), f"{target} is not patched"
@@ -195,6 +233,18 @@ def test_cpu_ops_ignore_unadapted_tokens():
     out = torch.full((2, 8), 5.0)
     punica_cpu.bgmv_expand(torch.randn(2, 4), weights.transpose(2, 3).contiguous(), out, torch.tensor([-1, 2]), True)
     assert torch.equal(out[0], torch.full((8,), 5.0)) and bool(torch.isfinite(out[1]).all())
+
+
+def test_the_plugin_sets_no_environment_variable_vllm_does_not_know(monkeypatch):
+    """vLLM warns about (and, validating strictly, refuses) every VLLM_ variable it does not know."""
+    from vllm import envs
+
+    from vllm_bdlora.plugin import register
+
+    before = set(os.environ)
+    register()
+    added = set(os.environ) - before
+    assert not [name for name in added if name.startswith("VLLM_") and name not in envs.environment_variables]
 
 
 def test_kernels_compile_into_the_cache_directory_in_effect_before_vllm_changed_it(monkeypatch, tmp_path):

@@ -153,15 +153,20 @@ def test_adapter_paths_outside_the_roots_get_one_uniform_403(server, roots, tmp_
 
 @pytest.mark.parametrize("bad", BAD_ADAPTERS, ids=lambda b: b.kind)
 def test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving(server, roots, assets, reference_words, bad):
-    url, _ = server
     inside, _ = roots
+    url, log_path = server
     name = f"bad-{bad.kind}"
     path = bad.make(assets["bd64"], inside / name)
+    log_start = len(log_path.read_text())
     response = load(url, name, path)
     assert response.status_code == bad.status, response.text
     message = response.json()["error"]["message"]
     for fragment in (name, *bad.says):
         assert fragment in message, message
+    log = log_path.read_text()[log_start:]
+    assert "Traceback" not in log, log  # a refusal is the client's error: one line in the log, not a traceback
+    if bad.status == 400:
+        assert [line for line in log.splitlines() if "WARNING" in line and f"rejected: '{name}'" in line], log
     assert complete(url, "bd64") == reference_words["bd64"]
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
@@ -186,7 +191,9 @@ def test_admitted_adapter_is_served_as_admitted_after_its_files_change(server, r
         edit()
         assert complete(url, "bd48") == reference_words["bd48"]
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
-    assert "Traceback" not in log_path.read_text()[log_start:]
+    log = log_path.read_text()[log_start:]
+    assert "Traceback" not in log
+    assert log.count("vllm-bdlora: adapter 'bd48'") == 1, log  # logged when admitted, not on every re-read
 
 
 def test_bad_lora_modules_entry_stops_startup_naming_it(assets, tmp_path):

@@ -348,8 +348,9 @@ def load_adapter(worker_manager, lora_request, read: Callable):
     if new_copy is not None:
         copies.keep(adapter_id, new_copy)
     if is_first_tp_rank(manager):
-        logger.info("vllm-bdlora: %s", summary)
-        if not_served:
+        # One line when an adapter is admitted; re-reads after vLLM's CPU cache dropped it are routine.
+        logger.log(logging.INFO if new_copy is not None else logging.DEBUG, "vllm-bdlora: %s", summary)
+        if not_served and new_copy is not None:
             logger.warning(
                 "vllm-bdlora: adapter '%s' is served without its LoRA on %d module(s) that --lora-target-modules %s "
                 "leaves out (%s): its outputs differ from the adapter's as trained. Add their names to "

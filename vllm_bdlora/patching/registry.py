@@ -19,6 +19,7 @@ from vllm_bdlora.patching.worker import (
     patch_lora_manager,
     patch_peft_helper_defers_adapter_flags,
 )
+from vllm_bdlora.serve.quiet_logs import install_adapter_refusal_filter
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -40,9 +41,11 @@ PATCHES: tuple[Patch, ...] = (
         versions="0.26-0.32",
         why="`vllm serve --enable-bdlora` (and `--enable-dora`) must parse; vLLM has no hook for plugin CLI flags, "
         "but AsyncEngineArgs.add_cli_args loads general plugins just before it builds the engine arguments.",
-        how="Add --enable-bdlora and --enable-dora to the parser; when parsed, fold them into "
-        "additional_config['bdlora'] "
-        "(which reaches every worker, Ray included) and turn on --enable-lora.",
+        how="Add --enable-bdlora (alias --block-diagonal-sharded-loras), --enable-dora and "
+        "--allowed-adapter-roots to the parser; when parsed, fold them into additional_config['bdlora'] "
+        "(which reaches every worker, Ray included) and turn on --enable-lora. On the CPU backend, with fewer NUMA "
+        "nodes than TP workers and no setting of the user's, pick thread binding and KV cache size "
+        "(vllm_bdlora.serve.cpu_defaults, logged).",
         removal="A vLLM extension point for plugin CLI arguments.",
         apply=patch_enable_bdlora_flag,
     ),
@@ -230,6 +233,18 @@ PATCHES: tuple[Patch, ...] = (
         removal="vLLM exiting non-zero when its engine dies.",
         apply=patch_engine_death_exit_status,
     ),
+    Patch(
+        name="adapter_refusals_as_warnings",
+        targets=("vllm.v1.engine.core (logger)",),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="Every refused adapter load made the engine core log a 14-line traceback at ERROR (a failed utility "
+        "call), although the refusal is the client's error and its whole message goes back in the HTTP 400.",
+        how="A logging filter on the engine core's logger (vllm_bdlora.serve.quiet_logs) turns a record whose "
+        "exception is an adapter refusal into one WARNING line with the reason; the traceback goes to DEBUG.",
+        removal="vLLM logging expected utility-call failures without a traceback.",
+        apply=install_adapter_refusal_filter,
+    ),
 )
 
 
@@ -254,3 +269,18 @@ def patch_table() -> str:
         targets = "<br>".join(f"`{t}`" for t in p.targets)
         rows.append(f"| `{p.name}` | {targets} | {p.stage} | {p.versions} | {p.why} | {p.how} | {p.removal} |")
     return "\n".join(rows) + "\n"
+
+
+def patch_listing(width: int = 100) -> str:
+    """The same records for a terminal: one block per patch, wrapped to `width` columns."""
+    import textwrap
+
+    blocks = []
+    for p in PATCHES:
+        lines = [p.name]
+        lines += [f"  patches {t}" for t in p.targets]
+        for label, text in (("applied", f"{p.stage} stage; vLLM {p.versions}"), ("why", p.why), ("how", p.how),
+                            ("delete when", p.removal)):  # fmt: skip
+            lines += textwrap.wrap(text, width, initial_indent=f"  {label}: ", subsequent_indent="    ")
+        blocks.append("\n".join(lines))
+    return f"vLLM patches applied by vllm-bdlora ({len(PATCHES)}):\n\n" + "\n\n".join(blocks) + "\n"

