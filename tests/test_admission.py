@@ -133,3 +133,17 @@ def test_ranks_that_copied_different_bytes_are_refused_and_cleaned_up():
     other = AdapterLoadFailure(f"LoRA adapter rejected: 'ad'. {AdapterRejected.OTHER_RANK}")
     with pytest.raises(RuntimeError, match="bad"):
         check_admission_replies([other, failure], request, None)
+
+
+def test_cpu_defaults_only_where_vllms_own_would_stop_the_server():
+    from vllm_bdlora.serve.cpu_defaults import cpu_defaults
+
+    assert cpu_defaults(2, {}, [0, 1], nodes=1, free_gib=20) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "2"
+    }  # fmt: skip
+    assert cpu_defaults(2, {}, list(range(8)), nodes=1, free_gib=3)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+    assert cpu_defaults(2, {}, list(range(8)), nodes=1, free_gib=3)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert cpu_defaults(2, {}, [0, 1], nodes=2, free_gib=20) == {}  # a node per worker: vLLM's own defaults
+    assert cpu_defaults(1, {}, [0, 1], nodes=1, free_gib=20) == {}
+    users = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert cpu_defaults(2, users, [0, 1], nodes=1, free_gib=20) == {}

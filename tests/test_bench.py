@@ -407,8 +407,8 @@ def test_fused_lora_report_lists_paths_that_failed_to_compile(tmp_path):
 
 
 def test_fused_lora_report_refuses_a_json_from_before_the_layer_op_and_says_why(tmp_path):
-    """A benchmark JSON written before the layer op existed (tests/data/fused-lora-report) has no layer-op columns: `--report` on it names that,
-    rather than failing with a KeyError."""
+    """A benchmark JSON written before the layer op existed (tests/data/fused-lora-report) has no layer-op
+    columns: `--report` on it names that, rather than failing with a KeyError."""
     import shutil
 
     from bench.kernels.fused_lora import main

@@ -561,7 +561,7 @@ def test_one_slot_narrow_layers_of_few_outputs_stream_64_column_blocks():
 
 
 def test_long_loop_whole_block_plans_spread_the_shrink_programs_among_the_gemvs():
-    """bench/results/kernels/decode-llama3.1-8b-h200: whole-block plans streaming long hidden loops (6 stages) beside 16 or more
+    """Archived H200 runs: whole-block plans streaming long hidden loops (6 stages) beside 16 or more
     shrink programs ran faster with those numbered among the GEMV's, in 16-row tiles; plans with 4 shrink programs,
     short loops and stream-K did not, and were kept; the rule holds up to BD r'=128's widest LoRA (384 columns)."""
     from vllm_bdlora.kernels.decode_lora import batch_plan

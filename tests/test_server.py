@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import requests
@@ -173,3 +174,41 @@ def test_bad_adapter_at_startup_stops_the_server_with_a_clear_message(assets):
     output = proc.stdout + proc.stderr
     assert "LoRA adapter rejected: 'wide'" in output
     assert "start the server with --max-lora-rank 128" in output
+
+
+def readme_block_after(marker: str) -> str:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    after = readme[readme.index(marker) :]
+    start = after.index("```bash\n") + len("```bash\n")
+    return after[start : after.index("\n```", start)]
+
+
+def test_the_readmes_cpu_serving_command_starts_as_written_and_matches_peft():
+    """The README's hand-serving command, run as written (port 8000), with none of vLLM's CPU variables set: the
+    plugin picks thread binding and KV cache size where vLLM's defaults would stop the server."""
+    import os
+    import signal
+    import tempfile
+
+    from vllm_bdlora.serve import demo
+
+    command = readme_block_after("**Serving by hand on CPU.**")
+    workdir = os.path.join(tempfile.gettempdir(), "vllm-bdlora-demo")
+    assert workdir in command
+    paths = demo.make_assets(workdir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    log_path = Path(tempfile.mkdtemp()) / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=Path(__file__).parents[1], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        wait_healthy(proc, "http://127.0.0.1:8000", str(log_path), START_TIMEOUT)
+        body = {"model": "bd-r64", "prompt": " ".join(f"w{i}" for i in demo.PROMPT_IDS), "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        answer = requests.post("http://127.0.0.1:8000/v1/completions", json=body, timeout=120).json()
+        assert answer["choices"][0]["text"].split() == demo.reference_words(paths, "bd-r64", 8)
+        log = log_path.read_text()
+        assert "VLLM_CPU_OMP_THREADS_BIND=" in log and "VLLM_CPU_KVCACHE_SPACE=" in log
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)

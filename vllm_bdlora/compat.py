@@ -49,6 +49,31 @@ def allowed_max_lora_ranks() -> tuple[int, ...]:
     return tuple(sorted(typing.get_args(MaxLoRARanks)))
 
 
+# Where the API server keeps what the frontend patches wrap: 0.32's layout first, then older ones.
+AUTH_MIDDLEWARE_MODULES = (
+    "vllm.entrypoints.serve.middleware.authenticate",
+    "vllm.entrypoints.openai.server_utils",
+    "vllm.entrypoints.openai.api_server",
+)
+SERVER_LAUNCHER_MODULES = ("vllm.entrypoints.launchers.launcher", "vllm.entrypoints.launcher")
+ENGINE_ERROR_HANDLER_MODULES = ("vllm.entrypoints.serve.exception_handling.handlers.vllm_error",)
+
+
+def modules_with(attribute: str, candidates: tuple[str, ...]) -> list:
+    """The importable modules among `candidates` that define `attribute` (empty where this vLLM has none)."""
+    import importlib
+
+    found = []
+    for name in candidates:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, attribute):
+            found.append(module)
+    return found
+
+
 def adapter_absolute_path(lora_path: str) -> str:
     """Where vLLM reads an adapter from: a local path made absolute (with `~` expanded), else a model-hub
     download's local directory."""

@@ -4,7 +4,7 @@ fused kernels of vllm_bdlora.kernels.fused_lora: the custom op BD layers call (l
 orders on their own: shrink + delta-writing expand + cuBLAS GEMM accumulating onto it (delta_first),
 cuBLAS GEMM + shrink + in-place fused expand (fused_expand); and shrink + split-graph fused GEMM.
 
-    python -m bench.kernels.fused_lora --out bench/results/kernels/dora-compose-h200 [--tune]
+    python -m bench.kernels.fused_lora --out bench/results/kernels/fused-lora-h200 [--tune]
 
 Packed layers keep their slices (qkv: q, k, v; gate_up: gate, up), so each path serves the whole layer.
 Batches hold one adapter, or several (tokens dealt round robin, --adapters). Every path is checked against

@@ -1,7 +1,7 @@
 """Host time per call of the LoRA layer's pieces: what prefill pays outside CUDA graphs (vLLM replays
 graphs for decode-sized batches only; larger batches launch every kernel from Python on every layer).
 
-    python -m bench.kernels.launch_overhead --out bench/results/kernels/dora-compose-h200 [--tokens 1 16 1024] [--profile]
+    python -m bench.kernels.launch_overhead --out bench/results/kernels/launch-overhead-h200 [--tokens 1 16 1024]
 
 Each piece is timed alone: the GPU is synchronised before each call and the wall clock measures the call
 itself (its launches queue and return), median over many calls, µs. Pieces: op dispatch alone (torch.ops

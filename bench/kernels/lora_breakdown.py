@@ -7,7 +7,7 @@ Two candidates timed here before were measured and dropped (bench/results/README
 K-augmented prefill layer (one cuBLAS GEMM over [X | S]·[W | B]ᵀ) and a single-pass decode kernel (the shrink
 inside the expand). Their code is in git history (commit d20fd56).
 
-    python -m bench.kernels.lora_breakdown --out bench/results/kernels/dora-compose-h200
+    python -m bench.kernels.lora_breakdown --out bench/results/kernels/lora-breakdown-h200
 
 Times: median of CUDA-event-timed replays of a CUDA graph of 10 calls. Streaming kernels also report GB/s
 (the bytes they must move: output read and/or written, S, X for the shrink) against the measured copy

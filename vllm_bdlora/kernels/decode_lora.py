@@ -340,7 +340,7 @@ def _whole_block_plan(out_features, hidden, total_width, shrink, sms, block_n, b
     (TP=8's gate_up_proj, 4 slots): those keep them last. This rule against the same plans unspread on a fourth H200 (8
     rounds), per decoder layer at 1 / 16 tokens: TP=1 -0.6% / -1.1%, TP=2 -0.3% / -1.7%, Llama-3.1-70B at TP=8 -1.2% /
     -2.0% (its gate_up_proj 0.7 / 1.4 µs); TP=4's gate_up_proj +0.06 to +0.2 µs there, -0.35 to +0.07 on the other three
-    (bench/results/kernels/decode-llama3.1-8b-h200)."""
+    (archived H200 runs)."""
     spare = _shrink_beside(shrink, sms, cdiv(out_features, block_n))
     step = whole_block_step(block_n, block_m)
     long_loop = cdiv(hidden, step) >= (_DEEP_PIPELINE_STEPS if block_m > 16 else _DEEP_PIPELINE_STEPS_16)

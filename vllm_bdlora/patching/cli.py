@@ -137,6 +137,13 @@ def patch_enable_bdlora_flag() -> bool:
                 engine_args.enable_lora = True
             check_engine_args(engine_args)
             warn_if_adapter_paths_unconfined(engine_args)
+            if bdlora_requested(engine_args):
+                from vllm.platforms import current_platform
+
+                if current_platform.is_cpu():
+                    from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
+
+                    apply_cpu_defaults(engine_args.tensor_parallel_size)
             return engine_args
 
         return from_cli_args

@@ -14,9 +14,6 @@ from vllm_bdlora.patching import UpstreamContractError, original_of, require_par
 logger = logging.getLogger("vllm.bdlora")
 
 SERVING_MODELS_MODULE = "vllm.entrypoints.openai.models.serving"
-AUTH_MIDDLEWARE_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
-LAUNCHER_MODULE = "vllm.entrypoints.launchers.launcher"
-TERMINATE_IF_ERRORED_MODULES = (LAUNCHER_MODULE, "vllm.entrypoints.serve.exception_handling.handlers.vllm_error")
 SERVE_COMMAND_MODULE = "vllm.entrypoints.cli.serve"
 
 
@@ -67,9 +64,13 @@ def patch_api_key_covers_every_route() -> bool:
     """vLLM's key check guards only /v1, /v2, /inference and /cohere; guard every path but the open probes."""
     if not in_api_server():
         return False
-    import importlib
+    from vllm_bdlora.compat import AUTH_MIDDLEWARE_MODULES, modules_with
 
-    middleware = importlib.import_module(AUTH_MIDDLEWARE_MODULE).AuthenticationMiddleware
+    found = modules_with("AuthenticationMiddleware", AUTH_MIDDLEWARE_MODULES)
+    if not found:
+        logger.warning("vllm-bdlora: this vLLM's --api-key check was not found; it guards only vLLM's own routes.")
+        return False
+    middleware = found[0].AuthenticationMiddleware
     require_parameters(middleware.__call__, ("scope", "receive", "send"), "AuthenticationMiddleware.__call__")
     require_parameters(middleware.verify_token, ("headers",), "AuthenticationMiddleware.verify_token")
 
@@ -99,10 +100,16 @@ def patch_engine_death_exit_status() -> bool:
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError
 
+    from vllm_bdlora.compat import ENGINE_ERROR_HANDLER_MODULES, SERVER_LAUNCHER_MODULES, modules_with
     from vllm_bdlora.serve.lifecycle import EXIT_ENGINE_DIED, engine_died, engine_processes_alive, note_engine_death
 
     serve = importlib.import_module(SERVE_COMMAND_MODULE)
-    launcher = importlib.import_module(LAUNCHER_MODULE)
+    # The watchdog and the error handler of in-flight requests each imported the function by name.
+    holders = modules_with("terminate_if_errored", SERVER_LAUNCHER_MODULES + ENGINE_ERROR_HANDLER_MODULES)
+    if not holders:
+        logger.warning("vllm-bdlora: this vLLM's engine watchdog was not found; a dead engine may exit with status 0.")
+        return False
+    launcher = holders[0]
     original_check = original_of(launcher.terminate_if_errored) or launcher.terminate_if_errored
     require_parameters(original_check, ("server", "engine"), "terminate_if_errored")
     require_parameters(serve.ServeSubcommand.cmd, ("args",), "ServeSubcommand.cmd")
@@ -114,12 +121,10 @@ def patch_engine_death_exit_status() -> bool:
 
     terminate_if_errored.__bdlora_original__ = original_check
     changed = False
-    # The watchdog and the error handler of in-flight requests each imported the function by name.
-    for module_name in TERMINATE_IF_ERRORED_MODULES:
-        module = importlib.import_module(module_name)
-        if getattr(module, "terminate_if_errored", None) is not original_check:
-            if original_of(getattr(module, "terminate_if_errored", None)) is None:
-                raise UpstreamContractError(f"vllm-bdlora: {module_name}.terminate_if_errored is not vLLM's.")
+    for module in holders:
+        if module.terminate_if_errored is not original_check:
+            if original_of(module.terminate_if_errored) is None:
+                raise UpstreamContractError(f"vllm-bdlora: {module.__name__}.terminate_if_errored is not vLLM's.")
             continue
         module.terminate_if_errored = terminate_if_errored
         changed = True

@@ -61,13 +61,19 @@ def make_assets(workdir: str) -> dict[str, str]:
     return paths
 
 
-def start_demo_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> subprocess.Popen:
-    command = [
+def serve_command(paths: dict[str, str], tp: int) -> list[str]:
+    """The demo's server: float32, because on CPU vLLM otherwise serves bf16 and its answers leave PEFT's float32
+    ones after a few tokens."""
+    return [
         "vllm", "serve", paths["model"], "--enable-dora", "--tensor-parallel-size", str(tp),
         "--max-lora-rank", "64", "--max-loras", str(len(ADAPTERS)), "--dtype", "float32",
-        "--max-model-len", "256", "--enforce-eager", "--port", str(port),
+        "--max-model-len", "256", "--enforce-eager",
         "--lora-modules", *[f"{a.name}={paths[a.name]}" for a in ADAPTERS],
     ]  # fmt: skip
+
+
+def start_demo_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> subprocess.Popen:
+    command = [*serve_command(paths, tp), "--port", str(port)]
     print(f"[demo] $ {' '.join(command)}", flush=True)
     return launch(command, log_path, tp)
 
@@ -110,6 +116,11 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
         stop_server(proc)
     verdict = "all answers match PEFT" if not mismatches else f"{mismatches} answer(s) differ from PEFT"
     print(f"\n[demo] done; {verdict}.")
+    print("[demo] The model is random and its vocabulary made up (w4 ... w511): the answers are token ids, checked")
+    print("[demo] against PEFT, not text. To serve the same adapters yourself (port 8000):")
+    print(f"[demo]   {' '.join(serve_command(paths, tp))}")
+    print(f"[demo]   curl localhost:8000/v1/completions -H 'Content-Type: application/json' -d "
+          f"'{{\"model\": \"{ADAPTERS[0].name}\", \"prompt\": \"{prompt}\", \"max_tokens\": 8}}'")  # fmt: skip
     return 1 if mismatches else 0
 
 

@@ -1,0 +1,58 @@
+"""CPU-backend settings the plugin picks when the user set none and vLLM's own would stop the server.
+
+vLLM's CPU backend binds each tensor-parallel worker to a NUMA node of its own and reserves 90% of that node's
+memory per worker; on a machine with fewer NUMA nodes than workers (a laptop, a CI runner, most VMs) `vllm serve
+--tensor-parallel-size 2` stops with "Not enough allowed NUMA nodes" or "Available memory on node 0 ... is less
+than desired". For a BD-LoRA server the plugin then splits the allowed cores between the workers and gives each a
+KV cache of a quarter of the available memory divided among them, and logs both with the variable that overrides
+it. Nothing is changed where the user set either variable or the machine has a NUMA node per worker.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+logger = logging.getLogger("vllm.bdlora")
+
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+KV_CACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"  # GiB per worker
+
+
+def numa_nodes() -> int:
+    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+
+
+def available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def cpu_defaults(tp: int, environ: dict, cpus: list[int], nodes: int, free_gib: float) -> dict[str, str]:
+    """The settings to add to `environ` (empty where vLLM's own work or the user chose)."""
+    if tp <= nodes:
+        return {}
+    chosen = {}
+    if THREADS_BIND not in environ and len(cpus) >= tp:
+        per_worker = len(cpus) // tp
+        groups = [cpus[i * per_worker : (i + 1) * per_worker] for i in range(tp)]
+        chosen[THREADS_BIND] = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+    if environ.get(KV_CACHE_SPACE, "0") in ("", "0"):
+        chosen[KV_CACHE_SPACE] = str(max(1, int(free_gib / 4 / tp)))
+    return chosen
+
+
+def apply_cpu_defaults(tp: int) -> dict[str, str]:
+    chosen = cpu_defaults(tp, dict(os.environ), sorted(os.sched_getaffinity(0)), numa_nodes(), available_gib())
+    for name, value in chosen.items():
+        os.environ[name] = value
+        what = "cores per worker" if name == THREADS_BIND else "GiB of KV cache per worker"
+        logger.info(
+            "vllm-bdlora: CPU backend with %d workers on %d NUMA node(s): %s=%s (%s; set it to choose).",
+            tp, numa_nodes(), name, value, what,
+        )  # fmt: skip
+    return chosen
