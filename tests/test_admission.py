@@ -147,3 +147,23 @@ def test_cpu_defaults_only_where_vllms_own_would_stop_the_server():
     assert cpu_defaults(1, {}, [0, 1], nodes=1, free_gib=20) == {}
     users = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     assert cpu_defaults(2, users, [0, 1], nodes=1, free_gib=20) == {}
+
+
+@pytest.mark.parametrize(
+    ("runtime_loading", "config", "warns"),
+    [
+        ("True", {"bdlora": {}}, True),
+        ("True", {"bdlora": {"allowed_adapter_roots": ["/adapters"]}}, False),
+        ("", {"bdlora": {}}, False),
+        ("True", {}, False),  # not a BD-LoRA server: stock vLLM's behaviour, no word from the plugin
+    ],
+)
+def test_unconfined_runtime_loading_is_named_at_startup(monkeypatch, caplog, runtime_loading, config, warns):
+    import logging
+
+    from vllm_bdlora.patching.cli import warn_if_adapter_paths_unconfined
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", runtime_loading)
+    with caplog.at_level(logging.WARNING, logger="vllm.bdlora"):
+        warn_if_adapter_paths_unconfined(SimpleNamespace(additional_config=config))
+    assert ("--allowed-adapter-roots DIR" in caplog.text) == warns

@@ -140,9 +140,15 @@ def test_targets_are_patched(patch):
         pytest.skip("a tuple, not a function: see test_bd_classes_lead_the_class_tuple")
     if patch.name == "adapter_refusals_as_warnings":
         pytest.skip("a logging filter, not a function: see test_adapter_refusal_logs_one_warning_line")
+    resolved = 0
     for target in patch.targets:
-        value = resolve(target)
+        try:
+            value = resolve(target)
+        except (ImportError, AttributeError):  # a module path of another vLLM version (compat.py)
+            continue
+        resolved += 1
         assert getattr(value, "__bdlora_original__", None) or original_of(value), f"{target} is not patched"
+    assert resolved, f"none of {patch.name}'s targets exists in this vLLM"
 
 
 def test_bd_classes_lead_the_class_tuple():

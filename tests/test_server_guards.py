@@ -207,6 +207,18 @@ def test_bad_lora_modules_entry_stops_startup_naming_it(assets, tmp_path):
     assert "LoRA adapter rejected: 'broken'" in output and "adapter_model.safetensors: truncated" in output
 
 
+def test_lora_modules_outside_the_roots_stop_startup_naming_the_entry(assets, tmp_path):
+    (tmp_path / "adapters").mkdir()
+    proc = subprocess.run(
+        serve_command(assets["model"], free_port(), {"outside": assets["bd64"]},
+                      "--allowed-adapter-roots", str(tmp_path / "adapters")),
+        env=server_env(), capture_output=True, text=True, timeout=START_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert f"LoRA adapter 'outside': {PATH_REFUSED}" in output
+
+
 def test_dead_engine_turns_health_to_503_and_exits_non_zero(assets, tmp_path):
     import psutil
 

@@ -50,13 +50,17 @@ def allowed_max_lora_ranks() -> tuple[int, ...]:
 
 
 # Where the API server keeps what the frontend patches wrap: 0.32's layout first, then older ones.
+# (0.26: vllm.entrypoints.serve.utils.server_utils and vllm.entrypoints.launcher, checked on vLLM 0.26.0.)
 AUTH_MIDDLEWARE_MODULES = (
     "vllm.entrypoints.serve.middleware.authenticate",
-    "vllm.entrypoints.openai.server_utils",
-    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.serve.utils.server_utils",
 )
 SERVER_LAUNCHER_MODULES = ("vllm.entrypoints.launchers.launcher", "vllm.entrypoints.launcher")
-ENGINE_ERROR_HANDLER_MODULES = ("vllm.entrypoints.serve.exception_handling.handlers.vllm_error",)
+ENGINE_ERROR_HANDLER_MODULES = (
+    "vllm.entrypoints.serve.exception_handling.handlers.vllm_error",
+    "vllm.entrypoints.serve.utils.server_utils",
+    "vllm.entrypoints.openai.api_server",
+)
 
 
 def modules_with(attribute: str, candidates: tuple[str, ...]) -> list:

@@ -204,9 +204,12 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="api_key_covers_every_route",
-        targets=("vllm.entrypoints.serve.middleware.authenticate.AuthenticationMiddleware.__call__",),
+        targets=(
+            "vllm.entrypoints.serve.middleware.authenticate.AuthenticationMiddleware.__call__",
+            "vllm.entrypoints.serve.utils.server_utils.AuthenticationMiddleware.__call__",
+        ),
         stage="plugin",
-        versions="0.32 (API server process only)",
+        versions="0.26-0.32 (API server process only; the class moved between them, see compat.py)",
         why="--api-key guards only /v1, /v2, /inference and /cohere: /adapters (loads any path), "
         "DELETE /adapters/{name} and /invocations (generates) answer without the key.",
         how="Require the key on every path except the read-only probes in vllm_bdlora.access.OPEN_PATHS "
@@ -219,11 +222,12 @@ PATCHES: tuple[Patch, ...] = (
         targets=(
             "vllm.entrypoints.launchers.launcher.terminate_if_errored",
             "vllm.entrypoints.serve.exception_handling.handlers.vllm_error.terminate_if_errored",
+            "vllm.entrypoints.launcher.terminate_if_errored",
             "vllm.entrypoints.cli.serve.ServeSubcommand.cmd",
             "vllm.v1.engine.async_llm.AsyncLLM.check_health",
         ),
         stage="plugin",
-        versions="0.32 (API server process only)",
+        versions="0.26-0.32 (API server process only; module paths differ, see compat.py)",
         why="When the engine dies (a worker killed, say), /health answers 200 until the engine core gives up "
         "on its step (9 s on CPU under load), and `vllm serve` exits with status 0, so a supervisor that restarts "
         "failed services leaves the server down.",
