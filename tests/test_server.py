@@ -11,7 +11,7 @@ import requests
 from tests.conftest import cpu_engine_env
 from vllm_bdlora import tiny
 from vllm_bdlora.peft_reference import greedy, load_reference
-from vllm_bdlora.serve.process import free_port, launch, stop_server, wait_healthy
+from vllm_bdlora.serve.process import free_port, running_server, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -38,16 +38,10 @@ def server_env():
 
 @pytest.fixture(scope="module")
 def server(assets, tmp_path_factory):
-    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    command = serve_command(assets, port, {"bd64": assets["bd64"], "std16": assets["std16"]})
-    proc = launch(command, str(log_path), tp=2, env=server_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, str(log_path), START_TIMEOUT)
+    command = serve_command(assets, free_port(), {"bd64": assets["bd64"], "std16": assets["std16"]})
+    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (_, url):
         yield url, log_path
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +141,13 @@ def test_bad_adapters_get_400_and_the_server_keeps_serving(server, assets, refer
         ),
         "rank_over_max": (
             tiny.make_adapter(assets["model"], str(tmp_path / "r128"), rank=128, nblocks=2, seed=3),
-            ("LoRA rank 128 is greater than max_lora_rank 64",),
+            ("LoRA rank 128 is greater than max_lora_rank 64", "Fix: start the server with --max-lora-rank 128"),
+        ),
+        "for_a_wider_model": (  # what vllm-bdlora check says too (test_check.py)
+            tiny.make_adapter(
+                tiny.make_tiny_llama(str(tmp_path / "wider"), hidden_size=256), str(tmp_path / "wide"), rank=8
+            ),
+            ("made for another base model: lora_A takes 256 inputs, this model's layer takes 128",),
         ),
     }
     for name, (path, messages) in cases.items():
@@ -212,3 +212,32 @@ def test_the_readmes_cpu_serving_command_starts_as_written_and_matches_peft():
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_peft_bdlora_example_flags_serve_concurrent_and_streaming_clients(assets, reference_words, tmp_path):
+    """PEFT's examples/bdlora_finetuning/vllm_server.bash passes --block_diagonal_sharded_loras (the flag of vLLM's
+    BD-LoRA pull request) to `python -m vllm.entrypoints.openai.api_server`; its chat.py sends 32 concurrent
+    deterministic completions. Served here with those flags (plus float32 and a short context for CPU)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", assets["model"], "--enable-lora",
+        "--lora-modules", f"lora1={assets['bd64']}", f"lora2={assets['std16']}", "--tensor-parallel-size", "2",
+        "--block_diagonal_sharded_loras", "--max-lora-rank", "128", "--enforce-eager", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "256",
+    ]  # fmt: skip
+    log_path = tmp_path / "server.log"
+    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (_, url):
+        assert "--block-diagonal-sharded-loras is read as --enable-bdlora" in log_path.read_text()
+        deterministic = {"temperature": 0, "top_p": 1, "top_k": 1}
+        jobs = [("lora1", "bd64"), ("lora2", "std16")] * 16
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(lambda job: complete(url, job[0], **deterministic).json(), jobs))
+        for (_, adapter), answer in zip(jobs, answers, strict=True):
+            assert answer["choices"][0]["text"].split() == reference_words[adapter]
+        with complete(url, "lora1", stream=True, **deterministic) as response:
+            chunks = [json.loads(line[len(b"data: "):])["choices"][0]["text"] for line in response.iter_lines()
+                      if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+        assert len(chunks) > 1 and "".join(chunks).split() == reference_words["bd64"]

@@ -20,7 +20,7 @@ from bench.bad_adapters import BAD_ADAPTERS
 from tests.conftest import cpu_engine_env
 from vllm_bdlora.access import OPEN_PATHS, PATH_REFUSED
 from vllm_bdlora.peft_reference import greedy, load_reference
-from vllm_bdlora.serve.process import free_port, launch, stop_server, wait_healthy
+from vllm_bdlora.serve.process import free_port, running_server
 
 pytestmark = pytest.mark.engine
 
@@ -62,16 +62,12 @@ def roots(assets, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(assets, roots, tmp_path_factory):
     inside, _ = roots
-    port = free_port()
     log_path = tmp_path_factory.mktemp("guarded") / "server.log"
-    command = serve_command(assets["model"], port, {"bd64": inside / "bd64"}, "--allowed-adapter-roots", str(inside))
-    proc = launch(command, str(log_path), tp=2, env=server_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, str(log_path), START_TIMEOUT)
+    command = serve_command(
+        assets["model"], free_port(), {"bd64": inside / "bd64"}, "--allowed-adapter-roots", str(inside)
+    )
+    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (_, url):
         yield url, log_path
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +201,7 @@ def test_bad_lora_modules_entry_stops_startup_naming_it(assets, tmp_path):
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "LoRA adapter rejected: 'broken'" in output and "adapter_model.safetensors: truncated" in output
+    assert "EngineCore" not in output  # refused before the model loads
 
 
 def test_lora_modules_outside_the_roots_stop_startup_naming_the_entry(assets, tmp_path):
@@ -216,18 +213,15 @@ def test_lora_modules_outside_the_roots_stop_startup_naming_the_entry(assets, tm
     )  # fmt: skip
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
-    assert f"LoRA adapter 'outside': {PATH_REFUSED}" in output
+    assert f"LoRA adapter 'outside': {PATH_REFUSED}" in output and "EngineCore" not in output
 
 
 def test_dead_engine_turns_health_to_503_and_exits_non_zero(assets, tmp_path):
     import psutil
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    proc = launch(serve_command(assets["model"], port, {"bd64": assets["bd64"]}), str(log_path), 2, server_env())
-    try:
-        wait_healthy(proc, url, str(log_path), START_TIMEOUT)
+    command = serve_command(assets["model"], free_port(), {"bd64": assets["bd64"]})
+    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (proc, url):
         in_flight = {}
 
         def long_request():
@@ -251,6 +245,3 @@ def test_dead_engine_turns_health_to_503_and_exits_non_zero(assets, tmp_path):
         assert not client.is_alive(), "an in-flight request hangs after the engine died"
         assert proc.wait(timeout=60) == 1
         assert "the engine died" in log_path.read_text()
-    finally:
-        if proc.poll() is None:
-            stop_server(proc)

@@ -63,12 +63,19 @@ ENGINE_ERROR_HANDLER_MODULES = (
 )
 
 
+# Imported only where the server already did: importing it warns that it is deprecated (0.32).
+IMPORTED_ONLY_IF_LOADED = frozenset({"vllm.entrypoints.openai.api_server"})
+
+
 def modules_with(attribute: str, candidates: tuple[str, ...]) -> list:
     """The importable modules among `candidates` that define `attribute` (empty where this vLLM has none)."""
     import importlib
+    import sys
 
     found = []
     for name in candidates:
+        if name in IMPORTED_ONLY_IF_LOADED and name not in sys.modules:
+            continue
         try:
             module = importlib.import_module(name)
         except ImportError:

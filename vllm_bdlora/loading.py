@@ -22,7 +22,7 @@ from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks, wi
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.dora import magnitude_scale, squared_row_norms
 from vllm_bdlora.layers import BlockDiagonalLoRALayer
-from vllm_bdlora.sharding import LocalFactors, ShardingError, localize, localize_magnitude
+from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_problem, localize, localize_magnitude
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -134,14 +134,13 @@ def localize_adapter(
                     f"({type(manager.modules.get(module)).__name__}); train it as a standard LoRA module"
                 )
             continue
+        geometry = target.layer.shard_geometry(target.slice_index)
+        foreign = foreign_model_problem(weights.lora_a, geometry, factor)
+        if foreign:
+            problems.append(f"{module}: {foreign}")
+            continue
         try:
-            local = localize(
-                weights.lora_a,
-                weights.lora_b,
-                target.layer.shard_geometry(target.slice_index),
-                factor,
-                spec.nblocks if factor else 1,
-            )
+            local = localize(weights.lora_a, weights.lora_b, geometry, factor, spec.nblocks if factor else 1)
         except ShardingError as e:
             problems.append(f"{module}: {e}")
             continue
@@ -338,7 +337,7 @@ def load_adapter(worker_manager, lora_request, read: Callable):
         except ValueError as e:
             if isinstance(e, AdapterRejected):
                 raise
-            raise AdapterRejected(name, [str(e)]) from e
+            raise AdapterRejected(name, [str(e)], rank_limit_hint(str(e), manager)) from e
         deployment_targets = getattr(manager.lora_config, "target_modules", None)
         summary, not_served = localize_adapter(lora_model, fmt, manager, name, deployment_targets)
     except BaseException:
@@ -358,6 +357,22 @@ def load_adapter(worker_manager, lora_request, read: Callable):
                 name, len(not_served), " ".join(deployment_targets), _module_kinds(not_served),
             )  # fmt: skip
     return lora_model
+
+
+def rank_limit_hint(message: str, manager) -> str | None:
+    """The fix for vLLM's "LoRA rank R is greater than max_lora_rank M": the smallest --max-lora-rank vLLM accepts
+    that holds this adapter (a BD adapter needs >= r; a standard one, served replicated, r * TP)."""
+    import re
+
+    found = re.search(r"LoRA rank (\d+) is greater than max_lora_rank", message)
+    if not found:
+        return None
+    rank = int(found.group(1))
+    tp = next((t.layer.tp_size for t in bd_targets(manager).values()), 1)
+    fit = smallest_max_lora_rank(-(-rank // tp), tp)
+    accepted = ", ".join(map(str, allowed_max_lora_ranks()))
+    return (f"start the server with --max-lora-rank {fit} (vLLM accepts {accepted}); a standard (non-BD) adapter "
+            f"needs its rank x TP") if fit else f"vLLM accepts --max-lora-rank {accepted} only"  # fmt: skip
 
 
 def admitted_copies(worker_manager, settings: BdLoraSettings) -> AdmittedCopies:

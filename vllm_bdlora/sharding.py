@@ -86,6 +86,18 @@ def per_rank_width(max_lora_rank: int, tp_size: int) -> int:
     return max_lora_rank // tp_size
 
 
+def foreign_model_problem(lora_a, geometry: ShardGeometry, factor: str | None) -> str | None:
+    """An adapter whose LoRA-A does not take this layer's input size was trained on another base model: say so,
+    rather than report the divisibility and shape errors that follow from it. (A block-diagonal A stores a
+    fraction of the input per block; its shapes are checked in full by `localize`.)"""
+    if factor == "a" or lora_a is None or lora_a.ndim != 2 or lora_a.shape[1] == geometry.input_size:
+        return None
+    return (
+        f"made for another base model: lora_A takes {lora_a.shape[1]} inputs, this model's layer takes "
+        f"{geometry.input_size}"
+    )
+
+
 def _check_shapes(
     lora_a: torch.Tensor, lora_b: torch.Tensor, geometry: ShardGeometry, factor: str | None, nblocks: int
 ) -> None:

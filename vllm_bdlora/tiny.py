@@ -18,9 +18,10 @@ import torch
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_PROJECTIONS = ATTENTION + MLP
-# The BD-LoRA rule for Llama: column-parallel projections get a block-diagonal B, row-parallel ones A.
+# The BD-LoRA rule: column-parallel projections get a block-diagonal B, row-parallel ones A (Llama's names, and
+# the fused qkv_proj / gate_up_proj modules of families that keep them as one module).
 BD_A = ("o_proj", "down_proj")
-BD_B = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+BD_B = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 
 TINY_LLAMA = dict(
     vocab_size=512,
@@ -68,14 +69,33 @@ def make_tokenizer(path: str, vocab_size: int, model_max_length: int = TINY_LLAM
         )
 
 
+# Tiny random models of other families, from Transformers' own config classes (no hub), with the Llama one's
+# shapes and each family's own module names and quirks: Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's single
+# qkv_proj and gate_up_proj modules. family -> (config class, model class, the projections adapters target).
+PHI3_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", ALL_PROJECTIONS),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", ALL_PROJECTIONS),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", ALL_PROJECTIONS),
+    "mistral": ("MistralConfig", "MistralForCausalLM", ALL_PROJECTIONS),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3_PROJECTIONS),
+}
+
+
 def make_tiny_llama(path: str, seed: int = 0, **overrides) -> str:
     """Save a random LlamaForCausalLM (float32) with its tokenizer to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return make_tiny_model(path, "llama", seed, **overrides)
 
+
+def make_tiny_model(path: str, family: str, seed: int = 0, **overrides) -> str:
+    """Save a random model of `family` (a FAMILIES key; float32) with its tokenizer to `path`."""
+    import transformers
+
+    config_class, model_class, _ = FAMILIES[family]
     os.makedirs(path, exist_ok=True)
-    config = LlamaConfig(**{**TINY_LLAMA, **overrides}, torch_dtype="float32")
+    config = getattr(transformers, config_class)(**{**TINY_LLAMA, **overrides}, torch_dtype="float32")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, model_class)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -83,6 +83,30 @@ def check_engine_args(engine_args) -> None:
         )
 
 
+def check_lora_modules_before_loading(args: argparse.Namespace, engine_args) -> None:
+    """Every --lora-modules entry's files (and its path against the allowed roots) are checked here, before the
+    model loads, so that a typo costs seconds rather than a model load; what needs the layers is checked when the
+    engine admits the adapter."""
+    import os
+
+    from vllm_bdlora.access import PATH_REFUSED, is_allowed_adapter_path
+    from vllm_bdlora.adapter_files import check_adapter_dir
+    from vllm_bdlora.adapters import AdapterRejected
+
+    roots = BdLoraSettings.from_additional_config(engine_args.additional_config).allowed_adapter_roots
+    for module in getattr(args, "lora_modules", None) or []:
+        name, path = module.name, os.path.expanduser(module.path)
+        if not is_allowed_adapter_path(path, roots):
+            raise SystemExit(f"vllm-bdlora: LoRA adapter '{name}': {PATH_REFUSED}")
+        if os.path.exists(path):
+            try:
+                check_adapter_dir(os.path.abspath(path), name)
+            except AdapterRejected as e:
+                raise SystemExit(f"vllm-bdlora: --lora-modules {name}={module.path}:\n{e}") from None
+        elif os.path.isabs(path) or path.startswith("."):  # else a model-hub name: vLLM fetches it
+            raise SystemExit(f"vllm-bdlora: --lora-modules {name}={module.path}: no such directory")
+
+
 def warn_if_adapter_paths_unconfined(engine_args) -> None:
     import os
 
@@ -137,6 +161,8 @@ def patch_enable_bdlora_flag() -> bool:
                 engine_args.enable_lora = True
             check_engine_args(engine_args)
             warn_if_adapter_paths_unconfined(engine_args)
+            if bdlora_requested(engine_args):
+                check_lora_modules_before_loading(args, engine_args)
             if bdlora_requested(engine_args):
                 from vllm.platforms import current_platform
 

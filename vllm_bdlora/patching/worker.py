@@ -180,6 +180,8 @@ def patch_adapter_loading() -> bool:
         return _load_adapter
 
     def make_remove(original):
+        # Only an explicit removal (the executor's remove_lora) lands here: vLLM v1's workers use the LRU manager,
+        # whose per-step adapter application evicts through the model manager and keeps the copy for re-reads.
         def remove_adapter(self, adapter_id):
             removed = original(self, adapter_id)
             copies = getattr(self, "_bdlora_admitted", None)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from vllm_bdlora.adapter_files import check_adapter_dir
 from vllm_bdlora.adapters import AdapterRejected, adapter_format
-from vllm_bdlora.sharding import ShardGeometry, ShardingError, localize
+from vllm_bdlora.sharding import ShardGeometry, ShardingError, foreign_model_problem, localize
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -56,9 +56,6 @@ class ModelShape:
             return ShardGeometry("column", self.hidden, size, ((shard * local, (shard + 1) * local),))
         size = self.heads * self.head_dim if kind == "q_proj" else self.intermediate
         return ShardGeometry("column", self.hidden, size, ((rank * size // tp, (rank + 1) * size // tp),))
-
-    def expected_input(self, kind: str) -> int:
-        return self.geometry(kind, 1, 0).input_size
 
 
 def module_tensors(path: str) -> dict[str, dict[str, object]]:
@@ -108,10 +105,9 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
         spec = fmt.block_diagonal
         factor = spec.factor_of(module) if spec else None
         nblocks = spec.nblocks if factor else 1
-        expected_input = shape.expected_input(kind)
-        if a is not None and a.ndim == 2 and factor != "a" and a.shape[1] != expected_input:
-            problems.append(f"{module}: made for another base model: lora_A takes {a.shape[1]} inputs, this model's "
-                            f"{kind} takes {expected_input}")  # fmt: skip
+        foreign = foreign_model_problem(a, shape.geometry(kind, tp, 0), factor)
+        if foreign:
+            problems.append(f"{module}: {foreign}")
             continue
         try:
             local_widths = {localize(a, b, shape.geometry(kind, tp, t), factor, nblocks).width for t in range(tp)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -45,6 +46,20 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float
             pass
         time.sleep(1)
     raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], log_path: str, tp: int, env: dict[str, str] | None, timeout: float):
+    """`command` (a `vllm serve` with `--port`) running and healthy for the block; yields (process, url). The
+    server is stopped afterwards unless it already exited."""
+    url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+    proc = launch(command, log_path, tp, env)
+    try:
+        wait_healthy(proc, url, log_path, timeout)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
