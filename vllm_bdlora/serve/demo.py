@@ -97,13 +97,14 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
     mismatches = 0
     try:
         print(f"[demo] waiting for the server (log: {log_path}) ...", flush=True)
-        wait_healthy(proc, url, log_path, timeout)
+        wait_healthy(proc, url, log_path, timeout, progress=lambda line: print(f"[demo]   {line}", flush=True))
         for line in open(log_path, errors="replace"):
             if any(mark in line for mark in ("BD-LoRA ", "DoRA on:", "LoRA kernels (", "vllm-bdlora: adapter")):
                 print("[server]", line.split("] ", 1)[-1].rstrip())
         models = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
         print(f"[demo] /v1/models: {models}")
         prompt = " ".join(tiny.word(i) for i in PROMPT_IDS)
+        print("[demo] one request per model; PEFT computes each answer again on the same weights to check it")
         for adapter in (None, *[a.name for a in ADAPTERS]):
             body = {"model": adapter or paths["model"], "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True}  # fmt: skip

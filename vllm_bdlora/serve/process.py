@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 
 
 def cpu_defaults(tp: int) -> dict[str, str]:
@@ -32,10 +33,14 @@ def launch(command: list[str], log_path: str, tp: int, env: dict[str, str] | Non
         return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float) -> None:
+def wait_healthy(
+    proc: subprocess.Popen, url: str, log_path: str, timeout: float, progress: Callable[[str], None] | None = None
+) -> None:
+    """Wait for /health; `progress`, if given, hears every 10 s what the server's log says it is doing."""
     import requests
 
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline, next_report = started + timeout, started + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve exited with {proc.returncode}; last log lines:\n{tail(log_path)}")
@@ -44,6 +49,9 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float
                 return
         except requests.ConnectionError:
             pass
+        if progress and time.monotonic() >= next_report:
+            next_report += 10
+            progress(f"{time.monotonic() - started:.0f} s: {last_log_message(log_path)}")
         time.sleep(1)
     raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
 
@@ -68,6 +76,15 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def last_log_message(path: str) -> str:
+    """The newest line of a vLLM log that says something, without its process and logger prefix."""
+    for line in reversed(tail(path, 40).splitlines()):
+        message = line.split("] ", 1)[-1].strip()
+        if message and "GET /health" not in line and not message.startswith(("^", "File ", "~")):
+            return message[:100]
+    return "starting"
 
 
 def tail(path: str, lines: int = 30) -> str:
