@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from bench.bad_adapters import BAD_ADAPTERS
-from tests.conftest import cpu_engine_env
+from tests.test_server import server_env
 from vllm_bdlora.access import OPEN_PATHS, PATH_REFUSED
 from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve.process import free_port, running_server
@@ -38,12 +38,6 @@ def serve_command(model, port, lora_modules, *extra):
         "--enforce-eager", "--port", str(port), "--api-key", KEY, *extra, "--lora-modules",
         *[f"{name}={path}" for name, path in lora_modules.items()],
     ]  # fmt: skip
-
-
-def server_env():
-    env = cpu_engine_env(2)
-    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    return env
 
 
 @pytest.fixture(scope="module")
