@@ -161,9 +161,10 @@ def test_cpu_defaults_only_where_vllms_own_would_stop_the_server():
 def test_unconfined_runtime_loading_is_named_at_startup(monkeypatch, caplog, runtime_loading, config, warns):
     import logging
 
+    from vllm_bdlora.config import BdLoraSettings
     from vllm_bdlora.patching.cli import warn_if_adapter_paths_unconfined
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", runtime_loading)
     with caplog.at_level(logging.WARNING, logger="vllm.bdlora"):
-        warn_if_adapter_paths_unconfined(SimpleNamespace(additional_config=config))
+        warn_if_adapter_paths_unconfined(BdLoraSettings.from_additional_config(config))
     assert ("--allowed-adapter-roots DIR" in caplog.text) == warns

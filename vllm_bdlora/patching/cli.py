@@ -83,7 +83,7 @@ def check_engine_args(engine_args) -> None:
         )
 
 
-def check_lora_modules_before_loading(args: argparse.Namespace, engine_args) -> None:
+def check_lora_modules_before_loading(args: argparse.Namespace, settings: BdLoraSettings) -> None:
     """Every --lora-modules entry's files (and its path against the allowed roots) are checked here, before the
     model loads, so that a typo costs seconds rather than a model load; what needs the layers is checked when the
     engine admits the adapter."""
@@ -93,7 +93,7 @@ def check_lora_modules_before_loading(args: argparse.Namespace, engine_args) -> 
     from vllm_bdlora.adapter_files import check_adapter_dir
     from vllm_bdlora.adapters import AdapterRejected
 
-    roots = BdLoraSettings.from_additional_config(engine_args.additional_config).allowed_adapter_roots
+    roots = settings.allowed_adapter_roots
     for module in getattr(args, "lora_modules", None) or []:
         name, path = module.name, os.path.expanduser(module.path)
         if not is_allowed_adapter_path(path, roots):
@@ -107,10 +107,9 @@ def check_lora_modules_before_loading(args: argparse.Namespace, engine_args) -> 
             raise SystemExit(f"vllm-bdlora: --lora-modules {name}={module.path}: no such directory")
 
 
-def warn_if_adapter_paths_unconfined(engine_args) -> None:
+def warn_if_adapter_paths_unconfined(settings: BdLoraSettings) -> None:
     import os
 
-    settings = BdLoraSettings.from_additional_config(engine_args.additional_config)
     runtime_loading = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
     if settings.enabled and runtime_loading and not settings.allowed_adapter_roots:
         logger.warning(
@@ -156,20 +155,21 @@ def patch_enable_bdlora_flag() -> bool:
                 engine_args.additional_config = with_bdlora_enabled(engine_args.additional_config, dora, roots)
             elif roots:
                 raise ValueError(f"{ROOTS_FLAG} needs {FLAG} (it is a vllm-bdlora setting).")
-            if bdlora_requested(engine_args) and not engine_args.enable_lora:
+            settings = BdLoraSettings.from_additional_config(engine_args.additional_config)
+            if not settings.enabled:
+                return engine_args
+            if not engine_args.enable_lora:
                 logger.info("vllm-bdlora: BD-LoRA requested, turning on --enable-lora.")
                 engine_args.enable_lora = True
             check_engine_args(engine_args)
-            warn_if_adapter_paths_unconfined(engine_args)
-            if bdlora_requested(engine_args):
-                check_lora_modules_before_loading(args, engine_args)
-            if bdlora_requested(engine_args):
-                from vllm.platforms import current_platform
+            warn_if_adapter_paths_unconfined(settings)
+            check_lora_modules_before_loading(args, settings)
+            from vllm.platforms import current_platform
 
-                if current_platform.is_cpu():
-                    from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
+            if current_platform.is_cpu():
+                from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
 
-                    apply_cpu_defaults(engine_args.tensor_parallel_size)
+                apply_cpu_defaults(engine_args.tensor_parallel_size)
             return engine_args
 
         return from_cli_args
