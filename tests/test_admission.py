@@ -59,7 +59,8 @@ def test_non_finite_factors_are_named(factor, value):
         loras={"model.layers.0.mlp.up_proj": SimpleNamespace(**weights), "model.layers.0.mlp.down_proj": finite}
     )
     name = "lora_A" if factor == "lora_a" else "lora_B"
-    assert non_finite_problems(model) == [f"model.layers.0.mlp.up_proj: {name} holds NaN or Inf"]
+    problems = non_finite_problems((m, w.lora_a, w.lora_b) for m, w in model.loras.items())
+    assert problems == [f"model.layers.0.mlp.up_proj: {name} holds NaN or Inf"]
 
 
 def test_only_the_probes_are_open():

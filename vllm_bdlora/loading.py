@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +72,9 @@ def smallest_max_lora_rank(width_needed: int, tp_size: int) -> int | None:
     return next((r for r in allowed_max_lora_ranks() if r >= width_needed * tp_size and r % tp_size == 0), None)
 
 
-def _width_problem(module: str, local: LocalFactors, rank: int, target: LoRATarget) -> str:
-    layer, tp = target.layer, target.layer.tp_size
+def width_problem(module: str, local: LocalFactors, rank: int, max_lora_rank: int, tp: int, parallelism: str) -> str:
+    """Why `module` (`local`: its widest rank's share) does not fit the per-GPU LoRA width, and the fix; the server
+    and `vllm-bdlora check` both say it."""
     fix = smallest_max_lora_rank(local.width, tp)
     fix_text = f"start the server with --max-lora-rank {fix}" if fix else "this module cannot be served at this TP"
     if local.nblocks == 1:
@@ -85,10 +86,10 @@ def _width_problem(module: str, local: LocalFactors, rank: int, target: LoRATarg
         )
         if len(local.blocks) * tp > local.nblocks:
             why += ": the blocks do not line up with the tensor-parallel shards (nblocks should be a multiple of TP"
-            why += ", and TP must not exceed the number of KV heads)" if layer.parallelism == "column" else ")"
+            why += ", and TP must not exceed the number of KV heads)" if parallelism == "column" else ")"
     return (
-        f"{module}: needs LoRA width {local.width} per GPU but each GPU has {layer.lora_width} "
-        f"(= --max-lora-rank {layer.lora_config.max_lora_rank} / TP {tp}); {why}; {fix_text}"
+        f"{module}: needs LoRA width {local.width} per GPU but each GPU has {max_lora_rank // tp} "
+        f"(= --max-lora-rank {max_lora_rank} / TP {tp}); {why}; {fix_text}"
     )
 
 
@@ -109,7 +110,7 @@ def localize_adapter(
     (--lora-target-modules), under which vLLM wraps only those modules and drops the adapter's others without
     a word; they are returned so that the caller can say so. Returns a one-line summary for the log and the
     adapter's modules that are not served."""
-    non_finite = non_finite_problems(lora_model)
+    non_finite = non_finite_problems((m, w.lora_a, w.lora_b) for m, w in lora_model.loras.items())
     if non_finite:
         raise AdapterRejected(adapter, non_finite, NON_FINITE_HINT)
     spec = fmt.block_diagonal
@@ -145,7 +146,9 @@ def localize_adapter(
             problems.append(f"{module}: {e}")
             continue
         if local.width > target.layer.lora_width:
-            problems.append(_width_problem(module, local, weights.lora_a.shape[0], target))
+            layer = target.layer
+            problems.append(width_problem(module, local, weights.lora_a.shape[0], layer.lora_config.max_lora_rank,
+                                          layer.tp_size, layer.parallelism))  # fmt: skip
             continue
         staged.append(StagedModule(module, weights, local, target))
     magnitudes = getattr(lora_model, DORA_MAGNITUDES, {})
@@ -268,12 +271,12 @@ def _dora_scales(staged: list[StagedModule]) -> tuple[dict[str, torch.Tensor], l
     return scales, problems
 
 
-def non_finite_problems(lora_model) -> list[str]:
-    """One pass over every tensor: NaN or Inf in a LoRA factor would make the adapter's answers empty or
-    garbage, and in a shared slot buffer could reach other adapters' rows."""
+def non_finite_problems(modules: Iterable[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> list[str]:
+    """One pass over every (module, lora_A, lora_B): NaN or Inf in a LoRA factor would make the adapter's answers
+    empty or garbage, and in a shared slot buffer could reach other adapters' rows."""
     problems = []
-    for module, weights in lora_model.loras.items():
-        for factor, tensor in (("lora_A", weights.lora_a), ("lora_B", weights.lora_b)):
+    for module, lora_a, lora_b in modules:
+        for factor, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
             if tensor is not None and not bool(torch.isfinite(tensor).all()):
                 problems.append(f"{module}: {factor} holds NaN or Inf")
     return problems

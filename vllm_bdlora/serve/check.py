@@ -78,7 +78,7 @@ class Verdict:
 
 def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_rank: int, dora: bool) -> Verdict:
     from vllm_bdlora.compat import allowed_max_lora_ranks
-    from vllm_bdlora.loading import smallest_max_lora_rank
+    from vllm_bdlora.loading import non_finite_problems, width_problem
 
     try:
         files = check_adapter_dir(path, name)
@@ -93,11 +93,10 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
         problems.append(f"LoRA rank {r} is greater than max_lora_rank {max_lora_rank}")
     width_limit = max_lora_rank // tp
     widths, unmodelled = set(), []
-    for module, tensors in module_tensors(os.path.join(path, "adapter_model.safetensors")).items():
+    modules = module_tensors(os.path.join(path, "adapter_model.safetensors"))
+    problems += non_finite_problems((m, t.get("lora_A"), t.get("lora_B")) for m, t in modules.items())
+    for module, tensors in modules.items():
         a, b = tensors.get("lora_A"), tensors.get("lora_B")
-        for factor, tensor in (("lora_A", a), ("lora_B", b)):
-            if tensor is not None and not bool(tensor.float().isfinite().all()):
-                problems.append(f"{module}: {factor} holds NaN or Inf")
         kind = module.rsplit(".", 1)[-1]
         if kind not in COLUMN + ROW:
             unmodelled.append(module)
@@ -110,17 +109,15 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
             problems.append(f"{module}: {foreign}")
             continue
         try:
-            local_widths = {localize(a, b, shape.geometry(kind, tp, t), factor, nblocks).width for t in range(tp)}
+            widest = max((localize(a, b, shape.geometry(kind, tp, t), factor, nblocks) for t in range(tp)),
+                         key=lambda local: local.width)  # fmt: skip
         except ShardingError as e:
             problems.append(f"{module}: {e}")
             continue
-        width = max(local_widths)
-        widths.add(width)
-        if width > width_limit:
-            fix = smallest_max_lora_rank(width, tp)
-            fix_text = f"start the server with --max-lora-rank {fix}" if fix else "this module cannot be served"
-            problems.append(f"{module}: needs LoRA width {width} per GPU but each GPU has {width_limit} "
-                            f"(= --max-lora-rank {max_lora_rank} / TP {tp}); {fix_text}")  # fmt: skip
+        widths.add(widest.width)
+        if widest.width > width_limit:
+            parallelism = "row" if kind in ROW else "column"
+            problems.append(width_problem(module, widest, a.shape[0], max_lora_rank, tp, parallelism))
     if max_lora_rank not in allowed_max_lora_ranks():
         problems.append(f"--max-lora-rank {max_lora_rank} is not one vLLM accepts: {list(allowed_max_lora_ranks())}")
     if problems:
