@@ -376,10 +376,10 @@ def test_fused_lora_benchmark_ab_tests_the_expand_width_loop_where_the_width_loo
     """Widths past UNROLLED_WIDTH_STEPS rank steps get the unrolled expand timed beside the default loop (the
     constant raised only while the path launches), and the report gets a section comparing the two."""
     from bench.kernels.fused_lora import width_loops, with_width_unrolled
-    from vllm_bdlora.kernels import fused_lora
+    from vllm_bdlora.kernels import fused_lora as fused_lora
 
-    assert width_loops(512, 1024, 3) and width_loops(256, 16, 2)
-    assert not width_loops(128, 1024, 3) and not width_loops(32, 16, 3)
+    assert width_loops(512, 32) and width_loops(256, 32)
+    assert not width_loops(128, 32) and not width_loops(32, 16)
     seen = with_width_unrolled(lambda: fused_lora.unrolls_width(512, 32))()
     assert seen and not fused_lora.unrolls_width(512, 32)
 
@@ -487,7 +487,7 @@ def test_decode_configs_report_names_the_multi_slot_plans_among_the_candidates(t
     shutil.copy(os.path.join(run, "decode_configs.json"), tmp_path / "decode_configs.json")
     text = open(configs_report(str(tmp_path / "decode_configs.json"))).read()
     assert text == open(os.path.join(run, "decode_configs.md")).read()
-    assert "| whole blocks 32x256, 128+4 programs (default) (4 slots, sized for 1) | 5.86 | 1.412 |" in text
+    assert "| whole blocks 32x256, 128+4 programs (table) (4 slots, sized for 1) | 5.86 | 1.412 |" in text
 
 
 def test_decode_kernel_benchmark_times_70b_layers_at_tp8_on_one_gpu(tmp_path):
@@ -525,9 +525,8 @@ def test_compile_time_benchmark_compiles_a_layers_variants_for_a_gpu_without_one
     machine's own Triton driver (none on CPU) is back in place afterwards."""
     from triton.runtime import driver
 
-    from bench.kernels.compile_time import compile_layer, compile_only, forget_compiled_kernels
-    from vllm_bdlora.kernels.decode_lora import ROW_TILES
-    from vllm_bdlora.kernels.fused_lora import launch_variants
+    from bench.kernels.compile_time import H200, compile_layer, compile_only, forget_compiled_kernels
+    from vllm_bdlora.kernels.plans import ROW_TILES, launch_variants, table_for
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # nothing found compiled from an earlier run
     before = driver._active
@@ -535,7 +534,7 @@ def test_compile_time_benchmark_compiles_a_layers_variants_for_a_gpu_without_one
     heights = (512, 128, 128)  # qkv_proj of a small model, LoRA width 16
     with compile_only(90) as seconds:
         launches = compile_layer(512, heights, 16, decode=True)
-    shrinks, expands = launch_variants(512, 16, 3, sum(heights), True)
+    shrinks, expands = launch_variants(table_for(H200, 132).prefill_ranges(sum(heights), 512, 16, 3), True)
     assert launches == len(shrinks) + len(expands) + len(ROW_TILES)
     assert len(seconds["_routed_shrink_kernel"]) == len(shrinks)
     assert len(seconds["_fused_expand_kernel"]) == len(expands)
@@ -549,15 +548,16 @@ def test_compile_time_benchmark_compiles_every_decode_plan_of_a_layer_with_sever
     """With --slots above 1 a layer launches decode plans sized for the adapters a batch may mix: the benchmark
     compiles one variant per plan `warm_up` would launch on an H200, as the server's layer would (the shrink and
     expand variants left out here: the test above compiles those)."""
-    from bench.kernels.compile_time import H200_SMS, compile_layer, compile_only, forget_compiled_kernels, main
-    from vllm_bdlora.kernels import decode_lora, fused_lora
+    from bench.kernels.compile_time import H200, compile_layer, compile_only, forget_compiled_kernels, main
+    from vllm_bdlora.kernels import lora_op
+    from vllm_bdlora.kernels.plans import layer_plans, table_for
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fused_lora, "_compile_variants", lambda *args: 0)
+    monkeypatch.setattr(lora_op, "compile_variants", lambda *args: 0)
     forget_compiled_kernels()
     hidden, heights, width = 1024, (2048, 1024, 1024), 16  # o_proj-sized at TP=4 in three slices
-    plans = decode_lora.plans_on_sms(sum(heights), hidden, 3 * width, 4, H200_SMS, 3)
-    assert len(plans) == 2  # batches of one adapter, and of two
+    plans = layer_plans(table_for(H200, 132), sum(heights), hidden, 3 * width, 4, 3, 256)
+    assert len(plans) >= 2  # batches of one adapter, and of more
     with compile_only(90) as seconds:
         launches = compile_layer(hidden, heights, width, decode=True, slots=4)
     assert launches == len(seconds["_decode_lora_linear_kernel"]) == len(plans)
@@ -567,12 +567,12 @@ def test_compile_time_benchmark_compiles_every_decode_plan_of_a_layer_with_sever
 
 def test_shrink_split_report_marks_the_default_and_shows_splits_not_run(tmp_path):
     """bench.kernels.shrink_split: one row per layer point with a time per split; the report bolds the split
-    `shrink_config` picked, dashes the splits too fine for the hidden dimension, and the CLI asks for a GPU."""
+    the plan table picked, dashes the splits too fine for the hidden dimension, and the CLI asks for a GPU."""
     from bench.kernels.harness import write_results
     from bench.kernels.shrink_split import main, report, split_config
-    from vllm_bdlora.kernels.fused_lora import shrink_config
+    from vllm_bdlora.kernels.plans import table_for
 
-    default = shrink_config(1, 4096, 512, 2)
+    default = table_for("NVIDIA H200", 132).prefill_launch(1, 28672, 4096, 512, 2).shrink
     assert default.split_k == 2 and split_config(default, 4096, 16).split_k == 16
     assert split_config(default, 256, 4).block_k == 64  # a part of 64 features gets a 64-deep step
     row = {"tp": 1, "layer": "gate_up_proj", "tokens": 1, "adapters": 1, "width": 512, "default_split": 16,

@@ -8,12 +8,8 @@ import sys
 import pytest
 import torch
 
-from vllm_bdlora.kernels.reference import (
-    fused_lora_linear_reference,
-    fused_lora_slices_reference,
-    lora_shrink_reference,
-    slice_views,
-)
+from bench.kernels.fused_gemm import fused_lora_linear_reference
+from vllm_bdlora.kernels.reference import fused_lora_slices_reference, lora_shrink_reference, slice_views
 
 # Per slice (rows) and slot (columns): the width each adapter really uses, out of WIDTH. Heterogeneous,
 # one empty adapter (slot 2), a slice one adapter leaves unadapted (slice 1, slot 1).
@@ -138,10 +134,12 @@ KERNEL_CHECK = """
 import itertools, sys, torch
 from vllm_bdlora.kernels import fused_lora
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch, reference_by_slice
-from vllm_bdlora.kernels.fused_lora import LaunchConfig, delta_then_gemm, fused_expand, fused_lora_linear
-from vllm_bdlora.kernels.fused_lora import group_tokens, lora_shrink
+from bench.kernels.fused_gemm import fused_lora_linear
+from vllm_bdlora.kernels.plans import LaunchConfig
+from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, group_tokens, lora_shrink
 from vllm_bdlora.kernels.reference import lora_shrink_reference, slice_views
 unrolled = fused_lora.UNROLLED_WIDTH_STEPS
+decode_expand = LaunchConfig(16, 64, 32, num_stages=2)
 device, dtype, tokens_list, tol = sys.argv[1], getattr(torch, sys.argv[2]), eval(sys.argv[3]), float(sys.argv[4])
 def close(got, want, what):
     if want.numel() == 0:
@@ -169,22 +167,23 @@ for tokens in tokens_list:
             got = fused_lora_linear(b["x"], b["weight"], *args, bias=b["bias"], scale_table=g)
             close(got, reference_by_slice(b, dora, True), f"fused_lora_linear {how}")
             y = (b["x"].float() @ b["weight"].float().T + b["bias"].float()).to(dtype)
-            # the default tiles, and a rank step wider than the buffer (its loads masked past the width)
+            # decode-sized tiles, a rank step wider than the buffer (its loads masked past the width)
             # and the prefill tiles (rows past the batch and columns past the layer masked)
-            for expand_cfg in (None, LaunchConfig(16, 32, 64), LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)):
+            for expand_cfg in (decode_expand, LaunchConfig(16, 32, 64),
+                               LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)):
                 got = fused_expand(y.clone(), *args, scale_table=g, bias=b["bias"], config=expand_cfg)
                 close(got, reference_by_slice(b, dora, False), f"fused_expand {how} {expand_cfg}")
                 assert torch.equal(got[~adapted], y[~adapted]), "base-model tokens must stay untouched"
         fused_lora.UNROLLED_WIDTH_STEPS = unrolled
         garbage = torch.full_like(y, float("nan"))
-        got = delta_then_gemm(b["x"], b["weight"], *args, bias=b["bias"], out=garbage)
+        got = delta_then_gemm(b["x"], b["weight"], *args, bias=b["bias"], out=garbage, config=decode_expand)
         close(got, reference_by_slice(b, False, True), f"delta_then_gemm split_k={split_k}")
     # CUDA-graph padding: the groups hold only the first rows; the rest must come out as the base layer's.
     grouped = max(tokens - 3, 0)
     part = group_tokens(b["slots"][:grouped], len(SLOT_WIDTHS[0]))
-    shrunk = lora_shrink(b["x"], b["lora_a"], part, b["widths"])
+    shrunk = lora_shrink(b["x"], b["lora_a"], part, b["widths"], LaunchConfig(16, 16, 32, split_k=2))
     got = delta_then_gemm(b["x"], b["weight"], shrunk, b["lora_b"], part, b["widths"], b["bounds"], b["scales"],
-                          bias=b["bias"], out=torch.full_like(y, float("nan")))
+                          bias=b["bias"], out=torch.full_like(y, float("nan")), config=decode_expand)
     b["slots"][grouped:] = -1
     close(got, reference_by_slice(b, False, True), "delta_then_gemm with padding rows")
 print("ok")
@@ -221,7 +220,7 @@ def test_triton_kernels_match_references_on_gpu(dtype):
 def test_layer_op_given_the_base_weight_computes_the_whole_layer(dora):
     """The op as BD layers call it over an unquantized base (CPU path): output's prior contents are
     ignored; out = X·Wᵀ + bias + delta, or the DoRA compose; with vLLM's no-LoRA flag, the base layer alone."""
-    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
+    import vllm_bdlora.kernels.lora_op  # noqa: F401 (registers the op)
 
     b = mixed_batch()
     b["scales"] = torch.ones_like(b["scales"])  # vLLM folds the scaling into B
@@ -238,7 +237,7 @@ def test_layer_op_given_the_base_weight_computes_the_whole_layer(dora):
 def test_layer_op_traces_under_torch_compile():
     """vLLM compiles the model with the op inside: its schema (output mutated in place) and fake
     implementation must let torch.compile trace it whole, and the compiled call computes what eager does."""
-    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
+    import vllm_bdlora.kernels.lora_op  # noqa: F401 (registers the op)
 
     b = mixed_batch()
     b["scales"] = torch.ones_like(b["scales"])
@@ -265,12 +264,15 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora,
     groups (vLLM's per-step metadata, same addresses) change to another batch's, one of which covers only
     the first rows (the rest is graph padding). base_weight: the op runs the base GEMM too, first or (at
     any batch size, for the test) after writing the delta."""
-    from vllm_bdlora.kernels import fused_lora
+    from vllm_bdlora.kernels import lora_op
     from vllm_bdlora.kernels.fused_lora import group_tokens
-
-    monkeypatch.setattr(fused_lora, "DELTA_FIRST_MIN_TOKENS", 0 if delta_first else 1 << 30)
+    from vllm_bdlora.kernels.plans import LaunchConfig, PlanTable, PrefillRange, cuda_table, prefill_key
 
     rows, slots_n = 48, len(SLOT_WIDTHS[0])
+    gpu = cuda_table("cuda")  # a table of one range for this layer: delta first (or not) at every batch size
+    launch = PrefillRange(1, LaunchConfig(16, 32, 64, split_k=2), LaunchConfig(16, 64, 32, num_stages=2), delta_first)
+    table = PlanTable(gpu.device, gpu.sms, {}, {prefill_key(sum(HEIGHTS), 256, WIDTH, len(HEIGHTS)): (launch,)})
+    monkeypatch.setattr(lora_op, "cuda_table", lambda device: table)
     b = mixed_batch(tokens=rows, hidden=256, dtype=torch.bfloat16, device="cuda")
     b["scales"] = torch.ones_like(b["scales"])  # vLLM folds the scaling into B
     table = b["g"] if dora else None
@@ -308,73 +310,17 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora,
         torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize(
-    "hidden,width,slices,out_features",
-    [(4096, 32, 3, 1536), (1024, 32, 1, 4096), (4096, 64, 2, 14336), (3584, 8, 1, 4096), (4096, 128, 2, 28672)],
-)
-def test_launch_variants_cover_every_batch_size(hidden, width, slices, out_features):
-    """warm_up compiles what launch_variants lists: it must hold the launch of every token count (checked
-    one by one), or a batch of that size would compile while serving."""
-    from vllm_bdlora.kernels.fused_lora import DELTA_FIRST_MIN_TOKENS, expand_config, launch_variants, shrink_config
-
-    shrinks, expands = launch_variants(hidden, width, slices, out_features, delta_first=slices > 1, max_tokens=20000)
-    assert len(shrinks) <= 6 and len(expands) <= 12  # few variants: start-up compiles stay short
-    for tokens in range(1, 20001):
-        shrink = shrink_config(tokens, hidden, width, slices, out_features)
-        overwrite = slices > 1 and tokens >= DELTA_FIRST_MIN_TOKENS
-        assert shrink in shrinks, tokens
-        assert (expand_config(tokens, width, slices), shrink.split_k, overwrite) in expands, tokens
-
-
-def test_cached_launch_configurations_answer_as_the_functions_do_for_every_argument():
-    """shrink_config / expand_config are cached (every layer asks each eager step): asked in an interleaved order
-    over layer shapes and token counts, including out_features alone differing, each answer must be the uncached
-    function's; a cache keyed on fewer arguments would hand one layer another's launch."""
-    from vllm_bdlora.kernels.fused_lora import expand_config, shrink_config
-
-    asks = [(tokens, hidden, width, slices, out_features)
-            for tokens in (1, 64, 65, 1024, 4096) for hidden, width, slices in ((4096, 128, 3), (14336, 128, 1))
-            for out_features in (None, 4096, 28672)]  # fmt: skip
-    for ask in asks + asks[::-1]:
-        assert shrink_config(*ask) == shrink_config.__wrapped__(*ask), ask
-        assert expand_config(ask[0], ask[2], ask[3]) == expand_config.__wrapped__(ask[0], ask[2], ask[3]), ask
-    assert shrink_config(1024, 14336, 128, 1, 4096) != shrink_config(1024, 14336, 128, 1, 28672)  # out_features counts
-
-
 def test_decode_shrink_splits_fewer_ways_the_wider_the_lora_and_the_shorter_the_hidden_dimension():
-    """At decode sizes the three-kernel path's shrink cuts the hidden dimension into the power of two nearest
-    sqrt(hidden / width) parts (the lower at a tie; archived H200 runs), whatever the token count."""
-    from vllm_bdlora.kernels.fused_lora import decode_shrink_parts, shrink_config
+    """The structural default's decode-sized shrink cuts the hidden dimension into the power of two nearest
+    sqrt(hidden / width) parts (the lower at a tie), each at least 64 features, at most 16."""
+    from vllm_bdlora.kernels.plans import decode_shrink_parts, default_prefill_ranges
 
-    assert [shrink_config(t, 4096, 32, 3).split_k for t in (1, 16, 17, 64)] == [8, 8, 8, 8]  # 8B qkv_proj, TP=4
     assert decode_shrink_parts(4096, 512) == 2 and decode_shrink_parts(14336, 512) == 4  # TP=1, r'=512
     assert decode_shrink_parts(4096, 128) == 4 and decode_shrink_parts(14336, 128) == 8  # TP=1, r'=128
     assert decode_shrink_parts(8192, 16) == 16  # 70B qkv_proj at TP=8, r'=128: at most 16 parts
     assert decode_shrink_parts(256, 16) == 4  # each part at least 64 features
-    assert shrink_config(64, 4096, 512).block_k == 128 and shrink_config(64, 256, 16).block_k == 64
-    assert shrink_config(65, 4096, 32).block_m == 64  # larger batches: the prefill configuration
-
-
-def test_prefill_batches_split_the_shrink_only_as_far_as_the_expands_re_reads_of_s_allow():
-    """From PREFILL_TILE_MIN_TOKENS the expand takes 128 x 256 tiles and the shrink's split is capped by the bytes
-    of S each expand program re-reads per column block (archived H100 runs): wide layers (gate_up_proj
-    at TP=1) run one part, long narrow ones (down_proj) keep several; smaller batches are as before, and adapters
-    narrower than 64 go back to the earlier expand tiles from 4096 tokens."""
-    from vllm_bdlora.kernels.fused_lora import PREFILL_TILE_MIN_TOKENS, LaunchConfig, expand_config, shrink_config
-
-    tokens = PREFILL_TILE_MIN_TOKENS
-    assert shrink_config(tokens, 4096, 128, 2, 28672) == LaunchConfig(64, 128, 64, split_k=1, num_stages=4)
-    assert shrink_config(tokens, 4096, 128, 3, 6144) == LaunchConfig(64, 128, 64, split_k=2, num_stages=4)
-    assert shrink_config(tokens, 14336, 128, 1, 4096) == LaunchConfig(64, 128, 128, split_k=4)
-    assert shrink_config(tokens, 4096, 32, 3, 1536).split_k == 8  # TP=4 qkv_proj: S is narrow, re-reads cheap
-    assert shrink_config(tokens - 64, 4096, 128, 2, 28672) == shrink_config(tokens - 64, 4096, 128, 2)  # unchanged
-    assert shrink_config(tokens - 64, 4096, 128, 2, 28672).split_k == 8
-    assert expand_config(tokens, 128, 2) == LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)
-    assert expand_config(tokens, 512, 2) == LaunchConfig(128, 256, 64, num_warps=8, num_stages=3)
-    assert expand_config(tokens - 1, 128, 2) == LaunchConfig(64, 64, 32, num_stages=1)
-    assert expand_config(tokens, 32, 1) == LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)  # TP=4, r'=128
-    assert expand_config(4096, 32, 1) == LaunchConfig(64, 128, 32, num_stages=1)  # ... streams the output from 4096
-    assert expand_config(4096, 64, 1) == LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)
+    decode, larger = default_prefill_ranges(1536, 4096, 32, 3)
+    assert decode.shrink.split_k == 8 and decode.shrink.block_m == 16 and larger.from_tokens == 65
 
 
 def compiled_variants(kernel) -> int | None:
@@ -389,13 +335,14 @@ def compiled_variants(kernel) -> int | None:
 def layer_op_on_first(tokens, b, out, decode_state=None):
     """The registered layer op (base GEMM + LoRA, as a BD layer calls it) on the batch's first `tokens` tokens,
     into out[:tokens]; with a decode state, batches it allows run the one-launch kernel."""
-    from vllm_bdlora.kernels import fused_lora
+    import vllm_bdlora.kernels.lora_op  # noqa: F401 (registers the op)
+    from vllm_bdlora.kernels.fused_lora import group_tokens
 
-    groups = fused_lora.group_tokens(b["slots"][:tokens], b["lora_a"].shape[0])
+    groups = group_tokens(b["slots"][:tokens], b["lora_a"].shape[0])
     grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
     torch.ops.vllm_bdlora.fused_lora_slices_(
         out[:tokens], b["x"][:tokens], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *grouped,
-        torch.tensor([False]), None, b["bias"], b["weight"], decode_state,
+        torch.tensor([False]), None, b["bias"], b["weight"], decode_state, 64, 256,
     )  # fmt: skip
     return out[:tokens]
 
@@ -422,17 +369,18 @@ def test_after_warm_up_no_batch_size_compiles_a_kernel():
 def test_after_warm_up_no_decode_step_compiles_the_one_launch_kernel():
     """A layer with several LoRA slots launches plans sized for the adapters a batch may mix (one per token):
     warm_up must launch every one, or the first decode steps of 2, 3 and 4 requests would compile while serving."""
-    from vllm_bdlora.kernels import decode_lora, fused_lora
+    from vllm_bdlora.kernels import decode_lora, lora_op
+    from vllm_bdlora.kernels.plans import cuda_table, layer_plans
     from vllm_bdlora.kernels.reference import lora_linear_slices_reference
 
     hidden, heights, slots = 1024, (2048, 1024, 1024), len(SLOT_WIDTHS[0])  # o_proj-sized at TP=4
     b = mixed_batch(tokens=16, hidden=hidden, heights=heights, dtype=torch.bfloat16, device="cuda")
-    shape = (sum(heights), hidden, b["lora_a"].shape[1], slots, "cuda", len(heights))
-    assert len(decode_lora.layer_plans(*shape)) > 1  # 2 on an H100 or H200
-    state = decode_lora.layer_decode_state(*shape)
+    shape = (sum(heights), hidden, b["lora_a"].shape[1], slots)
+    assert len(layer_plans(cuda_table("cuda"), *shape, len(heights), 256)) > 1  # batches of 1 adapter, and more
+    state = lora_op.layer_decode_state(*shape, "cuda", len(heights), 256)
     out = torch.empty(16, sum(heights), dtype=torch.bfloat16, device="cuda")
 
-    fused_lora._warmed_up.clear()  # keyed by LoRA buffer address: an earlier test's freed buffer may share it
+    lora_op._warmed_up.clear()  # keyed by LoRA buffer address: an earlier test's freed buffer may share it
     layer_op_on_first(1, b, out, state)
     before = compiled_variants(decode_lora._decode_lora_linear_kernel)
     if before is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 CONFIG_KEY = "bdlora"
 LORA_KERNELS = ("vllm", "fused", "auto")
-ONE_LAUNCH_TOKEN_LIMITS = (16, 32, 64)  # the decode kernel's row tiles (kernels/decode_lora.ROW_TILES)
+ONE_LAUNCH_TOKEN_LIMITS = (16, 32, 64)  # the decode kernel's row tiles (kernels/plans.ROW_TILES)
 
 
 @dataclass(frozen=True)

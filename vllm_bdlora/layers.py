@@ -23,7 +23,7 @@ layers apply it to their partial sums before the all-reduce: still no added coll
 Fused kernels (`lora_kernels` "auto", the default: on CUDA; "fused": everywhere, the CPU through the torch
 reference; "vllm": never): all slices' A and B live in one
 buffer each (vLLM sees per-slice views), and one shrink and one fused expand
-(vllm_bdlora.kernels.fused_lora) add the LoRA delta, or form the DoRA compose, for the whole packed layer,
+(vllm_bdlora.kernels.lora_op) add the LoRA delta, or form the DoRA compose, for the whole packed layer,
 routed by the token grouping vLLM's punica wrapper builds once per step. With an unquantized base the op
 runs the base GEMM as well: for large batches of packed layers the expand writes the delta first and cuBLAS
 accumulates the GEMM onto it, so the output is not re-read by a pass of its own.
@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import ClassVar
 
 import torch
@@ -48,18 +49,15 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.platforms import current_platform
 
 import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm_bdlora.dora_compose_)
-import vllm_bdlora.kernels.fused_lora  # noqa: F401  (registers torch.ops.vllm_bdlora.fused_lora_slices_)
 from vllm_bdlora.compat import token_groups
 from vllm_bdlora.config import BdLoraSettings
-from vllm_bdlora.kernels.decode_lora import layer_decode_state
+from vllm_bdlora.kernels.lora_op import layer_decode_state  # also registers torch.ops.vllm_bdlora.fused_lora_slices_
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
-# What the BD layers being built should do; set only inside `selecting_bd_layers` (outside it no BD layer is
-# created), so these module values are placeholders mirroring the config's defaults.
-_selecting = False
-_serving_dora = False
-_lora_kernels = BdLoraSettings.lora_kernels
-_one_launch_decode = BdLoraSettings.one_launch_decode
+# The settings of the BD-enabled LoRA manager being built, while `selecting_bd_layers` runs: vLLM builds layer
+# classes from `can_replace_layer` and `create_lora_weights` alone, so this is how they reach each layer, which keeps
+# them as `self.settings`. Outside it no BD layer is created.
+_building: ContextVar[BdLoraSettings | None] = ContextVar("bdlora_layer_settings", default=None)
 
 
 def uses_fused_kernels(lora_kernels: str) -> bool:
@@ -69,14 +67,13 @@ def uses_fused_kernels(lora_kernels: str) -> bool:
 
 
 @contextmanager
-def selecting_bd_layers(*, dora: bool, lora_kernels: str, one_launch_decode: bool = True) -> Iterator[None]:
-    global _selecting, _serving_dora, _lora_kernels, _one_launch_decode
-    previous = _selecting, _serving_dora, _lora_kernels, _one_launch_decode
-    _selecting, _serving_dora, _lora_kernels, _one_launch_decode = True, dora, lora_kernels, one_launch_decode
+def selecting_bd_layers(settings: BdLoraSettings) -> Iterator[None]:
+    """BD layer classes claim the layers of the manager built inside, and each keeps `settings`."""
+    token = _building.set(settings)
     try:
         yield
     finally:
-        _selecting, _serving_dora, _lora_kernels, _one_launch_decode = previous
+        _building.reset(token)
 
 
 def _shard_range(shard_id: int, shard_size: int, offset: int = 0) -> tuple[int, int]:
@@ -93,7 +90,7 @@ class BlockDiagonalLoRALayer:
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
-        return _selecting and cls.vllm_class.can_replace_layer(
+        return _building.get() is not None and cls.vllm_class.can_replace_layer(
             source_layer=source_layer,
             lora_config=lora_config,
             packed_modules_list=packed_modules_list,
@@ -134,7 +131,9 @@ class BlockDiagonalLoRALayer:
 
     # --- buffers -------------------------------------------------------------------------------------
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
+        self.settings: BdLoraSettings = _building.get() or BdLoraSettings(enabled=True)
         self.lora_config = lora_config
+        dora = self.settings.dora
         self.lora_width = per_rank_width(lora_config.max_lora_rank, self.tp_size)
         heights = self.lora_output_heights()
 
@@ -144,7 +143,7 @@ class BlockDiagonalLoRALayer:
         self.output_slices = heights
         # Where each output slice starts in the layer's (local) output columns.
         self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
-        self.fused_kernels = uses_fused_kernels(_lora_kernels)
+        self.fused_kernels = uses_fused_kernels(self.settings.lora_kernels)
         width = self.lora_width
         if self.fused_kernels:
             # One A and one B buffer for all slices, so one launch serves the packed layer; vLLM (and
@@ -165,18 +164,19 @@ class BlockDiagonalLoRALayer:
         # Barrier and S buffers of the one-launch decode kernel (DoRA layers compose on the base output, which
         # that kernel never materialises, so they keep the three-kernel path).
         self.decode_state: torch.Tensor | None = None
-        if self.fused_kernels and _one_launch_decode and not _serving_dora and torch.device(self.device).type == "cuda":
+        if self.fused_kernels and self.settings.one_launch_decode and not dora:
             self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width, max_loras,
-                                                   self.device, len(heights))  # fmt: skip
+                                                   self.device, len(heights),
+                                                   self.settings.one_launch_max_mixed_width)  # fmt: skip
         self.dora_scale: torch.Tensor | None = None
-        if _serving_dora:
+        if dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
         # Per slice and slot, the width an adapter really uses: the fused kernels stop there. Only they
         # read it, so other layers skip its per-load device writes.
         self.slot_widths: torch.Tensor | None = None
         if self.fused_kernels:
             self.slot_widths = torch.zeros(len(heights), max_loras, dtype=torch.int32, device=self.device)
-        if _serving_dora or self.fused_kernels:
+        if dora or self.fused_kernels:
             # vLLM's optional side-stream LoRA path bypasses _apply_sync, where both happen.
             self._enable_aux_cuda_stream = False
 
@@ -242,6 +242,8 @@ class BlockDiagonalLoRALayer:
             bias,
             weight,
             self.decode_state,
+            self.settings.one_launch_max_tokens,
+            self.settings.one_launch_max_mixed_width,
         )
         return output
 

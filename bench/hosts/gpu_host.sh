@@ -8,6 +8,9 @@
 #   bash bench/hosts/gpu_host.sh switch VAR FIRST-LAST "DECODE_LORA ARGS" ...  # a decode-kernel change behind an
 #     environment switch read in the code, VAR=0 (before) vs VAR=1, rounds FIRST..LAST alternated -> $OUT/switch.tgz
 #     (tables: python -m bench.kernels.switch_table switch/)
+#   bash bench/hosts/gpu_host.sh rounds OLD.tgz FIRST-LAST "MODULE ARGS" ...  # old code (a `git archive` of
+#     vllm_bdlora and bench) vs this checkout, any kernel benchmark, rounds alternated -> $OUT/rounds.tgz
+#     (tables: python -m bench.kernels.switch_table rounds/ --sides old,new; ab_table for bench.kernels.fused_lora)
 #   bash bench/hosts/gpu_host.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
 #     -> $OUT/tp$TP-8b.tgz or -70b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
@@ -97,6 +100,26 @@ switch)  # switch VAR FIRST-LAST "ARGS" ...: every ARGS line of bench.kernels.de
     done
   done
   mkdir -p "$OUT" && tar czf "$OUT/switch.tgz" -C /root switch ;;
+rounds)  # rounds OLD.tgz FIRST-LAST "MODULE ARGS" ...: every line (a bench module, e.g. bench.kernels.decode_lora,
+  # and its arguments) with the old tree and with this checkout, round r old then new (odd r) or new then old (even
+  # r), so drift hits both -> /root/rounds/SIDE-rR/LINE (SIDE old or new); all of /root/rounds as $OUT/rounds.tgz.
+  # Each tree runs its own benchmark code. Kernel timings need only torch + Triton: no bundle.
+  OLD=${2:?old tree tgz}; ROUNDS=${3:?rounds, e.g. 1-2}; shift 3; lines=("$@")
+  if [ ! -d /root/old/vllm_bdlora ]; then mkdir -p /root/old && tar xzf "$OLD" -C /root/old; fi
+  for r in $(seq "${ROUNDS%-*}" "${ROUNDS#*-}"); do
+    if (( r % 2 )); then order="old new"; else order="new old"; fi
+    for side in $order; do
+      tree=$PWD; [ "$side" = old ] && tree=/root/old
+      for line in "${lines[@]}"; do
+        read -r module args <<< "$line"
+        echo "== $(date +%T) round $r $side $line"
+        # shellcheck disable=SC2086  # args: the line's own words
+        (cd "$tree" && PYTHONPATH="$tree" python3 -m "$module" $args --out "/root/rounds/$side-r$r/$(line_dir "${module##*.} $args")" \
+          2>&1 | tail -1 | cut -c1-300)
+      done
+    done
+  done
+  mkdir -p "$OUT" && tar czf "$OUT/rounds.tgz" -C /root rounds ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
   RESULTS=tp$TP-${SHAPE##*-}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}

@@ -1,6 +1,6 @@
 """How long a server's first start spends compiling the LoRA kernels, measured on any machine, GPU or not.
 
-A BD layer's first call compiles every kernel variant it can launch (`fused_lora.warm_up`: routed shrink and
+A BD layer's first call compiles every kernel variant it can launch (`lora_op.warm_up`: routed shrink and
 fused expand configurations for 1-65536 tokens, and with a decode state the one-launch decode kernel for each
 tile of token rows); Triton caches them on disk, so this is paid once per LoRA width and layer kind on a host
 with an empty cache. On an H200 a TP=1 server of BD r'=512 adapters spent ~250 s there before its CUDA-graph
@@ -37,7 +37,8 @@ import torch
 from bench.kernels.fused_lora import MODEL_SHAPES, layers
 from bench.kernels.harness import write_results
 
-H200_SMS = 132
+# The plans compiled are an H200's (its plan table), the GPU the compile times are quoted for.
+H200 = "NVIDIA H200"
 
 
 @contextlib.contextmanager
@@ -124,10 +125,13 @@ def forget_compiled_kernels() -> None:
 
 def compile_layer(k: int, heights: tuple[int, ...], width: int, decode: bool, slots: int = 1) -> int:
     """Compile what `warm_up` compiles for a BD layer of this shape, LoRA width and `slots` LoRA slots (the decode
-    kernel's variants too, one per plan it may launch on a GPU of H200_SMS SMs, with `decode`); returns the
-    variants launched."""
+    kernel's variants too, one per plan it may launch on an H200, with `decode`); returns the variants
+    launched."""
     from vllm_bdlora.kernels import decode_lora
-    from vllm_bdlora.kernels.fused_lora import _compile_variants
+    from vllm_bdlora.kernels.lora_op import compile_variants
+    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, layer_plans, state_words, table_for
+
+    table = table_for(H200, 132)
 
     slices, out_features = len(heights), sum(heights)
     bf16 = dict(dtype=torch.bfloat16)
@@ -136,15 +140,15 @@ def compile_layer(k: int, heights: tuple[int, ...], width: int, decode: bool, sl
     lora_b = torch.zeros(slots, out_features, width, **bf16)
     widths = torch.full((slices, slots), width, dtype=torch.int32)
     bounds = torch.tensor([sum(heights[:j]) for j in range(slices + 1)], dtype=torch.int32)
-    launches = _compile_variants(x, lora_a, lora_b, widths, bounds, slots + 1, None, None, slices > 1, None)
+    launches = compile_variants(table, x, lora_a, lora_b, widths, bounds, slots + 1, None, None, slices > 1, None,
+                                DEFAULT_MAX_MIXED_WIDTH)  # fmt: skip
     if not decode:
         return launches
     weight = torch.zeros(out_features, k, **bf16)
-    # on CPU the layer op's `usable_plan` says no: the plans a GPU of H200_SMS SMs would launch, each by its first
-    # batch as `warm_up` launches them
-    plans = decode_lora.plans_on_sms(out_features, k, slices * width, slots, H200_SMS, slices)
+    # the plans an H200 would launch, each by its first batch as `warm_up` launches them
+    plans = layer_plans(table, out_features, k, slices * width, slots, slices, DEFAULT_MAX_MIXED_WIDTH)
     for tokens, plan in plans.items():
-        state = torch.zeros(decode_lora.state_words(slices * width, plan), dtype=torch.int32)
+        state = torch.zeros(state_words(slices * width, plan), dtype=torch.int32)
         decode_lora.decode_lora_linear(torch.zeros(tokens, out_features, **bf16), torch.zeros(tokens, k, **bf16),
                                        weight, lora_a, lora_b, widths, bounds, torch.zeros(tokens, dtype=torch.long),
                                        state, plan=plan)  # fmt: skip

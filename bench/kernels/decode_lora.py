@@ -3,7 +3,7 @@ against the layer op's three-kernel path (cuBLAS GEMM, routed shrink, fused expa
 alone, at Llama-3.1-8B's (or --model-shape's) per-GPU shapes for TP = 1, 2, 4 (--tp) with BD r'=128 (per-GPU
 LoRA width 128 / TP; --bd-rank for another r').
 
-    python -m bench.kernels.decode_lora --out archived H200 runs
+    python -m bench.kernels.decode_lora --out DIR
     python -m bench.kernels.decode_lora --model-shape llama-3.1-70b --tp 8,4 --out DIR   # one GPU, TP=8's layers
 
 Both LoRA paths are the custom op BD layers call (`fused_lora_slices_` over an unquantized base), without
@@ -12,16 +12,25 @@ CUDA-event-timed replays of a CUDA graph of 10 calls (serving replays graphs), b
 path must read and write at least (W, X, the output, and A and B of every adapter in the batch) over its
 time, against the host's measured copy bandwidth. `over_base`: the path's time over the base GEMM's.
 
-    python -m bench.kernels.decode_lora --configs --tp 4 --tokens 1 --adapters 1 --out DIR
+    python -m bench.kernels.decode_lora --configs --tp 4 --tokens 1 --adapters 1 --out DIR [--write-table]
 
 times, instead, every candidate launch plan of each layer (whole column blocks of each width that fits,
-stream-K at several block shapes, warps, pipeline depth, the shrink's share of SMs) against the one
-`decode_plan` picks: how that rule was found, and how to re-check it on another GPU.
+stream-K at several block shapes, warps, pipeline depth, the shrink's share of SMs) against the one the GPU's
+plan table holds; `--write-table` puts the fastest into the table (vllm_bdlora/kernels/configs/<GPU>.json) where it
+beats the entry by more than `--min-gain`. The tables were written this way, per GPU model, e.g. for every decode
+plan the 8B and 70B shapes launch at TP=1-8 with one LoRA slot:
+
+    python -m bench.kernels.decode_lora --configs --write-table --tp 1,2,4,8 --tokens 1,16,32,64 --adapters 1 \
+        --out DIR
+    python -m bench.kernels.decode_lora --configs --write-table --model-shape llama-3.1-70b --tp 8,4 ... --out DIR
+    python -m bench.kernels.decode_lora --configs --write-table --tokens 16 --adapters 2,4 --slots 4 --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import asdict, replace
 
 import torch
 
@@ -35,6 +44,14 @@ from bench.kernels.fused_lora import (
     run_bd_rank,
 )
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
+from vllm_bdlora.kernels.plans import (
+    DEFAULT_MAX_MIXED_WIDTH,
+    MAX_SHRINK_PROGRAMS,
+    default_decode_plan,
+    make_plan,
+    plan_problems,
+    whole_block_step,
+)
 
 
 def shapes_title(rows) -> str:
@@ -79,15 +96,11 @@ def breakdown_paths(layer, plan) -> dict:
     return {f"one_launch_no_{skip}": kernel_call(layer, plan, skip) for skip in ("shrink", "finish")}
 
 
-def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False, bd_rank=128, slots=None):
-    from vllm_bdlora.kernels.decode_lora import (
-        DEFAULT_MAX_MIXED_WIDTH,
-        layer_decode_state,
-        max_mixed_width,
-        mixed_batch_limit,
-        plan_for,
-    )
+def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=False, bd_rank=128, slots=None,
+                mixed_width=DEFAULT_MAX_MIXED_WIDTH):  # fmt: skip
     from vllm_bdlora.kernels.fused_lora import group_tokens
+    from vllm_bdlora.kernels.lora_op import layer_decode_state
+    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, mixed_batch_limit
 
     width, slots = bd_rank // tp, slots or adapters  # main() has checked that --slots holds every adapter
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
@@ -95,22 +108,26 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     n = sum(heights)
     no_adapter = {**layer, "slots": torch.full_like(layer["slots"], -1)}
     no_adapter["groups"] = group_tokens(no_adapter["slots"], slots)
-    shape = (n, k, len(heights) * width, slots, "cuda", len(heights))
+    shape = (n, k, len(heights) * width, slots)
+    state = layer_decode_state(*shape, "cuda", len(heights), mixed_width)
+    one_launch = layer_op_path(layer, state, max_mixed_width=mixed_width)
     paths = {
         "base_gemm": lambda: layer["x"] @ layer["weight"].T,
         "three_kernels": layer_op_path(layer),
-        "one_launch": layer_op_path(layer, layer_decode_state(*shape)),
+        "one_launch": one_launch,
         # the kernel's GEMV and barrier without LoRA work: what its LoRA part costs on top
-        "one_launch_no_adapter": layer_op_path(no_adapter, layer_decode_state(*shape)),
-    }
-    tile_plan = plan_for(n, k, len(heights) * width, slots, "cuda", tokens, len(heights))
+        "one_launch_no_adapter": layer_op_path(
+            no_adapter, layer_decode_state(*shape, "cuda", len(heights), mixed_width), max_mixed_width=mixed_width
+        ),
+    }  # fmt: skip
+    tile_plan = batch_plan(cuda_table("cuda"), *shape, tokens, len(heights), mixed_width)
     # main() lifts the mixed-adapter limit (unless --mixed-width) so that "one launch" times the kernel wherever it
     # has a plan
     op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, DEFAULT_MAX_MIXED_WIDTH)
     if breakdown and tile_plan is not None:
         paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots, "K": k, "N": n,
-           "width": width, "mixed_width": max_mixed_width(), "plan": describe(tile_plan),
+           "width": width, "mixed_width": mixed_width, "plan": describe(tile_plan),
            "layer_op_picks": "one launch" if op_picks else "three kernels"}  # fmt: skip
     lora_bytes = adapter_bytes(tokens, adapters, k, heights, width)
     for path, fn in paths.items():
@@ -130,79 +147,115 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     return row
 
 
-def candidate_plans(n, k, total_width, adapters, sms, block_m=16):
-    """The default plan and the alternatives its choice weighs (whole column blocks of every width that fits, with
-    the default's shrink programs or the SMs they leave, stream-K at several block shapes; in larger tiles blocks of
-    32-128 columns, whose stages hold fewer hidden steps), plus warps and pipeline depth around the default; for
-    tiles over 16 rows the default may be None (three kernels), leaving the whole-block ones."""
-    from dataclasses import replace
+def shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
+    """Shrink programs beside `gemv_blocks` GEMV programs: the SMs those leave, at least `shrink`, at most 32."""
+    return min(MAX_SHRINK_PROGRAMS, max(shrink, sms - gemv_blocks))
 
-    from vllm_bdlora.kernels.decode_lora import _shrink_beside, decode_plan, make_plan, whole_block_step
 
-    default = decode_plan(n, k, total_width, adapters, sms, block_m)
-    shrink = default.chunks if default else decode_plan(n, k, total_width, adapters, sms).chunks
+def candidate_plans(n, k, total_width, slots, adapters, table, block_m=16):
+    """The table's plan (the incumbent) and the alternatives its choice weighs: the structural default, whole column
+    blocks of every width that fits (with the incumbent's shrink programs or the SMs they leave), stream-K at several
+    block shapes (in larger tiles blocks of 32-128 columns, whose stages hold fewer hidden steps), warps, pipeline
+    depth and the shrink's share of SMs around the incumbent, and the incumbent with its shrink programs numbered
+    among the GEMV's. The incumbent may be None (three kernels), leaving the others."""
+    sms = table.sms
+    incumbent = table.decode_plan(n, k, total_width, slots, block_m, adapters)
+    default = default_decode_plan(n, k, total_width, slots, sms, block_m, adapters)
+    anchor = incumbent or default or default_decode_plan(n, k, total_width, 1, sms, 16, adapters)
+    shrink = anchor.chunks if anchor else 4
     room = sms - shrink
-    plans = [default] if default else []
-    if block_m == 16:  # a 4-slot layer's plans for batches mixing 1, 2 and 4 adapters
-        plans += [plan for plan in sized_for_adapters(n, k, total_width, sms).values() if plan]
+    plans = [p for p in (incumbent, default) if p]
     for block_n in (16, 32, 64, 128, 256):
         if -(-n // block_n) <= room:
             step = whole_block_step(block_n, block_m)
-            beside = _shrink_beside(shrink, sms, -(-n // block_n))  # the shrink on the SMs the blocks leave, as planned
+            beside = shrink_beside(shrink, sms, -(-n // block_n))  # the shrink on the SMs the blocks leave
             for block_k, shrink_programs in ((step, shrink), (max(64, step // 2), shrink), (step, beside)):
-                plans.append(make_plan(n, k, total_width, shrink_programs, block_n=block_n, block_k=block_k,
-                                       stream_k=False, block_m=block_m))  # fmt: skip
+                for stages in (4, 6):
+                    plans.append(make_plan(n, k, total_width, shrink_programs, block_n=block_n, block_k=block_k,
+                                           stream_k=False, block_m=block_m, num_stages=stages))  # fmt: skip
     if block_m == 16:
         stream_k_blocks = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256), (128, 128),
                            (128, 256))  # fmt: skip
     else:  # X is read by every program: wider blocks read it fewer times, split over the hidden dimension
         stream_k_blocks = [(bn, bk) for bn in (32, 64, 128) for bk in (whole_block_step(bn, block_m), 64)]
     for block_n, block_k in dict.fromkeys(stream_k_blocks):
-        plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
-                               gemv_programs=room, block_m=block_m))  # fmt: skip
-    if default:
+        for stages in (3, 4):
+            plans.append(make_plan(n, k, total_width, shrink, block_n=block_n, block_k=block_k, stream_k=True,
+                                   gemv_programs=room, block_m=block_m, num_stages=stages))  # fmt: skip
+    if anchor:
         for warps, stages in ((8, 4), (4, 3), (4, 4), (4, 6), (2, 4), (2, 6)):
-            plans.append(replace(default, num_warps=warps, num_stages=stages))
-        for shrink_programs in (8, 16, 32):  # the default's GEMV with another share of SMs left to the shrink
-            plans.append(make_plan(n, k, total_width, shrink_programs, block_n=default.block_n,
-                                   block_k=default.block_k, stream_k=default.stream_k,
-                                   gemv_programs=sms - shrink_programs, block_m=block_m))  # fmt: skip
-    return [plan for plan in dict.fromkeys(plans) if plan.programs <= sms]  # the barrier needs them all resident
+            plans.append(replace(anchor, num_warps=warps, num_stages=stages))
+        for shrink_programs in (8, 16, 32):  # the same GEMV with another share of SMs left to the shrink
+            plans.append(make_plan(n, k, total_width, shrink_programs, block_n=anchor.block_n,
+                                   block_k=anchor.block_k, stream_k=anchor.stream_k,
+                                   gemv_programs=sms - shrink_programs, block_m=block_m,
+                                   num_stages=anchor.num_stages, num_warps=anchor.num_warps))  # fmt: skip
+        plans.append(replace(anchor, spread_shrink=not anchor.spread_shrink))
+    return [p for p in dict.fromkeys(plans) if not plan_problems(p, n, k, total_width, sms)]
 
 
-SIZED_FOR = (1, 2, 4)
-
-
-def sized_for_adapters(n, k, total_width, sms) -> dict:
-    """The 16-row tile plans of a layer with 4 LoRA slots, sized for batches mixing each of SIZED_FOR adapters."""
-    from vllm_bdlora.kernels.decode_lora import decode_plan
-
-    return {adapters: decode_plan(n, k, total_width, 4, sms, 16, adapters) for adapters in SIZED_FOR}
-
-
-def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128):
+def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=None):
     """Every candidate plan of one layer, each checked against the reference, then timed like the layer op."""
-    from vllm_bdlora.kernels import decode_lora
+    from vllm_bdlora.kernels.plans import cuda_table, row_tile
 
-    width = bd_rank // tp
-    layer = make_layer(k, heights, tokens, adapters, width)
+    width, slots = bd_rank // tp, slots or adapters
+    layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
     want, n, total_width = reference(layer), sum(heights), len(heights) * width
     base_us = time_cuda(lambda: layer["x"] @ layer["weight"].T, graph_repeats=10)["median_ms"] * 1e3
+    table = cuda_table("cuda")
+    tile = row_tile(tokens)
+    incumbent = table.decode_plan(n, k, total_width, slots, tile, adapters)
+    default = default_decode_plan(n, k, total_width, slots, table.sms, tile, adapters)
     rows = []
-    sms = decode_lora._sm_count(0)
-    default = decode_lora.decode_plan(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens))
-    sized = sized_for_adapters(n, k, total_width, sms) if decode_lora.row_tile(tokens) == 16 else {}
-    for plan in candidate_plans(n, k, total_width, adapters, sms, decode_lora.row_tile(tokens)):
+    for plan in candidate_plans(n, k, total_width, slots, adapters, table, tile):
         run = kernel_call(layer, plan)
-        for _ in range(3):
-            torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
+        try:
+            for _ in range(3):
+                torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
+        except Exception as e:  # e.g. out of shared memory on this GPU: not a candidate here
+            print(f"{describe(plan)}: not timed: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
         us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
-        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "width": width,
-                     "default": plan == default, "sized_for": [a for a, p in sized.items() if p == plan],
-                     "plan": describe(plan), "us": round(us, 2),
-                     "base_gemm_us": round(base_us, 2), "over_base": round(us / base_us, 3)})  # fmt: skip
-        print(rows[-1], flush=True)
+        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots,
+                     "width": width, "slices": len(heights), "N": n, "K": k, "tile": tile,
+                     "default": plan == incumbent,
+                     "structural_default": plan == default, "plan": describe(plan), "plan_fields": asdict(plan),
+                     "us": round(us, 2), "base_gemm_us": round(base_us, 2),
+                     "over_base": round(us / base_us, 3)})  # fmt: skip
+        print({k: v for k, v in rows[-1].items() if k != "plan_fields"}, flush=True)
     return rows
+
+
+def write_table(rows, table_file: str, min_gain: float) -> list[str]:
+    """Update the plan table at `table_file` (created for this GPU if missing) from --configs rows: for each key
+    timed, the fastest candidate replaces the table's entry where it beats it by more than `min_gain` (a fraction;
+    the incumbent keeps its place within noise), and is written where the table had no entry. Returns a line per
+    key saying what happened."""
+    from vllm_bdlora.kernels.plans import DecodePlan, PlanTable, decode_key
+
+    if os.path.exists(table_file):
+        with open(table_file) as f:
+            table = PlanTable.from_json(f.read(), source=table_file)
+    else:
+        props = torch.cuda.get_device_properties(0)
+        table = PlanTable.empty(props.name, props.multi_processor_count)
+    said = []
+    by_key = {}
+    for r in rows:
+        key = decode_key(r["N"], r["K"], r["slices"] * r["width"], r["slots"], r["tile"], r["adapters"])
+        by_key.setdefault(key, []).append(r)
+    for key, timed in by_key.items():
+        best = min(timed, key=lambda r: r["us"])
+        incumbent = next((r for r in timed if r["default"]), None)
+        if incumbent is not None and best["us"] >= incumbent["us"] * (1 - min_gain):
+            said.append(f"{key}: kept ({incumbent['us']} µs; best other {best['us']} µs)")
+            continue
+        table.decode[key] = DecodePlan(**best["plan_fields"])
+        before = f"{incumbent['us']} µs" if incumbent else "no entry"
+        said.append(f"{key}: {best['plan']} ({before} -> {best['us']} µs)")
+    with open(table_file, "w") as f:
+        f.write(table.to_json())
+    return said
 
 
 def configs_report(json_path: str) -> str:
@@ -216,8 +269,9 @@ def configs_report(json_path: str) -> str:
     lines += [
         "- µs: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls, per call; bf16; "
         f"{shapes_title(rows)} per-GPU shapes; ×base = over cuBLAS X·Wᵀ alone. Plans: GEMV kind, column block × "
-        "hidden step, GEMV + shrink programs. **Bold**: the fastest; (default): what `decode_plan` picks; "
-        "(4 slots, sized for a): a 4-slot layer's plan where a batch may mix at most a adapters.",
+        "hidden step, GEMV + shrink programs. **Bold**: the fastest; (table): the plan the GPU's plan table "
+        "holds for the layer and batch; (structural default): what a layer with no table entry runs; (4 slots, "
+        "sized for a): a 4-slot layer's plan where a batch may mix at most a adapters.",
         "",
     ]
     shapes = dict.fromkeys((r["tp"], r["layer"], r["tokens"], r["adapters"]) for r in rows)
@@ -227,7 +281,8 @@ def configs_report(json_path: str) -> str:
         lines += [f"## TP={tp} {layer}, {tokens} token(s), {adapters} adapter(s): base {picked[0]['base_gemm_us']} µs",
                   "", "| plan | µs | ×base |", "|---|---|---|"]  # fmt: skip
         for r in sorted(picked, key=lambda r: r["us"]):
-            label = r["plan"] + (" (default)" if r["default"] else "") + sized_label(r)
+            label = r["plan"] + (" (table)" if r["default"] else "") + sized_label(r)
+            label += " (structural default)" if r.get("structural_default") else ""
             mark = "**" if r["us"] == best else ""
             lines.append(f"| {mark}{label}{mark} | {r['us']} | {r['over_base']} |")
         lines.append("")
@@ -377,30 +432,47 @@ def main(argv=None) -> int:
     )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
+    p.add_argument("--write-table", nargs="?", const="", metavar="JSON",
+                   help="with --configs: write the fastest candidate of each layer and batch into this GPU's plan "
+                        "table (default: vllm_bdlora/kernels/configs/<this GPU>.json) where it beats the table's "
+                        "entry by more than --min-gain")  # fmt: skip
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.02,
+        help="the fraction of the table entry's time a candidate must save to replace it (default 0.02)",
+    )
 
     def kind(args):  # --configs times (and reports) candidate plans instead
         # checked here, after parsing and before the GPU is asked for
         if args.slots is not None and args.slots < max(map(int, args.adapters.split(","))):
             p.error(f"--slots {args.slots} is fewer than the {args.adapters} adapters of --adapters: a layer holds one "
                     "adapter per slot; raise --slots to the largest adapter count or leave it out")  # fmt: skip
+        if args.write_table is not None and not args.configs:
+            p.error("--write-table writes what --configs times: add --configs")
         return (configs_report, "decode_configs") if args.configs else (report, "decode_lora")
 
     started = kernel_bench_cli(p, argv, report, "decode_lora", kind=kind)
     if started is None:
         return 0
     args, copy_gbs, chosen_report, name = started
-    from vllm_bdlora.kernels import decode_lora
-
-    decode_lora.set_max_mixed_width(args.mixed_width)  # rows say whether the layer op would pick it by default
     rows = []
     for tp, layer_name, k, heights, t, a in layer_grid(args):
         if args.configs:
-            points = configs_point(tp, layer_name, k, heights, t, a, args.bd_rank)
+            points = configs_point(tp, layer_name, k, heights, t, a, args.bd_rank, args.slots)
         else:
             points = [bench_point(tp, layer_name, k, heights, t, a, copy_gbs, args.breakdown, args.bd_rank,
-                                  args.slots)]  # fmt: skip
+                                  args.slots, args.mixed_width)]  # fmt: skip
         rows += [{"shape": args.model_shape, **point} for point in points]
-    return finish(args.out, name, rows, copy_gbs, chosen_report)
+    status = finish(args.out, name, rows, copy_gbs, chosen_report)
+    if args.write_table is not None:
+        from vllm_bdlora.kernels.plans import table_path
+
+        path = args.write_table or table_path(torch.cuda.get_device_properties(0).name)
+        for line in write_table(rows, path, args.min_gain):
+            print(line)
+        print(f"plan table: {path}")
+    return status
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The whole LoRA-adapted layer (base GEMM + LoRA) at Llama-3.1-8B per-GPU shapes (TP=4 unless --tp): vLLM's path
 (cuBLAS GEMM, then its Triton shrink and expand kernels, as its GPU punica wrapper calls them) against the
-fused kernels of vllm_bdlora.kernels.fused_lora: the custom op BD layers call (layer_op), and its two
+fused kernels of vllm_bdlora.kernels (lora_op.py, fused_lora.py): the custom op BD layers call (layer_op), and its two
 orders on their own: shrink + delta-writing expand + cuBLAS GEMM accumulating onto it (delta_first),
 cuBLAS GEMM + shrink + in-place fused expand (fused_expand); and shrink + split-graph fused GEMM.
 
@@ -21,6 +21,7 @@ what the layers use); --pairs times, at prefill sizes, every pairing of a few sh
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import asdict
 
 import torch
@@ -28,6 +29,7 @@ import triton
 
 from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
 from bench.shapes import SHAPES
+from vllm_bdlora.kernels.plans import DECODE_MAX_TOKENS, DEFAULT_MAX_MIXED_WIDTH
 
 # The model shapes `layers` serves to the kernel benchmarks' --model-shape
 MODEL_SHAPES = [name for name in SHAPES if name.startswith("llama-3.1-")]
@@ -127,24 +129,35 @@ def vllm_path(layer):
     return run
 
 
+def table_launch(layer):
+    """The shrink and expand launches the GPU's plan table gives this layer's batch (what the layer op runs)."""
+    from vllm_bdlora.kernels.plans import launch_for
+
+    x, lora_b = layer["x"], layer["lora_b"]
+    return launch_for(x.device, x.shape[0], lora_b.shape[1], x.shape[1], lora_b.shape[2], layer["widths"].shape[0])
+
+
 def fused_paths(layer, shrink_cfg=None, expand_cfg=None, linear_cfg=None):
-    """(fused expand, delta first, fused GEMM) paths for one layer; expand_cfg serves both expand modes."""
-    from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, fused_lora_linear, lora_shrink
+    """(fused expand, delta first, fused GEMM) paths for one layer; expand_cfg serves both expand modes; None: the
+    plan table's."""
+    from bench.kernels.fused_gemm import fused_lora_linear
+    from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, lora_shrink
 
     x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
-    n = layer["weight"].shape[0]
+    launch = table_launch(layer)
+    shrink_cfg, expand_cfg = shrink_cfg or launch.shrink, expand_cfg or launch.expand
 
     def fused_expand_path():
         y = x @ layer["weight"].T
-        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg, n)
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg)
         return fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, config=expand_cfg)
 
     def delta_first_path():
-        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg, n)
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg)
         return delta_then_gemm(x, layer["weight"], shrunk, layer["lora_b"], groups, widths, bounds, config=expand_cfg)
 
     def fused_linear_path():
-        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg, n)
+        shrunk = lora_shrink(x, layer["lora_a"], groups, widths, shrink_cfg)
         return fused_lora_linear(x, layer["weight"], shrunk, layer["lora_b"], groups, widths, bounds,
                                  config=linear_cfg)  # fmt: skip
 
@@ -174,11 +187,12 @@ def cublas_one_adapter_path(layer):
     return run
 
 
-def layer_op_path(layer, decode_state=None):
+def layer_op_path(layer, decode_state=None, max_tokens=DECODE_MAX_TOKENS, max_mixed_width=DEFAULT_MAX_MIXED_WIDTH):
     """Exactly what a BD layer runs with lora_kernels fused/auto over an unquantized base: the custom op
     given the base weight (it picks delta first or GEMM first by token count, and its launch configurations),
-    and with a `decode_state` the one-launch kernel for decode-sized batches."""
-    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
+    and with a `decode_state` the one-launch kernel for decode-sized batches (up to `max_tokens` tokens, adapters
+    within `max_mixed_width`: the plugin's one_launch_max_tokens and one_launch_max_mixed_width)."""
+    import vllm_bdlora.kernels.lora_op  # noqa: F401 (registers the op)
 
     x, groups = layer["x"], layer["groups"]
     out = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
@@ -187,7 +201,7 @@ def layer_op_path(layer, decode_state=None):
         torch.ops.vllm_bdlora.fused_lora_slices_(
             out, x, layer["lora_a"], layer["lora_b"], layer["widths"], layer["bounds"], layer["slots"],
             groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, None, None, None,
-            layer["weight"], decode_state,
+            layer["weight"], decode_state, max_tokens, max_mixed_width,
         )  # fmt: skip
         return out
 
@@ -196,15 +210,11 @@ def layer_op_path(layer, decode_state=None):
 
 def candidate_configs(tokens, k, width, slices, out_features):
     """A few launch configurations around the defaults, for --tune: (shrinks, expands, linears)."""
-    from vllm_bdlora.kernels.fused_lora import (
-        LaunchConfig,
-        all_slices_block,
-        expand_config,
-        linear_config,
-        shrink_config,
-    )
+    from bench.kernels.fused_gemm import linear_config
+    from vllm_bdlora.kernels.plans import LaunchConfig, all_slices_block, launch_for
 
-    s, e = shrink_config(tokens, k, width, slices, out_features), expand_config(tokens, width, slices)
+    launch = launch_for("cuda", tokens, out_features, k, width, slices)
+    s, e = launch.shrink, launch.expand
     lin = linear_config(tokens)
     whole = all_slices_block(width, slices)
     if tokens <= 64:
@@ -271,15 +281,16 @@ def pair_candidates(tokens, k, width, slices, out_features):
     """Prefill-sized batches (over 64 tokens): shrink and expand configurations to time in every pairing
     (`--pairs`), since the shrink's split_k sets how many S parts each expand program sums, and the expand's
     tile how often S and B are re-read. The defaults come first."""
-    from vllm_bdlora.kernels.fused_lora import LaunchConfig, all_slices_block, expand_config, shrink_config
+    from vllm_bdlora.kernels.plans import LaunchConfig, all_slices_block, launch_for
 
+    launch = launch_for("cuda", tokens, out_features, k, width, slices)
     whole = all_slices_block(width, slices)
-    shrinks = [shrink_config(tokens, k, width, slices, out_features)] + [
+    shrinks = [launch.shrink] + [
         LaunchConfig(bm, whole, bk, split_k=sk, num_warps=w, num_stages=st)
         for bm, bk, sk, w, st in ((64, 64, 1, 4, 4), (64, 64, 2, 4, 4), (64, 128, 1, 8, 3), (128, 64, 1, 8, 4),
                                   (32, 128, 1, 4, 4))]  # fmt: skip
-    step = 64 if width >= 64 else expand_config(tokens, width, slices).block_k
-    expands = [expand_config(tokens, width, slices)] + [
+    step = 64 if width >= 64 else launch.expand.block_k
+    expands = [launch.expand] + [
         LaunchConfig(bm, bn, bk, num_warps=w, num_stages=st)
         for bm, bn, bk, w, st in ((128, 256, step, 8, 3), (128, 128, step, 8, 3), (64, 256, step, 8, 2),
                                   (128, 256, 32, 8, 2), (64, 128, step, 4, 3))]  # fmt: skip
@@ -318,10 +329,11 @@ def with_width_unrolled(fn):
     return run
 
 
-def width_loops(width: int, tokens: int, slices: int) -> bool:
-    from vllm_bdlora.kernels.fused_lora import expand_config, unrolls_width
+def width_loops(width: int, expand_block_k: int) -> bool:
+    """Whether an expand of this step loops over the adapter's width (too wide to unroll)."""
+    from vllm_bdlora.kernels.fused_lora import unrolls_width
 
-    return not unrolls_width(width, expand_config(tokens, width, slices).block_k)
+    return not unrolls_width(width, expand_block_k)
 
 
 def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4, pairs=False, only=None):
@@ -330,7 +342,8 @@ def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4, pairs=Fal
     paths = {"vllm": vllm_path(layer), "layer_op": layer_op_path(layer),
              **dict(zip(PATHS, fused_paths(layer), strict=True)), "cublas_one_adapter": cublas_one_adapter_path(layer),
              "base_gemm_only": lambda: layer["x"] @ layer["weight"].T}  # fmt: skip
-    if width_loops(width, tokens, len(heights)):  # A/B: the same paths with the expand's width loop unrolled
+    # A/B: where the expand loops over the width, the same paths with that loop unrolled
+    if width_loops(width, table_launch(layer).expand.block_k):
         paths["layer_op_unrolled"] = with_width_unrolled(paths["layer_op"])
         paths["fused_expand_unrolled"] = with_width_unrolled(paths["fused_expand"])
     if only:  # the others are reported as not run
@@ -516,7 +529,23 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", action="store_true",
                    help="also time GEMM-first prefill (over 64 tokens) at every pairing of a few shrink and expand "
                    "configurations (pairs_* columns)")  # fmt: skip
-    started = kernel_bench_cli(p, argv, report, "fused_lora")
+    p.add_argument("--write-table", nargs="?", const="", metavar="JSON",
+                   help="with --pairs: put each layer's fastest pair into the token range of this GPU's plan table "
+                        "(default: vllm_bdlora/kernels/configs/<this GPU>.json) holding the batch size, where it "
+                        "beats the range's launches by more than --min-gain")  # fmt: skip
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.02,
+        help="the fraction of the table's time a pair must save to replace it (default 0.02)",
+    )
+
+    def kind(args):
+        if args.write_table is not None and not args.pairs:
+            p.error("--write-table writes what --pairs times: add --pairs")
+        return report, "fused_lora"
+
+    started = kernel_bench_cli(p, argv, report, "fused_lora", kind=kind)
     if started is None:
         return 0
     args, copy_gbs, _, _ = started
@@ -538,7 +567,51 @@ def main(argv=None) -> int:
         for n in args.adapters.split(",")
         for t in args.tokens.split(",")
     ]
-    return finish(args.out, "fused_lora", rows, copy_gbs, report)
+    status = finish(args.out, "fused_lora", rows, copy_gbs, report)
+    if args.write_table is not None:
+        from vllm_bdlora.kernels.plans import table_path
+
+        path = args.write_table or table_path(torch.cuda.get_device_properties(0).name)
+        for line in write_prefill_table(rows, path, args.min_gain):
+            print(line)
+        print(f"plan table: {path}")
+    return status
+
+
+def write_prefill_table(rows, table_file: str, min_gain: float) -> list[str]:
+    """Update the prefill ranges of the plan table at `table_file` from --pairs rows: where a layer's fastest pair
+    beats the table's launches (the default pair) at a token count by more than `min_gain`, it replaces the shrink
+    and expand of the range holding that count (the range's delta-first choice kept). A layer the table lacks gets
+    the structural default's ranges first. Returns a line per row saying what happened."""
+    from dataclasses import replace
+
+    from vllm_bdlora.kernels.plans import LaunchConfig, PlanTable, default_prefill_ranges, prefill_key
+
+    if os.path.exists(table_file):
+        with open(table_file) as f:
+            table = PlanTable.from_json(f.read(), source=table_file)
+    else:
+        props = torch.cuda.get_device_properties(0)
+        table = PlanTable.empty(props.name, props.multi_processor_count)
+    said = []
+    for r in rows:
+        if "pairs_top5" not in r:
+            continue
+        key = prefill_key(r["N"], r["K"], r["width"], r["slices"])
+        ranges = list(table.prefill.get(key) or default_prefill_ranges(r["N"], r["K"], r["width"], r["slices"]))
+        best, default = r["pairs_top5"][0], r["pairs_default_ms"]
+        if best["ms"] >= default * (1 - min_gain):
+            said.append(f"{key}, {r['tokens']} tokens: kept ({default} ms; best {best['ms']} ms)")
+            table.prefill[key] = tuple(ranges)
+            continue
+        index = max(i for i, rng in enumerate(ranges) if rng.from_tokens <= r["tokens"])
+        ranges[index] = replace(ranges[index], shrink=LaunchConfig(**best["shrink"]),
+                                expand=LaunchConfig(**best["expand"]))  # fmt: skip
+        table.prefill[key] = tuple(ranges)
+        said.append(f"{key}, range from {ranges[index].from_tokens} tokens: {default} -> {best['ms']} ms")
+    with open(table_file, "w") as f:
+        f.write(table.to_json())
+    return said
 
 
 if __name__ == "__main__":

@@ -59,8 +59,10 @@ def cpu_name() -> str:
 def pieces(tokens: int, hidden: int, heights: tuple[int, ...], width: int) -> dict:
     """name -> call, for one projection (output slices of `heights`): the wrappers with kernel launches stubbed."""
     from vllm_bdlora.kernels import fused_lora
+    from vllm_bdlora.kernels.plans import table_for
 
     fused_lora.launch = lambda *args, **kwargs: None  # what is left is the wrappers' own Python
+    table = table_for("NVIDIA H200", 132)  # the plan lookups a GPU host makes
     slices, out_features = len(heights), sum(heights)
     x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
     lora_a = torch.zeros(1, slices * width, hidden, dtype=torch.bfloat16)
@@ -69,12 +71,14 @@ def pieces(tokens: int, hidden: int, heights: tuple[int, ...], width: int) -> di
     bounds = torch.tensor([sum(heights[:j]) for j in range(slices + 1)], dtype=torch.int32)
     groups = fused_lora.group_tokens(torch.zeros(tokens, dtype=torch.int32), 1)
     y = torch.empty(tokens, out_features, dtype=torch.bfloat16)
-    shrunk = fused_lora.lora_shrink(x, lora_a, groups, widths, out_features=out_features)
+    launch = table.prefill_launch(tokens, out_features, hidden, width, slices)
+    shrunk = fused_lora.lora_shrink(x, lora_a, groups, widths, launch.shrink)
     return {
-        "shrink_config": lambda: fused_lora.shrink_config(tokens, hidden, width, slices, out_features),
-        "expand_config": lambda: fused_lora.expand_config(tokens, width, slices),
-        "lora_shrink_wrapper": lambda: fused_lora.lora_shrink(x, lora_a, groups, widths, out_features=out_features),
-        "fused_expand_wrapper": lambda: fused_lora.fused_expand(y, shrunk, lora_b, groups, widths, bounds),
+        "plan_lookup": lambda: table.prefill_launch(tokens, out_features, hidden, width, slices),
+        "lora_shrink_wrapper": lambda: fused_lora.lora_shrink(x, lora_a, groups, widths, launch.shrink),
+        "fused_expand_wrapper": lambda: fused_lora.fused_expand(
+            y, shrunk, lora_b, groups, widths, bounds, config=launch.expand
+        ),
     }
 
 

@@ -49,7 +49,7 @@ def host_us(fn, calls: int = CALLS) -> float:
 @functools.cache
 def custom_op_twin():
     """A no-op with the layer op's signature registered through torch.library.custom_op, for comparison."""
-    from vllm_bdlora.kernels.fused_lora import fused_lora_slices_
+    from vllm_bdlora.kernels.lora_op import fused_lora_slices_
 
     @functools.wraps(fused_lora_slices_)  # the schema is inferred from the wrapped function's signature
     def twin(*args, **kwargs) -> None:
@@ -59,14 +59,17 @@ def custom_op_twin():
 
 
 def pieces(layer):
-    import vllm_bdlora.kernels.fused_lora  # noqa: F401 (registers the op)
+    from bench.kernels.fused_lora import table_launch
     from vllm_bdlora.kernels import decode_lora
     from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
+    from vllm_bdlora.kernels.lora_op import layer_decode_state, one_launch_plan  # registers the op too
+    from vllm_bdlora.kernels.plans import DECODE_MAX_TOKENS, DEFAULT_MAX_MIXED_WIDTH, cuda_table
 
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
     op = torch.ops.vllm_bdlora.fused_lora_slices_
     y = x @ w.T
-    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, out_features=layer["weight"].shape[0])
+    launch = table_launch(layer)
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, launch.shrink)
     grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
     common = (y, x, layer["lora_a"], layer["lora_b"], widths, bounds, layer["slots"], *grouped)
     skip, run = torch.tensor([True]), torch.tensor([False])
@@ -75,18 +78,20 @@ def pieces(layer):
         "cublas_gemm": lambda: torch.mm(x, w.t(), out=y),
         "op_dispatch_only": lambda: op(*common, skip, None, None, None),
         "custom_op_dispatch_only": lambda: twin(*common, skip, None, None, None),
-        "our_shrink": lambda: lora_shrink(x, layer["lora_a"], groups, widths, out_features=layer["weight"].shape[0]),
-        "our_expand": lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds),
+        "our_shrink": lambda: lora_shrink(x, layer["lora_a"], groups, widths, launch.shrink),
+        "our_expand": lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, config=launch.expand),
         "layer_op_lora_only": lambda: op(*common, run, None, None, None),
         "layer_op_with_gemm": lambda: op(*common, run, None, None, w),
     }
     tokens, (slots, total_width) = x.shape[0], layer["lora_a"].shape[:2]
-    plan = decode_lora.usable_plan(tokens, w.shape[0], x.shape[1], total_width, slots, x.device, slices=widths.shape[0])
+    shape = (w.shape[0], x.shape[1], total_width, slots)
+    state = layer_decode_state(*shape, x.device, widths.shape[0], DEFAULT_MAX_MIXED_WIDTH)
+    limits = (DECODE_MAX_TOKENS, DEFAULT_MAX_MIXED_WIDTH)
+    plan = one_launch_plan(cuda_table(x.device), tokens, *shape, widths.shape[0], state, *limits)
     if plan is not None:
-        state = decode_lora.layer_decode_state(w.shape[0], x.shape[1], total_width, slots, x.device, widths.shape[0])
-        found["layer_op_one_launch"] = lambda: op(*common, run, None, None, w, state)
+        found["layer_op_one_launch"] = lambda: op(*common, run, None, None, w, state, *limits)
         found["decode_kernel_launcher"] = lambda: decode_lora.decode_lora_linear(
-            y, x, w, layer["lora_a"], layer["lora_b"], widths, bounds, layer["slots"], state
+            y, x, w, layer["lora_a"], layer["lora_b"], widths, bounds, layer["slots"], state, plan=plan
         )  # fmt: skip
     inputs = vllm_lora_inputs(layer)
     if inputs is None:

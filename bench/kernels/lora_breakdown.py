@@ -29,21 +29,24 @@ TOKENS = (1, 16, 64, 1024, 8192)
 
 def kernels(layer):
     """(name, fn, bytes it must move or None) for every kernel of the layer on its own."""
+    from bench.kernels.fused_lora import table_launch
     from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
 
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
     tokens, n = x.shape[0], w.shape[0]
     y = x @ w.T
-    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, out_features=n)
+    launch = table_launch(layer)
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, launch.shrink)
+    expand = launch.expand
     out_bytes = 2 * tokens * n
     found = [
         ("cublas_gemm", lambda: x @ w.T, None),
         ("cublas_gemm_beta1", lambda: y.addmm_(x, w.t()), None),
-        ("our_shrink", lambda: lora_shrink(x, layer["lora_a"], groups, widths, out_features=n), 2 * x.numel()),
-        ("our_expand_in_place", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds),
-         2 * out_bytes),
-        ("our_expand_write", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, overwrite=True),
-         out_bytes),
+        ("our_shrink", lambda: lora_shrink(x, layer["lora_a"], groups, widths, launch.shrink), 2 * x.numel()),
+        ("our_expand_in_place", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds,
+                                                     config=expand), 2 * out_bytes),
+        ("our_expand_write", lambda: fused_expand(y, shrunk, layer["lora_b"], groups, widths, bounds, config=expand,
+                                                  overwrite=True), out_bytes),
     ]  # fmt: skip
     inputs = vllm_lora_inputs(layer)
     if inputs is None:
@@ -69,11 +72,13 @@ def ranked(configs, launch, moved_bytes: int, rate_key: str) -> list[dict]:
 
 def expand_configs(layer) -> list[dict]:
     """Our expand (writing the delta) under a grid of launch configurations: which tile shapes stream."""
-    from vllm_bdlora.kernels.fused_lora import LaunchConfig, fused_expand, lora_shrink
+    from bench.kernels.fused_lora import table_launch
+    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
+    from vllm_bdlora.kernels.plans import LaunchConfig
 
     x, groups, widths, bounds = layer["x"], layer["groups"], layer["widths"], layer["bounds"]
     y = torch.empty(x.shape[0], layer["weight"].shape[0], dtype=x.dtype, device=x.device)
-    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, out_features=layer["weight"].shape[0])
+    shrunk = lora_shrink(x, layer["lora_a"], groups, widths, table_launch(layer).shrink)
     configs = [LaunchConfig(bm, bn, 32, num_warps=warps, num_stages=stages)
                for bm in (16, 32, 64, 128) for bn in (64, 128, 256)
                for warps in (4, 8) for stages in (1, 2)]  # fmt: skip
@@ -87,7 +92,8 @@ def expand_configs(layer) -> list[dict]:
 def shrink_configs(layer) -> list[dict]:
     """Our shrink under a grid of launch configurations (tile rows, one column block per slice or one for
     all slices, hidden-dimension split)."""
-    from vllm_bdlora.kernels.fused_lora import LaunchConfig, all_slices_block, lora_shrink
+    from vllm_bdlora.kernels.fused_lora import lora_shrink
+    from vllm_bdlora.kernels.plans import LaunchConfig, all_slices_block
 
     x, groups, widths = layer["x"], layer["groups"], layer["widths"]
     whole = all_slices_block(WIDTH, widths.shape[0])

@@ -2,13 +2,13 @@
 power-of-two number of parts, then the fused expand summing those parts as it loads S, timed together (the
 base GEMM, the same whatever the split, is left out). More parts spread the shrink's A reads over more SMs,
 but every expand program reads every part of its rows' S: at width 512 and 16 parts, gate_up_proj's expand
-programs at TP=1 read 16 × 512 floats per row each. `shrink_config` picks the split; this shows what the
+programs at TP=1 read 16 × 512 floats per row each. The GPU's plan table picks the split; this shows what the
 others would cost, per layer of Llama-3.1-8B's (or --model-shape's) per-GPU shapes at --tp, BD r' --bd-rank.
 
     python -m bench.kernels.shrink_split --tp 1 --bd-rank 512 --tokens 1,16,64 --adapters 1,4 --out DIR
 
 The three kernels run at decode sizes where the one-launch kernel does not: batches mixing several adapter
-slots, and layers `decode_plan` leaves to them (gate_up_proj at TP=1 from r'=256). Times: median of 100
+slots, and layers the plan table leaves to them (gate_up_proj at TP=1 from r'=256). Times: median of 100
 CUDA-event-timed replays of a CUDA graph of 10 calls, bf16, expand adding onto an existing output (what the
 layer op does below 2048 tokens); each split's result is checked against the default's first. GB/s: the
 bytes the pair must move at least (X, A and B of each adapter used, the output read and written) over the
@@ -30,22 +30,25 @@ SPLITS = (1, 2, 4, 8, 16)
 
 def split_config(default, hidden: int, split: int):
     """The default shrink configuration with another split, its hidden step no longer than a part."""
-    from vllm_bdlora.kernels.fused_lora import shrink_hidden_step
+    from vllm_bdlora.kernels.plans import shrink_hidden_step
 
     return replace(default, split_k=split, block_k=min(default.block_k, shrink_hidden_step(hidden, split)))
 
 
 def split_point(tp, layer_name, k, heights, tokens, adapters, width, copy_gbs) -> dict:
-    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink, shrink_config
+    from bench.kernels.fused_lora import table_launch
+    from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
 
     layer = make_layer(k, heights, tokens, adapters, width)
     x, lora_a, lora_b = layer["x"], layer["lora_a"], layer["lora_b"]
     groups, widths, bounds = layer["groups"], layer["widths"], layer["bounds"]
     base = x @ layer["weight"].T
-    default = shrink_config(tokens, k, width, len(heights), sum(heights))
+    launch = table_launch(layer)
+    default = launch.shrink
 
     def pair(config, out):
-        fused_expand(out, lora_shrink(x, lora_a, groups, widths, config=config), lora_b, groups, widths, bounds)
+        fused_expand(out, lora_shrink(x, lora_a, groups, widths, config=config), lora_b, groups, widths, bounds,
+                     config=launch.expand)  # fmt: skip
         return out
 
     expected = pair(default, base.clone()).float()
@@ -78,7 +81,7 @@ def report(json_path: str) -> str:
     lines += [
         "- µs: shrink + fused expand (adding onto the output), median of 100 CUDA-event-timed replays of a CUDA "
         "graph of 10 calls, per call; bf16; the base GEMM left out; tokens dealt round robin over the adapters",
-        "- default = the split `shrink_config` picks (bold); best = the fastest; GB/s = bytes moved at least (X, A "
+        "- default = the split the plan table picks (bold); best = the fastest; GB/s = bytes moved at least (X, A "
         "and B of each adapter used, the output read and written) over the best time, and its share of the copy "
         "bandwidth",
         "",

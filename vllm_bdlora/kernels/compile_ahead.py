@@ -1,6 +1,6 @@
 """Compile a layer's kernel variants on several threads before launching any of them.
 
-`fused_lora.warm_up` launches every variant a layer can use, once, so that serving never compiles; launched one
+`lora_op.warm_up` launches every variant a layer can use, once, so that serving never compiles; launched one
 after another, the first start of a server spends 42 s compiling at LoRA width 128 and 201 s at 512 (Llama-3.1-8B,
 TP=1: archived CPU runs). Compiles overlap well on threads (on 2 cores, 23.6 and 106.3 s
 instead), and Triton's `AsyncCompileMode` (in 3.6 and 3.9, the versions of vLLM 0.26 and 0.32; a Triton without

@@ -80,17 +80,6 @@ def fused_expand_reference(y, shrunk, lora_b, token_slots, slot_ranks, slot_scal
     return _compose(y.float(), delta, scale_table, token_slots, bias, y.dtype)
 
 
-def fused_lora_linear_reference(
-    x, weight, shrunk, lora_b, token_slots, slot_ranks, slot_scales, bias=None, scale_table=None
-):
-    """Split-graph FusedLoRA: X·Wᵀ (+ bias) and the LoRA delta in one float32 accumulation, rounded once."""
-    base32 = x.float() @ weight.float().T
-    if bias is not None:
-        base32 = base32 + bias.float()
-    delta = lora_delta_reference(shrunk, lora_b, token_slots, slot_ranks, slot_scales)
-    return _compose(base32, delta, scale_table, token_slots, bias, x.dtype)
-
-
 def slice_views(lora_a, lora_b, slot_widths, slice_bounds):
     """Per slice j of a packed layer's combined buffers: (A_j (slots, width, in), B_j (slots, height_j,
     width)), views of lora_a (slots, slices·width, in) and lora_b (slots, total height, width)."""

@@ -1,0 +1,215 @@
+"""Launch plans as data: every entry of every committed per-GPU table, and the structural default for any shape,
+is a launch the kernels can run (all programs resident, shared memory, coverage, token ranges); lookups fall back
+as documented; a table written by the benchmark's candidate search reads back as it was written."""
+
+import glob
+import logging
+import os
+import re
+
+import pytest
+
+from vllm_bdlora.kernels.plans import (
+    CONFIG_DIR,
+    DECODE_MAX_TOKENS,
+    ROW_TILES,
+    SHARED_MEMORY_BYTES,
+    LaunchConfig,
+    PlanTable,
+    PrefillRange,
+    default_decode_plan,
+    default_prefill_ranges,
+    largest_tile,
+    launch_variants,
+    plan_problems,
+    table_for,
+    table_path,
+)
+
+TABLES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.json")))
+DECODE_KEY = re.compile(r"out=(\d+) hidden=(\d+) total_width=(\d+) slots=(1|many) tile=(\d+) adapters=(\d+)$")
+PREFILL_KEY = re.compile(r"out=(\d+) hidden=(\d+) width=(\d+) slices=(\d+)$")
+
+
+def load(path) -> PlanTable:
+    with open(path) as f:
+        return PlanTable.from_json(f.read(), source=path)
+
+
+def test_there_is_a_table_for_each_gpu_the_project_serves_on():
+    names = {os.path.basename(path) for path in TABLES}
+    assert {"NVIDIA_H100_80GB_HBM3.json", "NVIDIA_H200.json"} <= names
+    for path in TABLES:
+        table = load(path)
+        assert table_path(table.device) == path  # named after the device it was written on
+        assert table.sms > 0 and table.decode and table.prefill
+
+
+def prefill_problems(r: PrefillRange, hidden: int, width: int, slices: int) -> list[str]:
+    problems = []
+    for name, config in (("shrink", r.shrink), ("expand", r.expand)):
+        for field in ("block_m", "block_n", "block_k"):
+            value = getattr(config, field)
+            if value < 16 or value & (value - 1):
+                problems.append(f"{name} {field} {value}: not a power of two of at least 16 (tl.dot)")
+        warps = config.num_warps
+        if warps & (warps - 1) or not 1 <= warps <= 16 or not 1 <= config.num_stages <= 8:
+            problems.append(f"{name}: {warps} warps, {config.num_stages} stages")
+    if r.shrink.split_k & (r.shrink.split_k - 1) or hidden // r.shrink.split_k < 16:
+        problems.append(f"split_k {r.shrink.split_k} of a hidden dimension of {hidden}")
+    if r.expand.split_k != 1:
+        problems.append("the expand sums the shrink's parts itself: its own split_k must be 1")
+    if r.delta_first and slices == 1:
+        problems.append("delta first is for packed layers (it saves re-reading the output of several slices)")
+    return problems
+
+
+@pytest.mark.parametrize("path", TABLES, ids=os.path.basename)
+def test_every_decode_entry_is_a_launch_the_kernel_can_run_for_its_key(path):
+    table = load(path)
+    for key, plan in table.decode.items():
+        match = DECODE_KEY.match(key)
+        assert match, key
+        out, hidden, total_width, slots, tile, adapters = match.groups()
+        out, hidden, total_width, tile, adapters = map(int, (out, hidden, total_width, tile, adapters))
+        assert tile in ROW_TILES and 1 <= adapters <= DECODE_MAX_TOKENS, key
+        assert not (slots == "1" and adapters > 1), key  # one slot: one adapter per batch
+        if plan is None:  # the three-kernel path for this key
+            continue
+        assert plan.block_m == tile, key
+        assert tile <= largest_tile(1 if slots == "1" else 2), key
+        assert plan_problems(plan, out, hidden, total_width, table.sms) == [], key
+
+
+@pytest.mark.parametrize("path", TABLES, ids=os.path.basename)
+def test_every_prefill_entry_covers_every_batch_size_with_valid_launches(path):
+    table = load(path)
+    for key, ranges in table.prefill.items():
+        match = PREFILL_KEY.match(key)
+        assert match, key
+        out, hidden, width, slices = map(int, match.groups())
+        starts = [r.from_tokens for r in ranges]
+        assert starts[0] == 1 and starts == sorted(set(starts)), key  # every batch size falls in one range
+        for r in ranges:
+            assert prefill_problems(r, hidden, width, slices) == [], (key, r)
+        assert all(r.shrink.block_m == 16 for r in ranges if r.from_tokens <= DECODE_MAX_TOKENS), key
+        shrinks, expands = launch_variants(ranges, delta_first_layer=slices > 1)
+        assert len(shrinks) <= 8 and len(expands) <= 12, key  # few variants: the first start compiles them all
+
+
+@pytest.mark.parametrize("sms", [16, 78, 114, 132, 1 << 20])
+@pytest.mark.parametrize("slots", [1, 4])
+def test_the_structural_default_is_valid_for_any_shape_or_says_three_kernels(sms, slots):
+    shapes = [(out, hidden, width) for out in (16, 768, 1536, 4096, 6144, 14336, 28672, 57344)
+              for hidden in (256, 1024, 4096, 8192, 14336) for width in (8, 48, 96, 256, 1536)]  # fmt: skip
+    runnable = 0
+    for out, hidden, width in shapes:
+        for tile in ROW_TILES:
+            for adapters in (1, 2, 4, 16):
+                plan = default_decode_plan(out, hidden, width, slots, sms, tile, adapters)
+                if plan is None:
+                    assert tile > largest_tile(slots) or sms < 64 or out > 128 * sms or tile > 16 or width > 256
+                    continue
+                runnable += 1
+                assert plan.block_m == tile
+                assert plan_problems(plan, out, hidden, width, sms) == [], (out, hidden, width, tile, adapters)
+                assert plan.num_stages * plan.stage_bytes() <= SHARED_MEMORY_BYTES
+    assert runnable > len(shapes)
+
+
+@pytest.mark.parametrize("out,hidden,width,slices", [(6144, 4096, 128, 3), (512, 256, 8, 1), (57344, 8192, 512, 2)])
+def test_the_structural_default_prefill_ranges_are_valid(out, hidden, width, slices):
+    ranges = default_prefill_ranges(out, hidden, width, slices)
+    assert [r.from_tokens for r in ranges] == [1, DECODE_MAX_TOKENS + 1]
+    for r in ranges:
+        assert prefill_problems(r, hidden, width, slices) == []
+
+
+def test_a_shape_the_table_lacks_takes_the_default_and_says_how_to_tune_it(caplog):
+    """Lookups: the table's entry; for more adapters than the layer's entries hold, the entry of the most; a shape
+    with no entry, the structural default, logged once with the command that tunes it."""
+    table = table_for("NVIDIA H200", 132)
+    gate_up = (28672, 4096, 256, 4)  # TP=1 gate_up_proj, BD r'=128, 4 slots
+    assert table.decode_plan(*gate_up, 16, 8) == table.decode["out=28672 hidden=4096 total_width=256 slots=many "
+                                                               "tile=16 adapters=8"]  # fmt: skip
+    assert table.decode_plan(*gate_up, 16, 16) == table.decode_plan(*gate_up, 16, 8)
+    caplog.set_level(logging.INFO, logger="vllm.bdlora")
+    unknown = (1000, 3000, 40, 1)
+    plan = table.decode_plan(*unknown, 16, 1)
+    assert plan == default_decode_plan(*unknown, 132, 16, 1)
+    said = [r.getMessage() for r in caplog.records if "no launch plan" in r.getMessage()]
+    assert len(said) == 1 and "out=1000 hidden=3000" in said[0] and "--write-table" in said[0]
+    table.decode_plan(*unknown, 16, 1)  # asked again: a lookup, not another log line
+    assert len([r for r in caplog.records if "no launch plan" in r.getMessage()]) == 1
+    assert table.prefill_ranges(1000, 3000, 40, 1) == default_prefill_ranges(1000, 3000, 40, 1)
+
+
+def test_a_table_reads_back_as_written_and_is_not_used_on_another_sm_count(tmp_path, monkeypatch, caplog):
+    table = table_for("NVIDIA H200", 132)
+    again = PlanTable.from_json(table.to_json())
+    assert again.decode == table.decode and again.prefill == table.prefill
+    assert (again.device, again.sms) == (table.device, table.sms)
+    caplog.set_level(logging.INFO, logger="vllm.bdlora")
+    other = table_for("NVIDIA H200", 60)  # e.g. a MIG slice: the table's grids would not fit
+    assert other.decode == {} and other.sms == 60
+    assert any("written on 132 SMs" in r.getMessage() for r in caplog.records)
+    none = table_for("Some Future GPU", 200)
+    assert none.decode == {} and any("no launch-plan table" in r.getMessage() for r in caplog.records)
+
+
+def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_noise(tmp_path):
+    """`bench.kernels.decode_lora --configs --write-table`: per key, the fastest candidate replaces the table's entry
+    only where it saves more than --min-gain; a key the table lacked gets the fastest."""
+    from dataclasses import asdict
+
+    from bench.kernels.decode_lora import write_table
+    from vllm_bdlora.kernels.plans import make_plan
+
+    path = str(tmp_path / "gpu.json")
+    entry = make_plan(1536, 4096, 96, 4, block_n=32, block_k=256, stream_k=True, gemv_programs=128)
+    other = make_plan(1536, 4096, 96, 4, block_n=64, block_k=128, stream_k=True, gemv_programs=128)
+    key = "out=1536 hidden=4096 total_width=96 slots=1 tile=16 adapters=1"
+    with open(path, "w") as f:
+        f.write(PlanTable("Test GPU", 132, {key: entry}, {}).to_json())
+
+    def row(plan, us, incumbent, n=1536):
+        return {"N": n, "K": 4096, "width": 32, "slices": 3, "slots": 1, "tile": 16, "adapters": 1, "us": us,
+                "default": incumbent, "plan": "p", "plan_fields": asdict(plan)}  # fmt: skip
+
+    said = write_table([row(entry, 10.0, True), row(other, 9.9, False)], path, 0.02)
+    assert "kept" in said[0] and load(path).decode[key] == entry
+    said = write_table([row(entry, 10.0, True), row(other, 9.0, False)], path, 0.02)
+    assert load(path).decode[key] == other and "10.0 µs -> 9.0 µs" in said[0]
+    new_layer = make_plan(3072, 4096, 96, 4, block_n=32, block_k=256, stream_k=False)
+    write_table([row(new_layer, 7.0, False, n=3072)], path, 0.02)
+    assert load(path).decode[key.replace("1536", "3072")] == new_layer
+
+
+def test_launch_configs_are_hashable_keys_of_the_variant_sets():
+    assert len({LaunchConfig(16, 32, 64), LaunchConfig(16, 32, 64), LaunchConfig(16, 32, 64, split_k=2)}) == 2
+
+
+def test_the_prefill_search_replaces_the_range_holding_the_timed_batch(tmp_path):
+    """`bench.kernels.fused_lora --pairs --write-table`: the fastest pair replaces the shrink and expand of the range
+    holding the timed token count, where it saves more than --min-gain; other ranges stay; a layer the table lacks
+    starts from the structural default's ranges."""
+    from bench.kernels.fused_lora import write_prefill_table
+    from vllm_bdlora.kernels.plans import prefill_key
+
+    path = str(tmp_path / "gpu.json")
+    with open(path, "w") as f:
+        f.write(PlanTable("Test GPU", 132, {}, {}).to_json())
+    faster = {"ms": 0.5, "shrink": {"block_m": 64, "block_n": 128, "block_k": 64, "split_k": 2, "num_warps": 4,
+                                    "num_stages": 4},
+              "expand": {"block_m": 128, "block_n": 256, "block_k": 32, "split_k": 1, "num_warps": 8,
+                         "num_stages": 2}}  # fmt: skip
+    row = {"N": 6144, "K": 4096, "width": 128, "slices": 3, "tokens": 1024, "pairs_default_ms": 0.51,
+           "pairs_top5": [faster]}  # fmt: skip
+    write_prefill_table([row], path, 0.02)  # within noise: the default's ranges, unchanged
+    key = prefill_key(6144, 4096, 128, 3)
+    assert load(path).prefill[key] == default_prefill_ranges(6144, 4096, 128, 3)
+    said = write_prefill_table([{**row, "pairs_default_ms": 0.8}], path, 0.02)
+    ranges = load(path).prefill[key]
+    assert ranges[-1].shrink == LaunchConfig(**faster["shrink"])
+    assert ranges[-1].expand == LaunchConfig(**faster["expand"])
+    assert ranges[0] == default_prefill_ranges(6144, 4096, 128, 3)[0] and "0.8 -> 0.5 ms" in said[0]
