@@ -102,8 +102,8 @@ def test_dora_and_kernel_settings():
 def test_the_log_says_which_decode_batches_run_as_one_kernel():
     """With --max-loras above 1 the one-kernel limit depends on how wide the adapters a batch may mix are; the
     start-up log states the resulting limit and the setting that moves it."""
-    from vllm_bdlora.kernels.decode_lora import DEFAULT_MAX_MIXED_WIDTH
-    from vllm_bdlora.patching.worker import one_launch_summary
+    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH
+    from vllm_bdlora.manager import one_launch_summary
 
     settings = BdLoraSettings.from_additional_config({"bdlora": {}})
     assert settings.one_launch_max_mixed_width == DEFAULT_MAX_MIXED_WIDTH
@@ -118,7 +118,7 @@ def test_the_log_says_which_decode_batches_run_as_one_kernel():
 
 def test_token_limits_the_setting_allows_are_the_decode_kernels_row_tiles():
     from vllm_bdlora.config import ONE_LAUNCH_TOKEN_LIMITS
-    from vllm_bdlora.kernels.decode_lora import ROW_TILES
+    from vllm_bdlora.kernels.plans import ROW_TILES
 
     assert ONE_LAUNCH_TOKEN_LIMITS == ROW_TILES
 
@@ -132,7 +132,7 @@ def test_start_up_log_says_which_steps_run_outside_cuda_graphs():
     first token: the log names the size and the setting that moves it, and stays quiet where every step fits."""
     from types import SimpleNamespace
 
-    from vllm_bdlora.patching.worker import eager_steps_summary
+    from vllm_bdlora.manager import eager_steps_summary
 
     def config(largest, batched, eager=False, mode=None):
         return SimpleNamespace(

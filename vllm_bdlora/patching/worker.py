@@ -6,7 +6,6 @@ import logging
 
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_method
-from vllm_bdlora.sharding import per_rank_width
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -52,9 +51,7 @@ def patch_lora_manager() -> bool:
     """Build BD layers when `additional_config["bdlora"]` is on, and log how they shard adapters."""
     from vllm.lora.model_manager import LoRAModelManager
 
-    from vllm_bdlora.kernels import decode_lora
-    from vllm_bdlora.layers import describe_sharding, selecting_bd_layers, uses_fused_kernels
-    from vllm_bdlora.loading import base_quantization, is_first_tp_rank
+    from vllm_bdlora.manager import building_bd_layers, log_startup_report
 
     require_parameters(LoRAModelManager.__init__, ("lora_config", "vllm_config"), "LoRAModelManager.__init__")
 
@@ -65,102 +62,13 @@ def patch_lora_manager() -> bool:
             self._bdlora_settings = settings
             if not settings.enabled:
                 return original(self, *args, **kwargs)
-            lora_config = kwargs["lora_config"]
-            tp_size = vllm_config.parallel_config.tensor_parallel_size
-            if lora_config.fully_sharded_loras:
-                raise ValueError(
-                    "BD-LoRA (--enable-bdlora) and --fully-sharded-loras cannot be combined: "
-                    "drop --fully-sharded-loras."
-                )
-            width = per_rank_width(lora_config.max_lora_rank, tp_size)
-            if uses_fused_kernels(settings.lora_kernels):
-                decode_lora.set_max_tokens(settings.one_launch_max_tokens)
-                decode_lora.set_max_mixed_width(settings.one_launch_max_mixed_width)
-            with selecting_bd_layers(
-                dora=settings.dora, lora_kernels=settings.lora_kernels, one_launch_decode=settings.one_launch_decode
-            ):
+            with building_bd_layers(settings, kwargs["lora_config"]):
                 original(self, *args, **kwargs)
-            from vllm.platforms import current_platform  # resolved once the engine runs, not at patch time
-
-            lines = describe_sharding(list(self.modules.values()), tp_size)
-            if not lines:
-                logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
-            if settings.dora:
-                quantized = sorted({m for layer in self.modules.values() if (m := base_quantization(layer))})
-                if quantized:
-                    lines.append(
-                        "DoRA adapters are refused on this model: its base layers are quantized "
-                        f"({', '.join(quantized)}) and DoRA's magnitude norm needs the dequantized weight. LoRA "
-                        "adapters are served."
-                    )
-                path = "fused Triton kernel" if current_platform.is_cuda_alike() else "torch reference"
-                lines.append(
-                    "DoRA on: each BD layer keeps a float32 magnitude scale per LoRA slot and output channel; "
-                    f"compose base + (g-1)(base - bias) + g*lora per token: {path}."
-                )
-            kernels = settings.lora_kernels
-            if uses_fused_kernels(kernels):
-                lines.append(
-                    f"LoRA kernels ({kernels}): vllm-bdlora's shrink + fused expand in every BD layer, one launch "
-                    'each for all slices of a packed layer ("lora_kernels": "vllm" in the bdlora section of '
-                    "--additional-config selects vLLM's)."
-                )
-                if settings.one_launch_decode and not settings.dora:
-                    lines.append(one_launch_summary(settings, lora_config.max_loras, width))
-            else:
-                why = "not on CUDA" if kernels == "auto" else "as configured"
-                lines.append(f"LoRA kernels ({kernels}): vLLM's own shrink/expand ({why}).")
-            eager_steps = eager_steps_summary(vllm_config) if current_platform.is_cuda_alike() else None
-            if eager_steps:
-                lines.append(eager_steps)
-            if is_first_tp_rank(self):
-                for line in lines:
-                    logger.info(line)
+            log_startup_report(self, settings, kwargs["lora_config"], vllm_config)
 
         return __init__
 
     return wrap_method(LoRAModelManager, "__init__", make)
-
-
-def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> str:
-    """The log's line on which decode batches run as one kernel per BD layer, `width` LoRA columns per GPU."""
-    from vllm_bdlora.kernels import decode_lora
-
-    mixed_width = settings.one_launch_max_mixed_width
-    limit = min(settings.one_launch_max_tokens, decode_lora.mixed_batch_limit(max_loras, width, mixed_width))
-    knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
-    if max_loras > 1:
-        mixing = (
-            f"a batch of t tokens may mix min(t, {max_loras}) adapters of {width} LoRA columns per GPU, and the one "
-            f'kernel serves it while they stay within "one_launch_max_mixed_width": {mixed_width} columns'
-        )
-        if limit == 0:
-            return f"Decode batches take the three kernels: with --max-loras {max_loras} {mixing}."
-        knobs = f"at most {decode_lora.largest_tile(max_loras)} with --max-loras above 1: {mixing}; {knobs}"
-    return (f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over an unquantized "
-            f"base ({knobs}).")  # fmt: skip
-
-
-def eager_steps_summary(vllm_config) -> str | None:
-    """The log's line on which steps run outside CUDA graphs, where every LoRA layer op pays its host time (a
-    Triton launch from Python costs more host time than the GPU time of a prefill's LoRA kernels): a 1024-token
-    prompt's first token took 83-88 ms eagerly against 44 ms in a graph (README, "Long prompts at low
-    concurrency"). None where every step fits a graph."""
-    # getattr throughout: a log line must never stop a server whose vLLM names these differently
-    compilation = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(compilation, "cudagraph_mode", None)
-    eager = getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False)
-    if eager or getattr(mode, "name", "") == "NONE":
-        return ("CUDA graphs are off (--enforce-eager or cudagraph_mode NONE): every step pays the LoRA layers' host "
-                "time, which outweighs their GPU time at decode sizes.")  # fmt: skip
-    largest = getattr(compilation, "max_cudagraph_capture_size", None)
-    batched = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
-    if not isinstance(largest, int) or not isinstance(batched, int) or batched <= largest:
-        return None
-    return (f"Steps of more than {largest} tokens (prefills of longer prompts; up to {batched} per step) run outside "
-            "CUDA graphs, where the LoRA layers' host time adds to time to first token; for long prompts at low "
-            "concurrency capture larger graphs: --compilation-config "
-            "'{\"max_cudagraph_capture_size\": N}'.")  # fmt: skip
 
 
 def patch_adapter_loading() -> bool:
