@@ -117,7 +117,7 @@ def test_ranks_agree_on_the_adapter_they_load(monkeypatch, other_rank_id, other_
 def test_dora_over_a_quantized_base_layer_is_refused_naming_the_method():
     from types import SimpleNamespace
 
-    from vllm_bdlora.loading import quantized_base_problems
+    from vllm_bdlora.dora import quantized_base_problems
 
     def item(name, method):
         return SimpleNamespace(

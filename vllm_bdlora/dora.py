@@ -1,5 +1,6 @@
-"""DoRA serving math: the per-row weight norm without materialising B·A, the magnitude scale, and the
-adapter-file conventions for PEFT's magnitude vectors.
+"""DoRA serving, all of it but the compose kernel (kernels/dora_compose.py) and the layers' scale buffers: PEFT's
+magnitude vectors in adapter files, the per-adapter holder vLLM's LoRAModel carries (`DoraAdapter`), the load-time
+checks, the per-row weight norm without materialising B·A, the magnitude scale g, and copying g into LoRA slots.
 
 PEFT's DoRA computes `y = base + (g - 1)·base + g·s·lora`, with `g = m / ||W + s·B·A||` per output row
 (bias excluded from the scaling). W is frozen while serving, so g is a per-adapter constant, computed
@@ -23,7 +24,15 @@ vectors once (one all-reduce at load, none per token).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
+
+from vllm_bdlora.sharding import localize_magnitude
+
+if TYPE_CHECKING:
+    from vllm_bdlora.loading import StagedModule
 
 # 1024 input columns per step: a gate_up shard of Llama-3.1-8B at TP=1 (28672 rows) then needs 117 MB of
 # float32 scratch on the GPU at load, well inside the headroom vLLM leaves outside the KV cache.
@@ -41,6 +50,44 @@ def as_lora_a_name(tensor_name: str) -> str:
     its module exactly as it maps the module's A and B."""
     head = tensor_name.removesuffix(".weight").removesuffix("." + MAGNITUDE_KEY)
     return head + ".lora_A.weight"
+
+
+@dataclass
+class DoraAdapter:
+    """What DoRA adds to one adapter as vLLM's LoRAModel carries it: the magnitude vectors read from its file (per
+    vLLM module name) and, once loaded on this rank, the magnitude scales g of this rank's rows (per module)."""
+
+    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    ATTRIBUTE = "bdlora_dora"  # the one attribute vllm-bdlora sets on a LoRAModel
+
+    @classmethod
+    def of(cls, lora_model) -> DoraAdapter:
+        """The model's holder; an empty one (not attached) for a model read without magnitude vectors."""
+        return getattr(lora_model, cls.ATTRIBUTE, None) or cls()
+
+    def attach(self, lora_model) -> None:
+        setattr(lora_model, self.ATTRIBUTE, self)
+
+    def load_into_slot(self, manager, index: int) -> None:
+        """Copy g into slot `index` of every BD layer whose modules have one (the layers reset a slot's scales to 1
+        when vLLM writes A and B into it)."""
+        from vllm_bdlora.layers import BlockDiagonalLoRALayer
+
+        if not self.scales:
+            return
+        for name, layer in manager.modules.items():
+            if isinstance(layer, BlockDiagonalLoRALayer) and layer.dora_scale is not None:
+                per_slice = [self.scales.get(sub) for sub in manager.packed_modules.get(name) or [name]]
+                if any(scale is not None for scale in per_slice):
+                    layer.set_dora_scale(index, per_slice)
+
+
+def split_magnitudes(tensors: dict) -> tuple[dict, dict]:
+    """(the tensors vLLM's reader understands, the magnitude vectors) of an adapter file's tensors."""
+    magnitudes = {name: t for name, t in tensors.items() if is_magnitude_tensor(name)}
+    return {name: t for name, t in tensors.items() if name not in magnitudes}, magnitudes
 
 
 def squared_row_norms(
@@ -86,3 +133,71 @@ def magnitude_scale(magnitude: torch.Tensor, squared_norms: torch.Tensor, module
         rows = torch.nonzero(~torch.isfinite(norms) | (norms == 0)).flatten()[:8].tolist()
         raise ValueError(f"{where}||W + s·B·A|| is zero or not finite for output rows {rows}: g = m/norm is undefined")
     return magnitude.to(norms.device) / norms
+
+
+def stage_magnitudes(staged: list[StagedModule], magnitudes: dict, dora: bool) -> list[str]:
+    """Check every DoRA magnitude vector against its module and keep this rank's entries."""
+    if not dora:
+        if magnitudes:
+            return [
+                f"{name}: has a lora_magnitude_vector but adapter_config.json does not set use_dora: true"
+                for name in sorted(magnitudes)
+            ]
+        return []
+    problems = []
+    served = {item.name for item in staged}
+    for name in sorted(set(magnitudes) - served):
+        problems.append(f"{name}: lora_magnitude_vector for a module without LoRA tensors served here")
+    for item in staged:
+        magnitude = magnitudes.get(item.name)
+        geometry = item.target.layer.shard_geometry(item.target.slice_index)
+        if magnitude is None:
+            problems.append(f"{item.name}: use_dora is set but the module has no lora_magnitude_vector")
+        elif tuple(magnitude.shape) != (geometry.output_size,):
+            problems.append(
+                f"{item.name}: lora_magnitude_vector has shape {tuple(magnitude.shape)}, expected "
+                f"({geometry.output_size},): one value per output feature"
+            )
+        elif not torch.isfinite(magnitude).all():
+            problems.append(f"{item.name}: lora_magnitude_vector holds NaN or Inf")
+        else:
+            item.magnitude = localize_magnitude(magnitude.float(), geometry)
+    return problems
+
+
+def quantized_base_problems(staged: list[StagedModule]) -> list[str]:
+    """DoRA's magnitude scale g = m / ||W + s·B·A|| needs the base weight W as the layer applies it. A quantized
+    layer keeps W in its own storage (FP8 transposed with separate scales, packed 4-bit, ...), whose values are not
+    W; reading it as W made g wrong by orders of magnitude on square FP8 layers. Until the norm is taken over the
+    dequantized weight of each method, DoRA over a quantized layer is refused, never served wrong."""
+    return [
+        f"{item.name}: DoRA over a quantized base layer ({method}) is not served: the magnitude norm needs the "
+        "dequantized base weight; serve this adapter on an unquantized base, or as LoRA without its magnitudes"
+        for item in staged
+        if (method := item.target.layer.base_quantization())
+    ]
+
+
+def magnitude_scales(staged: list[StagedModule]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """g = m / ||W + s·B·A|| per module, on this rank's rows, from the factored norm. Row-parallel
+    modules hold a column block of W: their partial squared norms are summed over ranks in one
+    all-reduce (for all such modules at once)."""
+    squared: dict[str, torch.Tensor] = {}
+    for item in staged:
+        weight = item.target.layer.base_weight_rows(item.target.slice_index)
+        squared[item.name] = squared_row_norms(weight, item.local.lora_a, item.local.lora_b, item.weights.scaling)
+    row_names = [item.name for item in staged if item.target.layer.parallelism == "row"]
+    tp_size = staged[0].target.layer.tp_size
+    if row_names and tp_size > 1:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        summed = tensor_model_parallel_all_reduce(torch.cat([squared[n] for n in row_names]))
+        for name, part in zip(row_names, summed.split([squared[n].numel() for n in row_names]), strict=True):
+            squared[name] = part
+    scales, problems = {}, []
+    for item in staged:
+        try:
+            scales[item.name] = magnitude_scale(item.magnitude, squared[item.name].cpu(), item.name)
+        except ValueError as e:
+            problems.append(str(e))
+    return scales, problems

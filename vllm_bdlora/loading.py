@@ -20,9 +20,9 @@ from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, adapter_format,
 from vllm_bdlora.admission import AdmittedCopies, is_admitting
 from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks, with_lora_path
 from vllm_bdlora.config import BdLoraSettings
-from vllm_bdlora.dora import magnitude_scale, squared_row_norms
+from vllm_bdlora.dora import DoraAdapter, magnitude_scales, quantized_base_problems, stage_magnitudes
 from vllm_bdlora.layers import BlockDiagonalLoRALayer
-from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_problem, localize, localize_magnitude
+from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_problem, localize
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -34,11 +34,6 @@ DORA_HINT = (
     'additional_config={"bdlora": {"dora": True}}))'
 )
 NON_FINITE_HINT = "the adapter's training diverged or its file is damaged; re-train or re-save it."
-
-# Attributes vllm-bdlora adds to vLLM's LoRAModel: the DoRA magnitude vectors as read from the file
-# (patching/dora.py) and, after load, this rank's magnitude scales g per adapter module.
-DORA_MAGNITUDES = "bdlora_dora_magnitudes"
-DORA_SCALES = "bdlora_dora_scales"
 
 
 @dataclass(frozen=True)
@@ -151,8 +146,8 @@ def localize_adapter(
                                           layer.tp_size, layer.parallelism))  # fmt: skip
             continue
         staged.append(StagedModule(module, weights, local, target))
-    magnitudes = getattr(lora_model, DORA_MAGNITUDES, {})
-    problems += _stage_magnitudes(staged, magnitudes, fmt.dora)
+    dora = DoraAdapter.of(lora_model)
+    problems += stage_magnitudes(staged, dora.magnitudes, fmt.dora)
     if fmt.dora:
         problems += quantized_base_problems(staged)
     if fmt.dora and staged:
@@ -160,10 +155,9 @@ def localize_adapter(
     if problems:
         raise AdapterRejected(adapter, problems)
     if fmt.dora:
-        scales, problems = _dora_scales(staged)
+        dora.scales, problems = magnitude_scales(staged)
         if problems:
             raise AdapterRejected(adapter, problems)
-        setattr(lora_model, DORA_SCALES, scales)
     for item in staged:
         weights, local = item.weights, item.local
         pinned = weights.lora_a.is_pinned()
@@ -177,49 +171,6 @@ def localize_adapter(
         f"of {next(iter(targets.values())).layer.lora_width if targets else '-'}"
     )
     return summary, sorted(not_served)
-
-
-def _stage_magnitudes(staged: list[StagedModule], magnitudes: dict, dora: bool) -> list[str]:
-    """Check every DoRA magnitude vector against its module and keep this rank's entries."""
-    if not dora:
-        if magnitudes:
-            return [
-                f"{name}: has a lora_magnitude_vector but adapter_config.json does not set use_dora: true"
-                for name in sorted(magnitudes)
-            ]
-        return []
-    problems = []
-    served = {item.name for item in staged}
-    for name in sorted(set(magnitudes) - served):
-        problems.append(f"{name}: lora_magnitude_vector for a module without LoRA tensors served here")
-    for item in staged:
-        magnitude = magnitudes.get(item.name)
-        geometry = item.target.layer.shard_geometry(item.target.slice_index)
-        if magnitude is None:
-            problems.append(f"{item.name}: use_dora is set but the module has no lora_magnitude_vector")
-        elif tuple(magnitude.shape) != (geometry.output_size,):
-            problems.append(
-                f"{item.name}: lora_magnitude_vector has shape {tuple(magnitude.shape)}, expected "
-                f"({geometry.output_size},): one value per output feature"
-            )
-        elif not torch.isfinite(magnitude).all():
-            problems.append(f"{item.name}: lora_magnitude_vector holds NaN or Inf")
-        else:
-            item.magnitude = localize_magnitude(magnitude.float(), geometry)
-    return problems
-
-
-def quantized_base_problems(staged: list[StagedModule]) -> list[str]:
-    """DoRA's magnitude scale g = m / ||W + s·B·A|| needs the base weight W as the layer applies it. A quantized
-    layer keeps W in its own storage (FP8 transposed with separate scales, packed 4-bit, ...), whose values are not
-    W; reading it as W made g wrong by orders of magnitude on square FP8 layers. Until the norm is taken over the
-    dequantized weight of each method, DoRA over a quantized layer is refused, never served wrong."""
-    return [
-        f"{item.name}: DoRA over a quantized base layer ({method}) is not served: the magnitude norm needs the "
-        "dequantized base weight; serve this adapter on an unquantized base, or as LoRA without its magnitudes"
-        for item in staged
-        if (method := item.target.layer.base_quantization())
-    ]
 
 
 def _agree_across_ranks(problems: list[str], layer: BlockDiagonalLoRALayer, adapter: str, adapter_id: int) -> None:
@@ -244,31 +195,6 @@ def _agree_across_ranks(problems: list[str], layer: BlockDiagonalLoRALayer, adap
         )
     if total and not problems:
         raise AdapterRejected(adapter, [f"{AdapterRejected.OTHER_RANK} (see its message)"])
-
-
-def _dora_scales(staged: list[StagedModule]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """g = m / ||W + s·B·A|| per module, on this rank's rows, from the factored norm. Row-parallel
-    modules hold a column block of W: their partial squared norms are summed over ranks in one
-    all-reduce (for all such modules at once)."""
-    squared: dict[str, torch.Tensor] = {}
-    for item in staged:
-        weight = item.target.layer.base_weight_rows(item.target.slice_index)
-        squared[item.name] = squared_row_norms(weight, item.local.lora_a, item.local.lora_b, item.weights.scaling)
-    row_names = [item.name for item in staged if item.target.layer.parallelism == "row"]
-    tp_size = staged[0].target.layer.tp_size
-    if row_names and tp_size > 1:
-        from vllm.distributed import tensor_model_parallel_all_reduce
-
-        summed = tensor_model_parallel_all_reduce(torch.cat([squared[n] for n in row_names]))
-        for name, part in zip(row_names, summed.split([squared[n].numel() for n in row_names]), strict=True):
-            squared[name] = part
-    scales, problems = {}, []
-    for item in staged:
-        try:
-            scales[item.name] = magnitude_scale(item.magnitude, squared[item.name].cpu(), item.name)
-        except ValueError as e:
-            problems.append(str(e))
-    return scales, problems
 
 
 def non_finite_problems(modules: Iterable[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> list[str]:

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import inspect
 
-from vllm_bdlora.dora import as_lora_a_name, is_magnitude_tensor
+from vllm_bdlora.dora import DoraAdapter, as_lora_a_name, is_magnitude_tensor, split_magnitudes
 from vllm_bdlora.patching import UpstreamContractError, original_of, require_parameters, wrap_method
 
 
 def patch_dora_magnitude_tensors() -> bool:
-    """Let vLLM's checkpoint reader accept magnitude vectors, and keep them aside on the LoRAModel
-    (`bdlora_dora_magnitudes`, keyed by vLLM module name) for `vllm_bdlora.loading`."""
+    """Let vLLM's checkpoint reader accept magnitude vectors, and keep them aside on the LoRAModel (a `DoraAdapter`,
+    keyed by vLLM module name) for `vllm_bdlora.loading`."""
     import vllm.lora.lora_model as lora_model_module
     from vllm.lora.lora_model import LoRAModel
-
-    from vllm_bdlora.loading import DORA_MAGNITUDES
 
     parse = getattr(lora_model_module, "parse_fine_tuned_lora_name", None)
     if parse is None:
@@ -39,21 +37,17 @@ def patch_dora_magnitude_tensors() -> bool:
     def make(original):
         def from_lora_tensors(cls, *args, **kwargs):
             tensors = kwargs.get("tensors") if "tensors" in kwargs else args[1]
-            magnitudes = {name: t for name, t in tensors.items() if is_magnitude_tensor(name)}
-            if magnitudes:
-                rest = {name: t for name, t in tensors.items() if name not in magnitudes}
-                if "tensors" in kwargs:
-                    kwargs["tensors"] = rest
-                else:
-                    args = (args[0], rest, *args[2:])
+            rest, magnitudes = split_magnitudes(tensors)
+            if "tensors" in kwargs:
+                kwargs["tensors"] = rest
+            else:
+                args = (args[0], rest, *args[2:])
             model = original(cls, *args, **kwargs)
+            module_of = original_of(lora_model_module.parse_fine_tuned_lora_name) or parse
             mapper = kwargs.get("weights_mapper")
-            unwrapped = original_of(lora_model_module.parse_fine_tuned_lora_name) or parse
-            by_module = {}
-            for name, tensor in magnitudes.items():
-                module, _ = unwrapped(as_lora_a_name(name), mapper)
-                by_module[module] = tensor.detach().float().cpu()
-            setattr(model, DORA_MAGNITUDES, by_module)
+            by_module = {module_of(as_lora_a_name(name), mapper)[0]: t.detach().float().cpu()
+                         for name, t in magnitudes.items()}  # fmt: skip
+            DoraAdapter(by_module).attach(model)
             return model
 
         return from_lora_tensors
@@ -66,9 +60,6 @@ def patch_dora_scales_into_slots() -> bool:
     same slot of each layer (layers reset them to 1 in `set_lora`/`reset_lora`)."""
     from vllm.lora.model_manager import LoRAModelManager
 
-    from vllm_bdlora.layers import BlockDiagonalLoRALayer
-    from vllm_bdlora.loading import DORA_SCALES
-
     require_parameters(LoRAModelManager.activate_adapter, ("lora_id",), "LoRAModelManager.activate_adapter")
     source = inspect.getsource(inspect.unwrap(LoRAModelManager.__init__))
     for attr in ("lora_index_to_id", "_registered_adapters", "packed_modules"):
@@ -78,17 +69,10 @@ def patch_dora_scales_into_slots() -> bool:
     def make(original):
         def activate_adapter(self, lora_id, *args, **kwargs):
             activated = original(self, lora_id, *args, **kwargs)
-            if not activated:
-                return activated
-            scales = getattr(self._registered_adapters[lora_id], DORA_SCALES, None)
-            if scales:
-                index = self.lora_index_to_id.index(lora_id)
-                for name, layer in self.modules.items():
-                    if isinstance(layer, BlockDiagonalLoRALayer) and layer.dora_scale is not None:
-                        sub_modules = self.packed_modules.get(name) or [name]
-                        per_slice = [scales.get(sub) for sub in sub_modules]
-                        if any(s is not None for s in per_slice):
-                            layer.set_dora_scale(index, per_slice)
+            if activated:
+                DoraAdapter.of(self._registered_adapters[lora_id]).load_into_slot(
+                    self, self.lora_index_to_id.index(lora_id)
+                )
             return activated
 
         return activate_adapter
