@@ -271,8 +271,8 @@ def test_layer_op_replays_in_a_cuda_graph_with_the_next_steps_token_groups(dora,
     rows, slots_n = 48, len(SLOT_WIDTHS[0])
     gpu = cuda_table("cuda")  # a table of one range for this layer: delta first (or not) at every batch size
     launch = PrefillRange(1, LaunchConfig(16, 32, 64, split_k=2), LaunchConfig(16, 64, 32, num_stages=2), delta_first)
-    table = PlanTable(gpu.device, gpu.sms, {}, {prefill_key(sum(HEIGHTS), 256, WIDTH, len(HEIGHTS)): (launch,)})
-    monkeypatch.setattr(lora_op, "cuda_table", lambda device: table)
+    plans = PlanTable(gpu.device, gpu.sms, {}, {prefill_key(sum(HEIGHTS), 256, WIDTH, len(HEIGHTS)): (launch,)})
+    monkeypatch.setattr(lora_op, "cuda_table", lambda device: plans)
     b = mixed_batch(tokens=rows, hidden=256, dtype=torch.bfloat16, device="cuda")
     b["scales"] = torch.ones_like(b["scales"])  # vLLM folds the scaling into B
     table = b["g"] if dora else None

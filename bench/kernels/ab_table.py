@@ -49,7 +49,7 @@ def tables(sides: dict[str, dict]) -> str:
         f"LoRA µs {old_name} → {new_name} |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    per_layer = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    per_layer = defaultdict(lambda: [0.0, 0.0, 0.0, 0, 0.0, 0.0])
     for key in keys:
         line, _, _, tokens, adapters, layer = key
         gemm = statistics.mean(old[key]["gemm"] + new[key]["gemm"])
@@ -61,15 +61,19 @@ def tables(sides: dict[str, dict]) -> str:
         total[1] += before
         total[2] += after
         total[3] += 1
+        total[4] += statistics.mean(old[key]["op"])
+        total[5] += statistics.mean(new[key]["op"])
     lines += [
         "",
-        f"| line | tokens | adapters | base GEMMs µs | LoRA µs per decoder layer {old_name} → {new_name} |",
-        "|---|---|---|---|---|",
+        f"| line | tokens | adapters | base GEMMs µs | LoRA µs per decoder layer {old_name} → {new_name} | whole "
+        f"layer op µs per decoder layer {old_name} → {new_name} |",
+        "|---|---|---|---|---|---|",
     ]
-    for (line, tokens, adapters), (gemm, before, after, count) in per_layer.items():
+    for (line, tokens, adapters), (gemm, before, after, count, op_before, op_after) in per_layer.items():
         if count == len(PROJECTIONS):
             change = f" ({(after - before) / before:+.0%})" if before > 0 else ""
-            lines.append(f"| {line} | {tokens} | {adapters} | {gemm:.0f} | {before:.0f} → {after:.0f}{change} |")
+            lines.append(f"| {line} | {tokens} | {adapters} | {gemm:.0f} | {before:.0f} → {after:.0f}{change} | "
+                         f"{op_before:.1f} → {op_after:.1f} ({(op_after - op_before) / op_before:+.1%}) |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
