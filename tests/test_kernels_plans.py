@@ -157,12 +157,13 @@ def test_a_table_reads_back_as_written_and_is_not_used_on_another_sm_count(tmp_p
     assert none.decode == {} and any("no launch-plan table" in r.getMessage() for r in caplog.records)
 
 
-def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_noise(tmp_path):
+def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_noise(tmp_path, capsys):
     """`bench.kernels.decode_lora --configs --write-table`: per key, the fastest candidate replaces the table's entry
-    only where it saves more than --min-gain; a key the table lacked gets the fastest."""
+    only where it saves more than --min-gain; a key the table lacked gets the fastest; the file is rewritten."""
     from dataclasses import asdict
 
     from bench.kernels.decode_lora import write_table
+    from bench.kernels.harness import update_plan_table
     from vllm_bdlora.kernels.plans import make_plan
 
     path = str(tmp_path / "gpu.json")
@@ -176,40 +177,38 @@ def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_no
         return {"N": n, "K": 4096, "width": 32, "slices": 3, "slots": 1, "tile": 16, "adapters": 1, "us": us,
                 "default": incumbent, "plan": "p", "plan_fields": asdict(plan)}  # fmt: skip
 
-    said = write_table([row(entry, 10.0, True), row(other, 9.9, False)], path, 0.02)
-    assert "kept" in said[0] and load(path).decode[key] == entry
-    said = write_table([row(entry, 10.0, True), row(other, 9.0, False)], path, 0.02)
-    assert load(path).decode[key] == other and "10.0 µs -> 9.0 µs" in said[0]
+    update_plan_table(path, lambda table: write_table([row(entry, 10.0, True), row(other, 9.9, False)], table, 0.02))
+    assert "kept" in capsys.readouterr().out and load(path).decode[key] == entry
+    update_plan_table(path, lambda table: write_table([row(entry, 10.0, True), row(other, 9.0, False)], table, 0.02))
+    assert load(path).decode[key] == other and "10.0 µs -> 9.0 µs" in capsys.readouterr().out
     new_layer = make_plan(3072, 4096, 96, 4, block_n=32, block_k=256, stream_k=False)
-    write_table([row(new_layer, 7.0, False, n=3072)], path, 0.02)
-    assert load(path).decode[key.replace("1536", "3072")] == new_layer
+    update_plan_table(path, lambda table: write_table([row(new_layer, 7.0, False, n=3072)], table, 0.02))
+    assert load(path).decode[key.replace("1536", "3072")] == new_layer and load(path).decode[key] == other
 
 
 def test_launch_configs_are_hashable_keys_of_the_variant_sets():
     assert len({LaunchConfig(16, 32, 64), LaunchConfig(16, 32, 64), LaunchConfig(16, 32, 64, split_k=2)}) == 2
 
 
-def test_the_prefill_search_replaces_the_range_holding_the_timed_batch(tmp_path):
+def test_the_prefill_search_replaces_the_range_holding_the_timed_batch():
     """`bench.kernels.fused_lora --pairs --write-table`: the fastest pair replaces the shrink and expand of the range
     holding the timed token count, where it saves more than --min-gain; other ranges stay; a layer the table lacks
     starts from the structural default's ranges."""
     from bench.kernels.fused_lora import write_prefill_table
     from vllm_bdlora.kernels.plans import prefill_key
 
-    path = str(tmp_path / "gpu.json")
-    with open(path, "w") as f:
-        f.write(PlanTable("Test GPU", 132, {}, {}).to_json())
+    table = PlanTable("Test GPU", 132, {}, {})
     faster = {"ms": 0.5, "shrink": {"block_m": 64, "block_n": 128, "block_k": 64, "split_k": 2, "num_warps": 4,
                                     "num_stages": 4},
               "expand": {"block_m": 128, "block_n": 256, "block_k": 32, "split_k": 1, "num_warps": 8,
                          "num_stages": 2}}  # fmt: skip
     row = {"N": 6144, "K": 4096, "width": 128, "slices": 3, "tokens": 1024, "pairs_default_ms": 0.51,
            "pairs_top5": [faster]}  # fmt: skip
-    write_prefill_table([row], path, 0.02)  # within noise: the default's ranges, unchanged
+    write_prefill_table([row], table, 0.02)  # within noise: the default's ranges, unchanged
     key = prefill_key(6144, 4096, 128, 3)
-    assert load(path).prefill[key] == default_prefill_ranges(6144, 4096, 128, 3)
-    said = write_prefill_table([{**row, "pairs_default_ms": 0.8}], path, 0.02)
-    ranges = load(path).prefill[key]
+    assert table.prefill[key] == default_prefill_ranges(6144, 4096, 128, 3)
+    said = write_prefill_table([{**row, "pairs_default_ms": 0.8}], table, 0.02)
+    ranges = table.prefill[key]
     assert ranges[-1].shrink == LaunchConfig(**faster["shrink"])
     assert ranges[-1].expand == LaunchConfig(**faster["expand"])
     assert ranges[0] == default_prefill_ranges(6144, 4096, 128, 3)[0] and "0.8 -> 0.5 ms" in said[0]

@@ -29,7 +29,6 @@ plan the 8B and 70B shapes launch at TP=1-8 with one LoRA slot:
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import asdict, replace
 
 import torch
@@ -43,7 +42,15 @@ from bench.kernels.fused_lora import (
     reference,
     run_bd_rank,
 )
-from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
+from bench.kernels.harness import (
+    add_write_table_arguments,
+    finish,
+    kernel_bench_cli,
+    report_start,
+    time_cuda,
+    update_plan_table,
+    write_report,
+)
 from vllm_bdlora.kernels.plans import (
     DEFAULT_MAX_MIXED_WIDTH,
     MAX_SHRINK_PROGRAMS,
@@ -226,19 +233,12 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
     return rows
 
 
-def write_table(rows, table_file: str, min_gain: float) -> list[str]:
-    """Update the plan table at `table_file` (created for this GPU if missing) from --configs rows: for each key
-    timed, the fastest candidate replaces the table's entry where it beats it by more than `min_gain` (a fraction;
-    the incumbent keeps its place within noise), and is written where the table had no entry. Returns a line per
-    key saying what happened."""
-    from vllm_bdlora.kernels.plans import DecodePlan, PlanTable, decode_key
+def write_table(rows, table, min_gain: float) -> list[str]:
+    """Update a plan table from --configs rows: for each key timed, the fastest candidate replaces the table's entry
+    where it beats it by more than `min_gain` (a fraction; the incumbent keeps its place within noise), and is written
+    where the table had no entry. Returns a line per key saying what happened."""
+    from vllm_bdlora.kernels.plans import DecodePlan, decode_key
 
-    if os.path.exists(table_file):
-        with open(table_file) as f:
-            table = PlanTable.from_json(f.read(), source=table_file)
-    else:
-        props = torch.cuda.get_device_properties(0)
-        table = PlanTable.empty(props.name, props.multi_processor_count)
     said = []
     by_key = {}
     for r in rows:
@@ -253,8 +253,6 @@ def write_table(rows, table_file: str, min_gain: float) -> list[str]:
         table.decode[key] = DecodePlan(**best["plan_fields"])
         before = f"{incumbent['us']} µs" if incumbent else "no entry"
         said.append(f"{key}: {best['plan']} ({before} -> {best['us']} µs)")
-    with open(table_file, "w") as f:
-        f.write(table.to_json())
     return said
 
 
@@ -432,16 +430,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
-    p.add_argument("--write-table", nargs="?", const="", metavar="JSON",
-                   help="with --configs: write the fastest candidate of each layer and batch into this GPU's plan "
-                        "table (default: vllm_bdlora/kernels/configs/<this GPU>.json) where it beats the table's "
-                        "entry by more than --min-gain")  # fmt: skip
-    p.add_argument(
-        "--min-gain",
-        type=float,
-        default=0.02,
-        help="the fraction of the table entry's time a candidate must save to replace it (default 0.02)",
-    )
+    add_write_table_arguments(p, "--configs", "the fastest candidate of each layer and batch")
 
     def kind(args):  # --configs times (and reports) candidate plans instead
         # checked here, after parsing and before the GPU is asked for
@@ -466,12 +455,7 @@ def main(argv=None) -> int:
         rows += [{"shape": args.model_shape, **point} for point in points]
     status = finish(args.out, name, rows, copy_gbs, chosen_report)
     if args.write_table is not None:
-        from vllm_bdlora.kernels.plans import table_path
-
-        path = args.write_table or table_path(torch.cuda.get_device_properties(0).name)
-        for line in write_table(rows, path, args.min_gain):
-            print(line)
-        print(f"plan table: {path}")
+        update_plan_table(args.write_table, lambda table: write_table(rows, table, args.min_gain))
     return status
 
 

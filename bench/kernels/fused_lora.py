@@ -21,13 +21,20 @@ what the layers use); --pairs times, at prefill sizes, every pairing of a few sh
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import asdict
 
 import torch
 import triton
 
-from bench.kernels.harness import finish, kernel_bench_cli, report_start, time_cuda, write_report
+from bench.kernels.harness import (
+    add_write_table_arguments,
+    finish,
+    kernel_bench_cli,
+    report_start,
+    time_cuda,
+    update_plan_table,
+    write_report,
+)
 from bench.shapes import SHAPES
 from vllm_bdlora.kernels.plans import DECODE_MAX_TOKENS, DEFAULT_MAX_MIXED_WIDTH
 
@@ -529,16 +536,7 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", action="store_true",
                    help="also time GEMM-first prefill (over 64 tokens) at every pairing of a few shrink and expand "
                    "configurations (pairs_* columns)")  # fmt: skip
-    p.add_argument("--write-table", nargs="?", const="", metavar="JSON",
-                   help="with --pairs: put each layer's fastest pair into the token range of this GPU's plan table "
-                        "(default: vllm_bdlora/kernels/configs/<this GPU>.json) holding the batch size, where it "
-                        "beats the range's launches by more than --min-gain")  # fmt: skip
-    p.add_argument(
-        "--min-gain",
-        type=float,
-        default=0.02,
-        help="the fraction of the table's time a pair must save to replace it (default 0.02)",
-    )
+    add_write_table_arguments(p, "--pairs", "each layer's fastest pair, in the token range holding the batch size,")
 
     def kind(args):
         if args.write_table is not None and not args.pairs:
@@ -569,30 +567,19 @@ def main(argv=None) -> int:
     ]
     status = finish(args.out, "fused_lora", rows, copy_gbs, report)
     if args.write_table is not None:
-        from vllm_bdlora.kernels.plans import table_path
-
-        path = args.write_table or table_path(torch.cuda.get_device_properties(0).name)
-        for line in write_prefill_table(rows, path, args.min_gain):
-            print(line)
-        print(f"plan table: {path}")
+        update_plan_table(args.write_table, lambda table: write_prefill_table(rows, table, args.min_gain))
     return status
 
 
-def write_prefill_table(rows, table_file: str, min_gain: float) -> list[str]:
-    """Update the prefill ranges of the plan table at `table_file` from --pairs rows: where a layer's fastest pair
-    beats the table's launches (the default pair) at a token count by more than `min_gain`, it replaces the shrink
-    and expand of the range holding that count (the range's delta-first choice kept). A layer the table lacks gets
-    the structural default's ranges first. Returns a line per row saying what happened."""
+def write_prefill_table(rows, table, min_gain: float) -> list[str]:
+    """Update a plan table's prefill ranges from --pairs rows: where a layer's fastest pair beats the table's
+    launches (the default pair) at a token count by more than `min_gain`, it replaces the shrink and expand of the
+    range holding that count (the range's delta-first choice kept). A layer the table lacks gets the structural
+    default's ranges first. Returns a line per row saying what happened."""
     from dataclasses import replace
 
-    from vllm_bdlora.kernels.plans import LaunchConfig, PlanTable, default_prefill_ranges, prefill_key
+    from vllm_bdlora.kernels.plans import LaunchConfig, default_prefill_ranges, prefill_key
 
-    if os.path.exists(table_file):
-        with open(table_file) as f:
-            table = PlanTable.from_json(f.read(), source=table_file)
-    else:
-        props = torch.cuda.get_device_properties(0)
-        table = PlanTable.empty(props.name, props.multi_processor_count)
     said = []
     for r in rows:
         if "pairs_top5" not in r:
@@ -609,8 +596,6 @@ def write_prefill_table(rows, table_file: str, min_gain: float) -> list[str]:
                                 expand=LaunchConfig(**best["expand"]))  # fmt: skip
         table.prefill[key] = tuple(ranges)
         said.append(f"{key}, range from {ranges[index].from_tokens} tokens: {default} -> {best['ms']} ms")
-    with open(table_file, "w") as f:
-        f.write(table.to_json())
     return said
 
 

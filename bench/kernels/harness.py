@@ -142,3 +142,34 @@ def finish(out_dir: str, name: str, rows: list[dict], copy_gbs: float, report) -
     """Write the results (JSON, CSV) with the copy bandwidth, then their report; print its path."""
     print(report(write_results(out_dir, name, rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})))
     return 0
+
+
+def add_write_table_arguments(parser, search_flag: str, what: str) -> None:
+    """--write-table [JSON] and --min-gain, for a benchmark whose `search_flag` times candidate launches: `what` it
+    writes into the GPU's plan table."""
+    parser.add_argument("--write-table", nargs="?", const="", metavar="JSON",
+                        help=f"with {search_flag}: write {what} into this GPU's plan table (default: "
+                             "vllm_bdlora/kernels/configs/<this GPU>.json) where it beats the table's launch by more "
+                             "than --min-gain")  # fmt: skip
+    parser.add_argument("--min-gain", type=float, default=0.02,
+                        help="the fraction of the table's time a candidate must save to replace it "
+                             "(default 0.02)")  # fmt: skip
+
+
+def update_plan_table(path: str | None, update) -> None:
+    """Read the plan table at `path` (by default this GPU's in vllm_bdlora/kernels/configs; a new, empty one where
+    none exists), let `update(table)` change it and return a line per key it looked at, print those, write it back."""
+    from vllm_bdlora.kernels.plans import PlanTable, table_path
+
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    path = path or table_path(props.name)
+    if os.path.exists(path):
+        with open(path) as f:
+            table = PlanTable.from_json(f.read(), source=path)
+    else:
+        table = PlanTable.empty(props.name, props.multi_processor_count)
+    for line in update(table):
+        print(line)
+    with open(path, "w") as f:
+        f.write(table.to_json())
+    print(f"plan table: {path}")
