@@ -22,6 +22,7 @@ from vllm_bdlora.kernels.plans import (
     largest_tile,
     launch_variants,
     plan_problems,
+    state_words,
     table_for,
     table_path,
 )
@@ -79,6 +80,8 @@ def test_every_decode_entry_is_a_launch_the_kernel_can_run_for_its_key(path):
         assert plan.block_m == tile, key
         assert tile <= largest_tile(1 if slots == "1" else 2), key
         assert plan_problems(plan, out, hidden, total_width, table.sms) == [], key
+        # the layer's decode state (int32 words, allocated per BD layer at start-up) holds this plan's partial sums
+        assert state_words(total_width, plan) * 4 <= 8 << 20, (key, state_words(total_width, plan))
 
 
 @pytest.mark.parametrize("path", TABLES, ids=os.path.basename)
