@@ -186,6 +186,28 @@ def test_admitted_adapter_is_served_as_admitted_after_its_files_change(server, r
     assert log.count("vllm-bdlora: adapter 'bd48'") == 1, log  # logged when admitted, not on every re-read
 
 
+def test_an_adapter_swapping_run_logs_each_adapter_once(server, roots, assets, reference_words):
+    """18 requests alternating over three adapters through one GPU slot and one CPU-cache entry: every request
+    swaps the slot and reads its adapter again, and the log holds one admission line per adapter and no other
+    vllm-bdlora line (re-reads log at DEBUG)."""
+    url, log_path = server
+    inside, _ = roots
+    names = ("swap-bd64", "swap-std16", "swap-bd48")
+    log_start = len(log_path.read_text())
+    for name in names:
+        shutil.copytree(assets[name.removeprefix("swap-")], inside / name)
+        assert load(url, name, inside / name).status_code == 200
+    for i in range(18):
+        name = names[i % 3]
+        assert complete(url, name) == reference_words[name.removeprefix("swap-")]
+    log = log_path.read_text()[log_start:]
+    ours = [line for line in log.splitlines() if "vllm-bdlora" in line]
+    assert [sum(f"vllm-bdlora: adapter '{name}'" in line for line in ours) for name in names] == [1, 1, 1], ours
+    assert len(ours) == 3 and "Traceback" not in log, ours
+    for name in names:
+        assert unload(url, name).status_code == 200
+
+
 def test_bad_lora_modules_entry_stops_startup_naming_it(assets, tmp_path):
     truncated = BAD_ADAPTERS[0].make(assets["bd64"], tmp_path / "truncated")
     proc = subprocess.run(
