@@ -128,13 +128,13 @@ def engine_kwargs(model: str, tp: int, bdlora: bool, **overrides) -> dict:
 LOGPROB_ATOL = 1e-3
 
 
-def assert_matches_reference(result: dict, reference: dict, batch: list = BATCH) -> None:
-    """Every request of `batch`: vLLM's greedy tokens equal PEFT's, chosen-token logprobs within LOGPROB_ATOL."""
+def assert_matches_reference(result: dict, reference: dict, batch: list = BATCH, atol: float = LOGPROB_ATOL) -> None:
+    """Every request of `batch`: vLLM's greedy tokens equal PEFT's, chosen-token logprobs within `atol`."""
     for name, output in zip(batch, result["outputs"], strict=True):
         ref_tokens, ref_logprobs = reference[name]
         assert output["token_ids"] == ref_tokens, f"{name}: vLLM tokens differ from PEFT's"
         diff = max(abs(a - b) for a, b in zip(output["logprobs"], ref_logprobs, strict=True))
-        assert diff < LOGPROB_ATOL, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
+        assert diff < atol, f"{name}: chosen-token logprob differs from PEFT's by {diff:.2e}"
 
 
 def edited_adapter(source: str, path: Path, edit_tensors=None, edit_config=None) -> str:

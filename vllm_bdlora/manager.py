@@ -15,18 +15,33 @@ from vllm_bdlora.sharding import per_rank_width
 logger = logging.getLogger("vllm.bdlora")
 
 
-def refuse_incompatible(lora_config) -> None:
-    """LoRA settings BD-LoRA cannot serve, refused before the model's layers are built."""
+def refuse_incompatible(lora_config, model=None) -> None:
+    """LoRA settings and models that cannot be served, refused before the model's LoRA layers are built."""
+    from vllm.platforms import current_platform
+
     if lora_config.fully_sharded_loras:
         raise ValueError(
             "BD-LoRA (--enable-bdlora) and --fully-sharded-loras cannot be combined: drop --fully-sharded-loras."
         )
+    # vLLM wraps a mixture of experts' layers for LoRA whatever the adapters target, and runs them with Triton
+    # kernels its CPU build lacks: the engine would stop later on "triton.language has no attribute float32".
+    experts = next((type(m).__name__ for m in model.modules() if is_experts_layer(m)), None) if model else None
+    if experts and current_platform.is_cpu():
+        raise ValueError(
+            f"LoRA on this mixture-of-experts model ({experts} layers) needs vLLM's Triton kernels, which its CPU "
+            "build does not have: serve it with LoRA on a CUDA GPU."
+        )
+
+
+def is_experts_layer(module) -> bool:
+    """A mixture of experts' layer, whatever vLLM version builds it: its quantization method is a fused-MoE one."""
+    return "FusedMoE" in type(getattr(module, "quant_method", None)).__name__
 
 
 @contextmanager
-def building_bd_layers(settings: BdLoraSettings, lora_config) -> Iterator[None]:
+def building_bd_layers(settings: BdLoraSettings, lora_config, model=None) -> Iterator[None]:
     """Inside: vLLM's manager builds BD layers, each holding `settings`."""
-    refuse_incompatible(lora_config)
+    refuse_incompatible(lora_config, model)
     with selecting_bd_layers(settings):
         yield
 

@@ -79,6 +79,21 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", ALL_PROJECTIONS),
     "mistral": ("MistralConfig", "MistralForCausalLM", ALL_PROJECTIONS),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3_PROJECTIONS),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", ALL_PROJECTIONS),
+    # A mixture of experts: BD on attention (the experts' MLPs are vLLM's fused MoE, which BD does not shard)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", ATTENTION),
+}
+# What a family's config needs beyond the Llama one's shapes (vLLM's Gemma 2 always ties its embeddings).
+FAMILY_OVERRIDES = {
+    "gemma2": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=64, tie_word_embeddings=True),
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
 }
 
 
@@ -93,7 +108,9 @@ def make_tiny_model(path: str, family: str, seed: int = 0, **overrides) -> str:
 
     config_class, model_class, _ = FAMILIES[family]
     os.makedirs(path, exist_ok=True)
-    config = getattr(transformers, config_class)(**{**TINY_LLAMA, **overrides}, torch_dtype="float32")
+    config = getattr(transformers, config_class)(
+        **{**TINY_LLAMA, **FAMILY_OVERRIDES.get(family, {}), **overrides}, torch_dtype="float32"
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():

@@ -53,7 +53,7 @@ def patch_lora_manager() -> bool:
 
     from vllm_bdlora.manager import building_bd_layers, log_startup_report
 
-    require_parameters(LoRAModelManager.__init__, ("lora_config", "vllm_config"), "LoRAModelManager.__init__")
+    require_parameters(LoRAModelManager.__init__, ("model", "lora_config", "vllm_config"), "LoRAModelManager.__init__")
 
     def make(original):
         def __init__(self, *args, **kwargs):
@@ -62,7 +62,8 @@ def patch_lora_manager() -> bool:
             self._bdlora_settings = settings
             if not settings.enabled:
                 return original(self, *args, **kwargs)
-            with building_bd_layers(settings, kwargs["lora_config"]):
+            model = kwargs["model"] if "model" in kwargs else args[0]
+            with building_bd_layers(settings, kwargs["lora_config"], model):
                 original(self, *args, **kwargs)
             log_startup_report(self, settings, kwargs["lora_config"], vllm_config)
 
