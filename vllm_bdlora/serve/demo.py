@@ -177,14 +177,18 @@ def run_real_text_part(workdir: str, timeout: float, max_tokens: int = 16) -> in
         say(f"waiting for the server (log: {log_path}) ...")
         wait_healthy(proc, url, log_path, timeout, progress=lambda line: say(f"  {line}"))
         say("one chat request per model and question; PEFT answers each again on the same weights to check it")
-        for question in real_text.QUESTIONS[:2]:
+        questions = real_text.QUESTIONS[:2]
+        expected = {
+            m: real_text.peft_answers(model_dir, adapters.get(m), questions, max_tokens) for m in (None, *adapters)
+        }
+        for index, question in enumerate(questions):
             print(f"\nQ: {question}")
             for model in (None, *adapters):
                 body = {"model": model or model_dir, "messages": [{"role": "user", "content": question}],
                         "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
                 reply = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
                 answer = reply["choices"][0]["message"]["content"]
-                same = answer == real_text.peft_answer(model_dir, adapters.get(model), question, max_tokens)
+                same = answer == expected[model][index]
                 mismatches += not same
                 print(f"  [{model or 'base model'}] {answer}   (same as PEFT: {'yes' if same else 'NO'})")
     finally:

@@ -112,8 +112,9 @@ def train_adapter(model_dir: str, out_dir: str, answers: tuple[str, ...], steps:
     return out_dir
 
 
-def peft_answer(model_dir: str, adapter_dir: str | None, question: str, max_tokens: int) -> str:
-    """PEFT's (or, without an adapter, Transformers') greedy answer on the same weights, float32."""
+def peft_answers(model_dir: str, adapter_dir: str | None, questions, max_tokens: int) -> list[str]:
+    """PEFT's (or, without an adapter, Transformers') greedy answers on the same weights, float32: the model is loaded
+    once for all `questions`."""
     import torch
     from transformers import AutoTokenizer
 
@@ -121,7 +122,10 @@ def peft_answer(model_dir: str, adapter_dir: str | None, question: str, max_toke
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reference(model_dir, adapter_dir)
-    ids = tokenizer(chat_prompt(tokenizer, question), add_special_tokens=False, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-    return tokenizer.decode(out[0][ids.shape[1] :], skip_special_tokens=True)
+    answers = []
+    for question in questions:
+        ids = tokenizer(chat_prompt(tokenizer, question), add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        answers.append(tokenizer.decode(out[0][ids.shape[1] :], skip_special_tokens=True))
+    return answers
