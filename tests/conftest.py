@@ -31,8 +31,8 @@ ADAPTERS = {
 BATCH = [None, *ADAPTERS]
 
 
-def cpu_engine_env(tp: int) -> dict:
-    env = {**cpu_defaults(tp), **os.environ}
+def cpu_engine_env(workers: int) -> dict:
+    env = {**cpu_defaults(workers), **os.environ}
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -80,10 +80,11 @@ def run_engine(spec: dict, workdir: Path, timeout: int = 900) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = workdir / "spec.json", workdir / "result.json"
     spec_path.write_text(json.dumps(spec))
-    tp = spec["engine"].get("tensor_parallel_size", 1)
+    engine = spec["engine"]
+    workers = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_runner.py"), str(spec_path), str(result_path)],
-        env=cpu_engine_env(tp),
+        env=cpu_engine_env(workers),
         capture_output=True,
         text=True,
         timeout=timeout,

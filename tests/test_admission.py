@@ -145,6 +145,7 @@ def test_cpu_defaults_only_where_vllms_own_would_stop_the_server():
     assert cpu_defaults(2, {}, list(range(8)), nodes=1, free_gib=3)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
     assert cpu_defaults(2, {}, list(range(8)), nodes=1, free_gib=3)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert cpu_defaults(2, {}, [0, 1], nodes=2, free_gib=20) == {}  # a node per worker: vLLM's own defaults
+    assert cpu_defaults(4, {}, [0, 1], nodes=1, free_gib=20)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|0|1"  # TP2 x PP2
     assert cpu_defaults(1, {}, [0, 1], nodes=1, free_gib=20) == {}
     users = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     assert cpu_defaults(2, users, [0, 1], nodes=1, free_gib=20) == {}

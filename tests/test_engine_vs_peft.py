@@ -170,3 +170,18 @@ def test_projections_only_deployment_matches_peft_and_names_what_it_leaves_out(
     assert "adapter 'with_lm_head' is served without its LoRA on 1 module(s)" in log
     assert "--lora-target-modules qkv_proj o_proj gate_up_proj down_proj leaves out (lm_head)" in log
     assert "'bd64' is served without" not in log
+
+
+def test_bd_pipeline_and_tensor_parallel_match_peft_without_added_collectives(
+    assets, prompts, peft_reference, tmp_path_factory
+):
+    """PP=2 x TP=2 (how multi-node deployments split a model: TP within a node, PP across nodes): each stage
+    loads only its own layers' share of every adapter; every adapter kind equals PEFT, and a BD request runs the
+    same collectives as a base-model request on every worker. On the CPU backend through the
+    cpu_pipeline_stage_buffers patch; four workers share the two cores of a CI runner."""
+    engine = engine_kwargs(assets["model"], 2, bdlora=True, pipeline_parallel_size=2)
+    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts, count_collectives=[None, "bd64"])
+    result = run_engine(spec, tmp_path_factory.mktemp("bd_pp2_tp2"))
+    assert_matches_reference(result, peft_reference)
+    base, bd = result["collectives"]["None"], result["collectives"]["bd64"]
+    assert len(bd) == 4 and bd == base

@@ -63,6 +63,21 @@ def known_lora_modules(manager) -> set[str]:
     return names
 
 
+def on_other_pipeline_stage(model, module: str) -> bool:
+    """True when `module` lies under a layer that pipeline parallelism placed on another stage (vLLM keeps a
+    PPMissingLayer in its place): that stage's workers load its LoRA, this one's skip it."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    node = model
+    for part in module.split("."):
+        node = node._modules.get(part) if isinstance(node, torch.nn.Module) else None
+        if node is None:
+            return False
+        if isinstance(node, PPMissingLayer):
+            return True
+    return False
+
+
 def smallest_max_lora_rank(width_needed: int, tp_size: int) -> int | None:
     return next((r for r in allowed_max_lora_ranks() if r >= width_needed * tp_size and r % tp_size == 0), None)
 
@@ -118,6 +133,8 @@ def localize_adapter(
         factor = spec.factor_of(module) if spec else None
         target = targets.get(module)
         if target is None:
+            if module not in known and on_other_pipeline_stage(manager.model, module):
+                continue
             if module not in known and target_modules is not None:
                 not_served.append(module)
             elif module not in known:

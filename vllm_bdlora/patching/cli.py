@@ -169,7 +169,7 @@ def patch_enable_bdlora_flag() -> bool:
             if current_platform.is_cpu():
                 from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
 
-                apply_cpu_defaults(engine_args.tensor_parallel_size)
+                apply_cpu_defaults(engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size)
             return engine_args
 
         return from_cli_args

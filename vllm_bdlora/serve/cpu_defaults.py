@@ -1,9 +1,10 @@
 """CPU-backend settings the plugin picks when the user set none and vLLM's own would stop the server.
 
-vLLM's CPU backend binds each tensor-parallel worker to a NUMA node of its own and reserves 90% of that node's
+vLLM's CPU backend binds each worker (TP x PP of them) to a NUMA node of its own and reserves 90% of that node's
 memory per worker; on a machine with fewer NUMA nodes than workers (a laptop, a CI runner, most VMs) `vllm serve
 --tensor-parallel-size 2` stops with "Not enough allowed NUMA nodes" or "Available memory on node 0 ... is less
-than desired". For a BD-LoRA server the plugin then splits the allowed cores between the workers and gives each a
+than desired". For a BD-LoRA server the plugin then splits the allowed cores between the workers (round-robin
+where there are more workers than cores) and gives each a
 KV cache of a quarter of the available memory divided among them, and logs both with the variable that overrides
 it. Nothing is changed where the user set either variable or the machine has a NUMA node per worker.
 """
@@ -32,27 +33,32 @@ def available_gib() -> float:
     return 0.0
 
 
-def cpu_defaults(tp: int, environ: dict, cpus: list[int], nodes: int, free_gib: float) -> dict[str, str]:
+def cpu_defaults(workers: int, environ: dict, cpus: list[int], nodes: int, free_gib: float) -> dict[str, str]:
     """The settings to add to `environ` (empty where vLLM's own work or the user chose)."""
-    if tp <= nodes:
+    if workers <= nodes:
         return {}
     chosen = {}
-    if THREADS_BIND not in environ and len(cpus) >= tp:
-        per_worker = len(cpus) // tp
-        groups = [cpus[i * per_worker : (i + 1) * per_worker] for i in range(tp)]
+    if THREADS_BIND not in environ and cpus:
+        per_worker = len(cpus) // workers
+        groups = (
+            [cpus[i * per_worker : (i + 1) * per_worker] for i in range(workers)]
+            if per_worker
+            else [[cpus[i % len(cpus)]] for i in range(workers)]  # more workers than cores: shared, slow, working
+        )
         chosen[THREADS_BIND] = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
     if environ.get(KV_CACHE_SPACE, "0") in ("", "0"):
-        chosen[KV_CACHE_SPACE] = str(max(1, int(free_gib / 4 / tp)))
+        chosen[KV_CACHE_SPACE] = str(max(1, int(free_gib / 4 / workers)))
     return chosen
 
 
-def apply_cpu_defaults(tp: int) -> dict[str, str]:
-    chosen = cpu_defaults(tp, dict(os.environ), sorted(os.sched_getaffinity(0)), numa_nodes(), available_gib())
+def apply_cpu_defaults(workers: int) -> dict[str, str]:
+    """`workers`: the engine's worker processes on this machine (TP x PP)."""
+    chosen = cpu_defaults(workers, dict(os.environ), sorted(os.sched_getaffinity(0)), numa_nodes(), available_gib())
     for name, value in chosen.items():
         os.environ[name] = value
         what = "cores per worker" if name == THREADS_BIND else "GiB of KV cache per worker"
         logger.info(
             "vllm-bdlora: CPU backend with %d workers on %d NUMA node(s): %s=%s (%s; set it to choose).",
-            tp, numa_nodes(), name, value, what,
+            workers, numa_nodes(), name, value, what,
         )  # fmt: skip
     return chosen

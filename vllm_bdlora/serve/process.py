@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable
 
 
-def cpu_defaults(tp: int) -> dict[str, str]:
-    """vLLM-CPU settings that let TP workers share a small machine (ignored on GPUs)."""
+def cpu_defaults(workers: int) -> dict[str, str]:
+    """vLLM-CPU settings that let `workers` (TP x PP) worker processes share a small machine (ignored on GPUs)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    if tp > 1 and (os.cpu_count() or 1) >= tp:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    if workers > 1:
+        cores = os.cpu_count() or 1  # more workers than cores: they take turns, round-robin
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(workers))
     return env
 
 
@@ -25,10 +26,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(command: list[str], log_path: str, tp: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+def launch(command: list[str], log_path: str, workers: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `command` with its output in `log_path`; CPU defaults apply unless the caller's environment
     sets them."""
-    environment = {**cpu_defaults(tp), **(env if env is not None else os.environ)}
+    environment = {**cpu_defaults(workers), **(env if env is not None else os.environ)}
     with open(log_path, "w") as log:
         return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
 
