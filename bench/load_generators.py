@@ -2,11 +2,12 @@
 
 * `vllm` (default): `vllm bench serve`, shipped with vLLM. Random token prompts of exactly the requested
   length (the dummy model's tokenizer round-trips), warm-up requests, round-robin adapters.
-* `llmperf`: Ray's LLMPerf (`token_benchmark_ray.py`), what the BD-LoRA paper used. It cannot share an
-  environment with vLLM (Python < 3.11, pydantic < 2.5), so it runs from its own checkout and interpreter
-  (`--llmperf-dir`, `--llmperf-python`); it counts tokens with a hub Llama tokenizer (which must be cached
-  or reachable) and its inter-token latency divides by stream chunks, so its TPOT is comparable within
-  an LLMPerf run, not across generators. Every request goes to one model: single-adapter points only.
+* `llmperf`: Ray's LLMPerf (`token_benchmark_ray.py`), what the BD-LoRA paper used: Shakespeare-sonnet chat
+  prompts. It cannot share an environment with vLLM (pydantic < 2.5), so it runs from its own checkout and
+  interpreter (`--llmperf-dir`, `--llmperf-python`; bench/llmperf.py installs one), counting tokens with the
+  served model's tokenizer (bench/llmperf_launch.py). It sends no warm-up requests of its own, so the sweep
+  sends one wave first. Its inter-token latency divides by stream chunks, so its TPOT is comparable within an
+  LLMPerf run, not across generators. Every request goes to one model: single-adapter points only.
 """
 
 from __future__ import annotations
@@ -16,9 +17,18 @@ import json
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+from bench import llmperf
 
 GENERATORS = ("vllm", "llmperf")
 LABELS = {"vllm": "vllm bench serve", "llmperf": "llmperf token_benchmark_ray"}
+# What each generator sends, for the summary.
+PROMPTS = {
+    "vllm bench serve": "random-token prompts of exactly the input length",
+    "llmperf token_benchmark_ray": "LLMPerf's Shakespeare-sonnet chat prompts, tokens counted with the served "
+    "model's tokenizer",
+}
 
 
 def num_prompts(prompts_per_concurrency: int, concurrency: int) -> int:
@@ -37,16 +47,6 @@ def vllm_bench_command(url, model, adapters, io, concurrency, prompts, raw_dir, 
     if len(adapters) > 1:
         command += ["--lora-modules", *adapters, "--lora-assignment", "round-robin"]
     return command
-
-
-def llmperf_command(llmperf_dir, python, model_name, io, concurrency, prompts, results_dir) -> list[str]:
-    input_len, output_len = io
-    return [python, os.path.join(llmperf_dir, "token_benchmark_ray.py"), "--model", model_name,
-            "--mean-input-tokens", str(input_len), "--stddev-input-tokens", "0",
-            "--mean-output-tokens", str(output_len), "--stddev-output-tokens", "0",
-            "--max-num-completed-requests", str(prompts), "--num-concurrent-requests", str(concurrency),
-            "--timeout", "3600", "--results-dir", results_dir, "--llm-api", "openai",
-            "--additional-sampling-params", json.dumps({"ignore_eos": True, "max_tokens": output_len})]  # fmt: skip
 
 
 def normalise(generator: str, raw: dict) -> dict:
@@ -93,9 +93,11 @@ def run_point(
         work = raw_path + ".llmperf"
         os.makedirs(work, exist_ok=True)
         env.update(OPENAI_API_BASE=f"{url}/v1", OPENAI_API_KEY="EMPTY")
-        command = llmperf_command(args.llmperf_dir, args.llmperf_python, next(iter(adapters), model), io,
+        command = llmperf.command(args.llmperf_dir, args.llmperf_python, model, next(iter(adapters), model), io,
                                   concurrency, prompts, work)  # fmt: skip
     with open(log_path, "w") as out:
+        if args.load_generator == "llmperf":
+            out.write(warm_up(url, next(iter(adapters), model), io, concurrency) + "\n")
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
         rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -113,6 +115,25 @@ def run_point(
         with open(raw_path, "w") as f:
             json.dump(raw, f)
     return rc, raw
+
+
+def warm_up(url: str, model: str, io: tuple[int, int], concurrency: int) -> str:
+    """One wave of `concurrency` (at least 2) chat requests of the point's shape, answered before the point is
+    measured (what `vllm bench serve --num-warmups` does for the other generator): the first requests of a
+    batch size pay one-off costs (kernel compiles, allocations) that would otherwise land in the point's p99."""
+    import requests
+
+    input_len, output_len = io
+    body = {"model": model, "messages": [{"role": "user", "content": " ".join(["warm"] * input_len)}],
+            "max_tokens": output_len, "ignore_eos": True}  # fmt: skip
+
+    def send(_):
+        return requests.post(f"{url}/v1/chat/completions", json=body, timeout=600).status_code
+
+    waves = max(2, concurrency)
+    with ThreadPoolExecutor(waves) as pool:
+        codes = list(pool.map(send, range(waves)))
+    return f"warm-up: {waves} requests to {model}, HTTP {sorted(set(codes))}"
 
 
 # Per-request fields of `vllm bench serve --save-detailed` too bulky to commit (one entry per token or the text).

@@ -238,10 +238,11 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
     runs = pop_runs(env)
     out += [f"- {k}: `{v}`" for k, v in env.items()]
     out += [f"- started {run['started']}: `{run['command']}`" for run in runs]
-    from bench.load_generators import LABELS
+    from bench.load_generators import LABELS, PROMPTS
 
-    generators = ", ".join(f"`{LABELS.get(g, g)}`" for g in sorted({r.get("load_generator") or "vllm" for r in rows}))
-    out += ["", f"{len(rows)} points; load generator {generators} (random tokens, ignore-eos).", ""]
+    labels = sorted({LABELS.get(g, g) for g in (r.get("load_generator") or "vllm" for r in rows)})
+    sent = "; ".join(f"`{label}` ({PROMPTS.get(label, 'its own prompts')})" for label in labels)
+    out += ["", f"{len(rows)} points; load generator {sent}; ignore-eos.", ""]
     if any(key[0] == 4 for key in table):
         out += ["## Targets (issues 3 and 4)", "", *targets(table), ""]
     else:

@@ -40,6 +40,7 @@ BD_MODES = ("bdlora", "bddora", "bdfused")
 # Each BD mode names its LoRA kernels, so a mode means the same whatever the plugin's default.
 BD_KERNELS = {"bdlora": "vllm", "bddora": "vllm", "bdfused": "fused"}
 DEFAULT_MAX_LORAS = 4
+LLMPERF_MIN_INPUT = 32
 
 COLUMNS = (
     "mode", "tp", "rank", "trainable_params", "input_len", "output_len", "concurrency", "num_adapters",
@@ -151,6 +152,11 @@ def parse_args(argv=None):
             )
         if args.adapters != "1":
             p.error("LLMPerf sends every request to one model: use --adapters 1 with --load-generator llmperf")
+        short = [pair for pair in args.io.split(",") if int(pair.split("/")[0]) < LLMPERF_MIN_INPUT]
+        if short:
+            p.error(f"LLMPerf's prompts open with a ~20-token instruction and it loops forever on a shorter "
+                    f"fixed input length: use input lengths of at least {LLMPERF_MIN_INPUT} "
+                    f"(got {','.join(short)})")  # fmt: skip
     return args
 
 

@@ -218,6 +218,10 @@ LLMPERF_SUMMARY = {  # the keys LLMPerf's token_benchmark_ray.py writes to <mode
 
 FAKE_LLMPERF = """
 import argparse, json, os
+from transformers import LlamaTokenizerFast
+from llmperf_marker import SRC  # the launcher put the checkout's src/ on the path
+# What LLMPerf loads to count tokens resolves to the served model's word-level tokenizer.
+assert len(LlamaTokenizerFast.from_pretrained("hf-internal-testing/llama-tokenizer").encode("w5 w6 w7")) == 3
 p = argparse.ArgumentParser()
 for flag in ("--model", "--mean-input-tokens", "--stddev-input-tokens", "--mean-output-tokens",
              "--stddev-output-tokens", "--max-num-completed-requests", "--num-concurrent-requests", "--timeout",
@@ -234,22 +238,32 @@ with open(os.path.join(a.results_dir, name), "w") as f:
 
 
 def test_llmperf_results_are_normalised_to_the_sweep_schema(tmp_path, monkeypatch):
-    """LLMPerf driven through the sweep's point runner. LLMPerf itself cannot be installed next to vLLM, so a
-    stand-in script with LLMPerf's command line and summary file checks the plumbing (command, environment,
-    summary pick-up, unit conversion)."""
+    """LLMPerf's command line and summary file through the sweep's point runner, with a stand-in script and
+    no server (tests/test_llmperf.py runs the real LLMPerf): launcher, tokenizer substitution, environment,
+    warm-up, summary pick-up, unit conversion."""
     import argparse
     import sys
 
+    from bench import load_generators
     from bench.load_generators import normalise, run_point
 
-    (tmp_path / "token_benchmark_ray.py").write_text(FAKE_LLMPERF)
+    checkout = tmp_path / "llmperf"
+    (checkout / "src").mkdir(parents=True)
+    (checkout / "src" / "llmperf_marker.py").write_text("SRC = True\n")
+    (checkout / "token_benchmark_ray.py").write_text(FAKE_LLMPERF)
+    model = tmp_path / "model"
+    model.mkdir()
+    tiny.make_tokenizer(str(model), 64)
+    warmed = []
+    monkeypatch.setattr(load_generators, "warm_up", lambda *a: warmed.append(a) or "warm-up: stand-in")
     monkeypatch.setenv("FAKE_SUMMARY", json.dumps(LLMPERF_SUMMARY))
-    args = argparse.Namespace(load_generator="llmperf", llmperf_dir=str(tmp_path), llmperf_python=sys.executable,
+    args = argparse.Namespace(load_generator="llmperf", llmperf_dir=str(checkout), llmperf_python=sys.executable,
                               prompts_per_concurrency=4)  # fmt: skip
     raw = tmp_path / "point.json"
-    rc, result = run_point(args, "/m", {"a0": "/adapter"}, "http://127.0.0.1:1", (1024, 128), 1, str(raw),
+    rc, result = run_point(args, str(model), {"a0": "/adapter"}, "http://127.0.0.1:1", (1024, 128), 4, str(raw),
                            str(tmp_path / "point.log"))  # fmt: skip
     assert rc == 0 and result["model"] == "a0", (tmp_path / "point.log").read_text()
+    assert warmed == [("http://127.0.0.1:1", "a0", (1024, 128), 4)]
     row = normalise("llmperf", result)
     assert row["median_tpot_ms"] == pytest.approx(4.2) and row["median_ttft_ms"] == pytest.approx(31.0)
     assert row["median_itl_ms"] is None  # LLMPerf keeps no per-gap latencies

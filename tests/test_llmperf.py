@@ -1,0 +1,64 @@
+"""The real LLMPerf (ray-project/llmperf, the BD-LoRA paper's load generator) measuring a BD-LoRA server on the
+CPU through `bench.sweep --load-generator llmperf`.
+
+LLMPerf runs from a checkout (BDLORA_LLMPERF_DIR, else ../shared/vendor/llmperf beside this repository) in an
+interpreter of its own (BDLORA_LLMPERF_PYTHON, else .venv-llmperf, made here by bench/llmperf.py once)."""
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import llmperf
+
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUT_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def llmperf_checkout() -> str:
+    checkout = os.environ.get("BDLORA_LLMPERF_DIR") or str(REPO.parent / "shared" / "vendor" / "llmperf")
+    if not os.path.exists(os.path.join(checkout, "token_benchmark_ray.py")):
+        pytest.skip(f"no LLMPerf checkout at {checkout}: set BDLORA_LLMPERF_DIR to one")
+    return checkout
+
+
+@pytest.fixture(scope="module")
+def llmperf_python() -> str:
+    python = os.environ.get("BDLORA_LLMPERF_PYTHON")
+    if python:
+        return python
+    venv = REPO / ".venv-llmperf"
+    if not (venv / "bin" / "python").exists():
+        llmperf.install(str(venv))
+    return llmperf.venv_python(str(venv))
+
+
+def test_llmperf_measures_a_bd_server_with_the_served_models_token_counts(llmperf_checkout, llmperf_python, tmp_path):
+    from bench.sweep import main
+
+    out = tmp_path / "results"
+    argv = [
+        "--model-shape", "tiny", "--tp", "1", "--modes", "bdlora", "--ranks", "8", "--io", f"64/{OUTPUT_TOKENS}",
+        "--concurrency", "2", "--adapters", "1", "--prompts-per-concurrency", "3", "--max-model-len", "256",
+        "--dtype", "float32", "--out", str(out), "--workdir", str(tmp_path / "work"), "--start-timeout", "240",
+        "--load-generator", "llmperf", "--llmperf-dir", llmperf_checkout, "--llmperf-python", llmperf_python,
+    ]  # fmt: skip
+    assert main(argv) == 0, (out / "failures.txt").read_text()
+    (row,) = list(csv.DictReader(open(out / "points.csv")))
+    assert row["load_generator"] == "llmperf token_benchmark_ray" and row["mode"] == "bdlora"
+    assert int(row["completed"]) == 12  # max(12, 3 prompts x concurrency 2)
+    assert float(row["median_ttft_ms"]) > 0 and float(row["output_throughput"]) > 0
+    summary = json.loads((out / "raw" / Path(row["raw_file"]).name).read_text())
+    # Every request asked for 16 tokens with ignore_eos; LLMPerf re-tokenizes each answer with the served
+    # model's tokenizer and counts exactly what the server generated (a hub Llama tokenizer counts 3.4x).
+    assert int(summary["results_number_output_tokens_min"]) == OUTPUT_TOKENS
+    assert int(summary["results_number_output_tokens_max"]) == OUTPUT_TOKENS
+    assert summary["results_number_errors"] == 0
+    log = (out / "logs" / Path(row["raw_file"]).name.replace(".json", ".log")).read_text()
+    assert log.startswith("warm-up: 2 requests to a0, HTTP [200]"), log[:500]
+    assert "Shakespeare-sonnet chat prompts" in (out / "summary.md").read_text()
