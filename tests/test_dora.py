@@ -1,9 +1,12 @@
 """Factored DoRA norms against the dense formula (float64) and PEFT's own DoRA norm."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from vllm_bdlora.dora import magnitude_scale, squared_row_norms
+from vllm_bdlora.dora import magnitude_scale, squared_row_norms, unreadable_base_problems
+from vllm_bdlora.layers import BlockDiagonalLoRALayer, ProbedWeight
 from vllm_bdlora.sharding import ShardGeometry, densify, localize
 
 
@@ -114,18 +117,61 @@ def test_ranks_agree_on_the_adapter_they_load(monkeypatch, other_rank_id, other_
             loading._agree_across_ranks([], layer, "a", 7)
 
 
-def test_dora_over_a_quantized_base_layer_is_refused_naming_the_method():
-    from types import SimpleNamespace
+class Fp8StyleMethod:
+    """What vLLM's FP8 linear method keeps and does, in float32 emulation: the weight stored transposed as
+    float8_e4m3fn with one per-tensor scale apart, activations quantized with a dynamic per-tensor scale."""
 
-    from vllm_bdlora.dora import quantized_base_problems
+    def apply(self, layer, x, bias=None):
+        x_scale = x.abs().max() / 448.0
+        x_q = (x / x_scale).to(torch.float8_e4m3fn).float()
+        return (x_q @ layer.weight.float()) * (x_scale * layer.weight_scale)
 
-    def item(name, method):
-        return SimpleNamespace(
-            name=name, target=SimpleNamespace(layer=SimpleNamespace(base_quantization=lambda: method))
-        )
 
-    problems = quantized_base_problems([item("o_proj", "Fp8LinearMethod"), item("q_proj", None)])
+def fp8_style_layer(w: torch.Tensor, input_scale=None):
+    scale = w.abs().max() / 448.0
+    stored = (w / scale).to(torch.float8_e4m3fn).T
+    return SimpleNamespace(weight=stored, weight_scale=scale, quant_method=Fp8StyleMethod(),
+                           params_dtype=torch.float32, input_scale=input_scale)  # fmt: skip
+
+
+def bd_layer_over(base_layer, out_features, in_features):
+    """The attributes BlockDiagonalLoRALayer's base-weight methods read, one output slice."""
+    layer = SimpleNamespace(base_layer=base_layer, slice_offsets=(0,), output_slices=(out_features,),
+                            input_size=in_features, device=torch.device("cpu"))  # fmt: skip
+    for name in ("base_weight_rows", "_base_weight_matrix", "base_quantization", "base_weight_unreadable"):
+        setattr(layer, name, getattr(BlockDiagonalLoRALayer, name).__get__(layer))
+    return layer
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (48, 80)], ids=["square", "rectangular"])
+def test_dora_norm_over_an_fp8_base_is_taken_over_the_dequantized_weight(shape):
+    """A square FP8 layer's storage has W's shape (transposed, unscaled): the norm once read it as W. Now it
+    reads the effective weight through the layer's GEMM, which dynamic activation quantization passes exactly."""
+    w, a, b = factors(*shape, rank=8)
+    base = fp8_style_layer(w)
+    base.quant_method = type("Fp8LinearMethod", (Fp8StyleMethod,), {})()
+    layer = bd_layer_over(base, *shape)
+    dequantized = base.weight.float().T * base.weight_scale
+    read = layer.base_weight_rows(0)
+    assert isinstance(read, ProbedWeight)  # not the storage, even where its shape is (out, in)
+    expected = dense_squared_norms(dequantized, a, b, 0.5)
+    torch.testing.assert_close(squared_row_norms(read, a, b, 0.5, chunk=16).double(), expected, rtol=1e-5, atol=0)
+    assert not torch.allclose(expected, dense_squared_norms(w, a, b, 0.5), rtol=1e-3)  # quantization is visible
+    assert unreadable_base_problems([staged_on(layer)]) == []
+
+
+def test_dora_over_a_base_with_static_activation_scales_is_refused_naming_the_method():
+    w, _, _ = factors(64, 64)
+    base = fp8_style_layer(w, input_scale=torch.tensor(0.01))
+    base.quant_method = type("Fp8LinearMethod", (Fp8StyleMethod,), {})()
+    problems = unreadable_base_problems([staged_on(bd_layer_over(base, 64, 64), "o_proj")])
     assert problems == [
-        "o_proj: DoRA over a quantized base layer (Fp8LinearMethod) is not served: the magnitude norm needs the "
-        "dequantized base weight; serve this adapter on an unquantized base, or as LoRA without its magnitudes"
+        "o_proj: DoRA over a quantized base layer (Fp8LinearMethod, static activation scale) is not served: the "
+        "magnitude norm needs the dequantized base weight, which that layer's GEMM cannot return exactly; serve "
+        "this adapter on a base quantized with dynamic activation scales or unquantized, or as LoRA without its "
+        "magnitudes"
     ]
+
+
+def staged_on(layer, name="q_proj"):
+    return SimpleNamespace(name=name, target=SimpleNamespace(layer=layer))

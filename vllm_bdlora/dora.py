@@ -165,16 +165,18 @@ def stage_magnitudes(staged: list[StagedModule], magnitudes: dict, dora: bool) -
     return problems
 
 
-def quantized_base_problems(staged: list[StagedModule]) -> list[str]:
+def unreadable_base_problems(staged: list[StagedModule]) -> list[str]:
     """DoRA's magnitude scale g = m / ||W + s·B·A|| needs the base weight W as the layer applies it. A quantized
-    layer keeps W in its own storage (FP8 transposed with separate scales, packed 4-bit, ...), whose values are not
-    W; reading it as W made g wrong by orders of magnitude on square FP8 layers. Until the norm is taken over the
-    dequantized weight of each method, DoRA over a quantized layer is refused, never served wrong."""
+    layer's W is read through its own GEMM on identity rows (`ProbedWeight`), exact under dynamic activation
+    quantization; where the layer quantizes activations with a static scale the read would be off by the
+    format's rounding, so such layers refuse DoRA rather than serve it wrong."""
     return [
-        f"{item.name}: DoRA over a quantized base layer ({method}) is not served: the magnitude norm needs the "
-        "dequantized base weight; serve this adapter on an unquantized base, or as LoRA without its magnitudes"
+        f"{item.name}: DoRA over a quantized base layer ({layer.base_quantization()}, {why}) is not served: the "
+        "magnitude norm needs the dequantized base weight, which that layer's GEMM cannot return exactly; serve "
+        "this adapter on a base quantized with dynamic activation scales or unquantized, or as LoRA without its "
+        "magnitudes"
         for item in staged
-        if (method := item.target.layer.base_quantization())
+        if (why := (layer := item.target.layer).base_weight_unreadable()) and layer.base_quantization()
     ]
 
 

@@ -113,13 +113,23 @@ class BlockDiagonalLoRALayer:
 
     def base_weight_rows(self, slice_index: int) -> torch.Tensor | ProbedWeight:
         """This rank's base weight rows of one output slice (what DoRA's norm is taken over): the weight
-        itself when the layer keeps it as a plain matrix, else read through the layer's own GEMM."""
+        itself when the layer keeps it as a plain unquantized matrix, else the effective (dequantized) weight
+        read through the layer's own GEMM. A quantized layer's `weight` is its storage, not W: FP8 keeps it
+        transposed with its scales apart, which a square layer's shape does not reveal."""
         offset = self.slice_offsets[slice_index]
         rows = slice(offset, offset + self.output_slices[slice_index])
         weight = self._base_weight_matrix()
-        if weight is not None and weight.is_floating_point():
+        if weight is not None and weight.is_floating_point() and self.base_quantization() is None:
             return weight[rows]
         return ProbedWeight(self.base_layer, self.input_size, rows, self.device)
+
+    def base_weight_unreadable(self) -> str | None:
+        """Why the effective weight cannot be read exactly through the layer's GEMM, or None. Identity rows
+        pass through dynamic activation quantization exactly (each row's largest entry, 1, maps to the format's
+        largest value); a static activation scale quantizes them inexactly."""
+        if isinstance(getattr(self.base_layer, "input_scale", None), torch.Tensor):
+            return "static activation scale"
+        return None
 
     def _base_weight_matrix(self) -> torch.Tensor | None:
         """The base layer's `weight` if it is still this rank's (out, in) matrix (vLLM's CPU backend and

@@ -20,7 +20,7 @@ from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, adapter_format,
 from vllm_bdlora.admission import AdmittedCopies, is_admitting
 from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks, with_lora_path
 from vllm_bdlora.config import BdLoraSettings
-from vllm_bdlora.dora import DoraAdapter, magnitude_scales, quantized_base_problems, stage_magnitudes
+from vllm_bdlora.dora import DoraAdapter, magnitude_scales, stage_magnitudes, unreadable_base_problems
 from vllm_bdlora.layers import BlockDiagonalLoRALayer
 from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_problem, localize
 
@@ -166,7 +166,7 @@ def localize_adapter(
     dora = DoraAdapter.of(lora_model)
     problems += stage_magnitudes(staged, dora.magnitudes, fmt.dora)
     if fmt.dora:
-        problems += quantized_base_problems(staged)
+        problems += unreadable_base_problems(staged)
     if fmt.dora and staged:
         _agree_across_ranks(problems, staged[0].target.layer, adapter, lora_model.id)
     if problems:
@@ -227,6 +227,10 @@ def non_finite_problems(modules: Iterable[tuple[str, torch.Tensor | None, torch.
 
 def base_quantization(layer) -> str | None:
     return layer.base_quantization() if isinstance(layer, BlockDiagonalLoRALayer) else None
+
+
+def unreadable_base(layer) -> str | None:
+    return layer.base_weight_unreadable() if isinstance(layer, BlockDiagonalLoRALayer) else None
 
 
 def is_first_tp_rank(manager) -> bool:

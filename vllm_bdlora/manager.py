@@ -60,7 +60,7 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
     """One line per BD layer kind and slot budget (`describe_sharding`), then DoRA, kernels and eager steps."""
     from vllm.platforms import current_platform  # resolved once the engine runs
 
-    from vllm_bdlora.loading import base_quantization
+    from vllm_bdlora.loading import base_quantization, unreadable_base
 
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     layers = list(manager.modules.values())
@@ -69,11 +69,17 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
         logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
     if settings.dora:
         quantized = sorted({m for layer in layers if (m := base_quantization(layer))})
-        if quantized:
+        unreadable = sorted({m for layer in layers if (m := base_quantization(layer)) and unreadable_base(layer)})
+        if unreadable:
             lines.append(
-                "DoRA adapters are refused on this model: its base layers are quantized "
-                f"({', '.join(quantized)}) and DoRA's magnitude norm needs the dequantized weight. LoRA "
-                "adapters are served."
+                f"DoRA adapters are refused on this model's {', '.join(unreadable)} layers: they quantize "
+                "activations with a static scale, so the dequantized weight DoRA's magnitude norm needs cannot be "
+                "read exactly. LoRA adapters are served."
+            )
+        elif quantized:
+            lines.append(
+                f"DoRA over quantized base layers ({', '.join(quantized)}): magnitude norms are taken over the "
+                "dequantized weight, read at adapter load through each layer's own GEMM."
             )
         path = "fused Triton kernel" if current_platform.is_cuda_alike() else "torch reference"
         lines.append(
