@@ -62,6 +62,10 @@ class BdLoraSettings:
     # Where each worker keeps the copies of admitted adapters it serves from (vllm_bdlora/admission.py);
     # None: the system's temporary directory.
     adapter_copy_dir: str | None = None
+    # On a CUDA GPU, where the user set no capture range, CUDA graphs are captured for batches of up to this many
+    # tokens (vLLM's default stops at 512 or 2 x max_num_seqs), so that LoRA prefills up to it do not pay every
+    # LoRA layer's launches on the host (vllm_bdlora/prefill_graphs.py); 0 keeps vLLM's range.
+    prefill_graph_tokens: int = 2048
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> BdLoraSettings:
@@ -104,6 +108,12 @@ class BdLoraSettings:
                 f'additional_config["{CONFIG_KEY}"]["one_launch_max_mixed_width"] must be an integer >= 0 (LoRA '
                 f"columns per GPU), got {mixed_width!r}."
             )
+        graph_tokens = section.get("prefill_graph_tokens", cls.prefill_graph_tokens)
+        if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0:
+            raise ValueError(
+                f'additional_config["{CONFIG_KEY}"]["prefill_graph_tokens"] must be an integer >= 0 (tokens; 0 keeps '
+                f"vLLM's CUDA graph capture range), got {graph_tokens!r}."
+            )
         roots = section.get("allowed_adapter_roots", [])
         if isinstance(roots, str) or not isinstance(roots, (list, tuple)) or not all(isinstance(r, str) for r in roots):
             raise ValueError(
@@ -124,6 +134,7 @@ class BdLoraSettings:
             one_launch_max_mixed_width=mixed_width,
             allowed_adapter_roots=tuple(roots),
             adapter_copy_dir=copy_dir,
+            prefill_graph_tokens=graph_tokens,
         )
 
     @classmethod

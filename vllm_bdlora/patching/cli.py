@@ -166,6 +166,9 @@ def patch_enable_bdlora_flag() -> bool:
             check_lora_modules_before_loading(args, settings)
             from vllm.platforms import current_platform
 
+            from vllm_bdlora.prefill_graphs import capture_prefills
+
+            capture_prefills(engine_args, settings, current_platform.is_cuda())
             if current_platform.is_cpu():
                 from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
 

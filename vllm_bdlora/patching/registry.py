@@ -45,7 +45,8 @@ PATCHES: tuple[Patch, ...] = (
         how="Add --enable-bdlora (alias --block-diagonal-sharded-loras), --enable-dora and "
         "--allowed-adapter-roots to the parser; when parsed, fold them into additional_config['bdlora'] "
         "(which reaches every worker, Ray included) and turn on --enable-lora; check --lora-modules files and "
-        "paths before the model loads. On the CPU backend, with fewer NUMA "
+        "paths before the model loads. On a CUDA GPU, where the user chose no CUDA graph capture range, capture "
+        "batches up to prefill_graph_tokens (vllm_bdlora.prefill_graphs, logged). On the CPU backend, with fewer NUMA "
         "nodes than TP workers and no setting of the user's, pick thread binding and KV cache size "
         "(vllm_bdlora.serve.cpu_defaults, logged).",
         removal="A vLLM extension point for plugin CLI arguments.",
