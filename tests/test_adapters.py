@@ -27,6 +27,41 @@ def test_factor_follows_peft_substring_rule_on_the_module_name():
     assert BlockDiagonalSpec(2, ("layers",), ()).factor_of("model.layers.0.mlp.down_proj") is None
 
 
+def test_block_diagonal_factors_on_experts_are_found_and_refused_from_the_files(tmp_path):
+    """BD-LoRA does not shard a mixture of experts' experts (vLLM's fused MoE layer): block-diagonal factors there,
+    per-expert or stored as one module, are refused from the files, naming them; BD attention beside standard
+    expert LoRA, and a dense MLP's BD factors, are not."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_bdlora.adapter_files import check_adapter_dir
+    from vllm_bdlora.adapters import block_diagonal_expert_modules
+
+    spec = parse_block_diagonal_spec({"use_bdlora": PEFT_SECTION}, "x")
+    prefix = "base_model.model.model.layers.0"
+    names = [f"{prefix}.self_attn.q_proj.lora_A.weight", f"{prefix}.mlp.experts.3.up_proj.lora_B.weight",
+             f"{prefix}.mlp.experts.3.down_proj.lora_A.weight", f"{prefix}.mlp.shared_expert.gate_proj.lora_B.weight",
+             "base_model.model.model.layers.1.mlp.experts.lora_A.weight"]  # fmt: skip
+    assert block_diagonal_expert_modules(names, spec) == [
+        f"{prefix}.mlp.experts.3.down_proj", f"{prefix}.mlp.experts.3.up_proj",
+        "base_model.model.model.layers.1.mlp.experts",
+    ]  # fmt: skip
+    attention_only = BlockDiagonalSpec(2, ("o_proj",), ("q_proj", "k_proj", "v_proj"))
+    assert block_diagonal_expert_modules(names[:3], attention_only) == []
+    assert block_diagonal_expert_modules(names, None) == []
+    tensors = {f"{prefix}.mlp.experts.{e}.gate_proj.lora_{f}.weight": torch.ones(8, 8) for e in range(2) for f in "AB"}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["gate_proj"], "use_bdlora": PEFT_SECTION}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterRejected) as refused:
+        check_adapter_dir(str(tmp_path), "moe-bd")
+    message = str(refused.value)
+    assert "'moe-bd'" in message and "experts.0.gate_proj" in message and "experts.1.gate_proj" in message
+    assert "block-diagonal LoRA factors on an expert" in message and "target_modules_bd_a/b" in message
+
+
 def test_one_block_is_a_standard_adapter():
     assert BlockDiagonalSpec(1, ("o_proj",), ()).factor_of("x.o_proj") is None
 

@@ -6,7 +6,8 @@ and the server keeps serving. Checked here: the path is a directory; `adapter_co
 `adapter_model.safetensors` (pickle files are never loaded); that file's header is well formed and the file is
 as long as the header says (a truncated or half-copied file is caught here, not by the tensor reader); and
 every `lora_A` tensor has as many rows as the rank `adapter_config.json` gives its module (PEFT refuses an
-adapter whose `r` contradicts its tensors; serving one would scale it by the wrong `lora_alpha / r`).
+adapter whose `r` contradicts its tensors; serving one would scale it by the wrong `lora_alpha / r`); and no
+block-diagonal factor lies inside a mixture of experts' experts (vLLM's fused MoE layer, which BD does not shard).
 Tensor values (NaN/Inf) are checked after the read, in `vllm_bdlora.loading`.
 """
 
@@ -19,7 +20,12 @@ import re
 import struct
 from dataclasses import dataclass
 
-from vllm_bdlora.adapters import AdapterRejected
+from vllm_bdlora.adapters import (
+    EXPERTS_HINT,
+    AdapterRejected,
+    block_diagonal_expert_modules,
+    parse_block_diagonal_spec,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -66,6 +72,10 @@ def check_adapter_dir(directory: str, adapter: str) -> AdapterFiles:
         raise AdapterRejected(
             adapter, problems, f"make r (and rank_pattern) in {CONFIG_FILE} agree with the tensors, or {RESAVE_HINT}"
         )
+    experts = block_diagonal_expert_modules(shapes, parse_block_diagonal_spec(config, adapter))
+    if experts:
+        problems = [f"{module}: block-diagonal LoRA factors on an expert" for module in experts]
+        raise AdapterRejected(adapter, problems, EXPERTS_HINT)
     return AdapterFiles(directory, config, shapes)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,6 +101,37 @@ class BlockDiagonalSpec:
         if any(p in short for p in self.bd_b_patterns):
             return "b"
         return None
+
+
+# The projections inside a mixture of experts' expert (Mixtral names them w1, w2, w3).
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3")
+EXPERTS_HINT = (
+    "vllm-bdlora shards block-diagonal factors on attention and dense MLP projections only (vLLM runs the experts "
+    "in its fused MoE layer); retrain with the experts' projections out of use_bdlora's target_modules_bd_a/b "
+    "(standard LoRA there, or no LoRA on the experts)."
+)
+
+
+def block_diagonal_expert_modules(tensor_names: Iterable[str], spec: BlockDiagonalSpec | None) -> list[str]:
+    """The adapter's modules inside a mixture of experts' experts (a module path through `experts`) whose factors
+    PEFT made block-diagonal: per-expert names (`...experts.3.gate_proj`) by PEFT's own pattern rule, and experts
+    stored as one module (`...experts`) when a BD pattern names an expert projection."""
+    if spec is None or spec.nblocks == 1:
+        return []
+    found = set()
+    for name in tensor_names:
+        module = name.split(".lora_", 1)[0]
+        parts = module.split(".")
+        if "experts" not in parts:
+            continue
+        short = parts[-1]
+        if short == "experts" or short.isdigit():
+            patterns = spec.bd_a_patterns + spec.bd_b_patterns
+            if any(p in projection for p in patterns for projection in EXPERT_PROJECTIONS):
+                found.add(module)
+        elif spec.factor_of(module):
+            found.add(module)
+    return sorted(found)
 
 
 def read_adapter_config(adapter_dir: str) -> dict:
