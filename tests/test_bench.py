@@ -709,3 +709,33 @@ def test_gpu_host_stops_on_a_host_without_the_bundle(tmp_path):
     queued = step("queue", "llama-3.1-8b 1 64 base")
     assert queued.returncode == 3 and "run install first" in queued.stdout
     assert not (root / "queue.plan").exists()
+
+
+def test_prefill_profile_sorts_kernels_by_kind_and_reports_each_case_against_the_base(tmp_path):
+    from bench.prefill_profile import kernel_kind, write_report
+
+    assert kernel_kind("_fused_expand_kernel_0d1d2d") == "lora_ours"
+    assert kernel_kind("_lora_shrink_kernel") == "lora_vllm"
+    assert kernel_kind("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert kernel_kind("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
+    assert kernel_kind("triton_poi_fused_mul_silu_0") == "other"
+    row = {
+        "model_shape": "llama-3.1-8b",
+        "tokens": 1024,
+        "max_cudagraph_capture_size": 512,
+        "gpu_busy_ms": 21.7,
+        "gpu_waiting_ms": 9.0,
+        "gemm_ms": 19.5,
+        "attention_ms": 0.2,
+        "lora_ours_ms": 0.0,
+        "lora_vllm_ms": 0.0,
+        "other_ms": 2.0,
+        "lora_op_calls_per_request": 0,
+        "lora_op_host_us_per_call": 0.0,
+        "engine_start_s": 88,
+    }
+    rows = [{**row, "case": "base", "request_ms_median": 30.0},
+            {**row, "case": "bd-eager", "request_ms_median": 75.0, "lora_ours_ms": 6.6, "lora_vllm_ms": 1.6,
+             "lora_op_calls_per_request": 128, "lora_op_host_us_per_call": 300.0}]  # fmt: skip
+    text = open(write_report(str(tmp_path), rows, "python -m bench.prefill_profile --out x")).read()
+    assert "| bd-eager | 512 | 75.0 | 2.50 |" in text and "| 8.2 |" in text and "| 128 | 300 |" in text
