@@ -197,3 +197,53 @@ def test_ray_executor_serves_bd_adapters_like_the_default_executor(assets, promp
     worker_lines = [line for line in logs["ray"].splitlines() if "(RayWorker" in line]  # Ray's prefix
     assert any("vllm-bdlora: adapter 'bd64' (BD-LoRA" in line for line in worker_lines), logs["ray"][-3000:]
     assert any("BD-LoRA packed qkv" in line and "layer(s), TP=1" in line for line in worker_lines)
+
+
+def test_moe_model_serves_bd_on_attention_and_refuses_bd_factors_on_experts(tmp_path_factory):
+    """A tiny Qwen3-MoE (vLLM's fused MoE layer, whose LoRA runs on Triton kernels vLLM's CPU build lacks): BD-LoRA
+    and standard adapters on attention match PEFT, fp16, on both kernel paths; an adapter with block-diagonal factors
+    on the experts is refused naming them, and the server keeps serving the others after it."""
+    import json
+    import random
+
+    from safetensors.torch import save_file
+
+    from vllm_bdlora import tiny
+
+    root = tmp_path_factory.mktemp("moe")
+    model = tiny.make_tiny_model(str(root / "model"), "qwen3_moe")
+    adapters = {
+        "bd32": tiny.make_adapter(model, str(root / "bd32"), 32, nblocks=2, target_modules=tiny.ATTENTION, seed=41),
+        "std8": tiny.make_adapter(model, str(root / "std8"), 8, target_modules=tiny.ATTENTION, seed=42),
+    }
+    experts = root / "bd-experts"
+    experts.mkdir()
+    prefix = "base_model.model.model.layers.0.mlp.experts"
+    tensors = {f"{prefix}.{e}.up_proj.lora_{f}.weight": torch.full((8, 8), 0.01) for e in range(2) for f in "AB"}
+    save_file(tensors, str(experts / "adapter_model.safetensors"))
+    section = {"target_modules_bd_a": ["down_proj"], "target_modules_bd_b": ["up_proj"], "nblocks": 2}
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["up_proj"], "use_bdlora": section}
+    (experts / "adapter_config.json").write_text(json.dumps(config))
+    adapters["bd-experts"] = str(experts)
+    batch = [None, "bd32", "std8"]
+    rng = random.Random(5)
+    prompts = {name: [rng.randrange(4, 512) for _ in range(6 + i)] for i, name in enumerate(batch)}
+    for kernels in ("vllm", "fused"):
+        engine = engine_kwargs(model, 1, bdlora=True, dtype=DTYPE, enforce_eager=False, max_loras=2, **GRAPHS,
+                               additional_config={"bdlora": {"lora_kernels": kernels}})  # fmt: skip
+        spec = {"engine": engine, "adapters": adapters, "max_tokens": 16, "expect_errors": ["bd-experts"],
+                "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in batch]}  # fmt: skip
+        result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_moe_{kernels}"))
+        refusal = result["errors"]["bd-experts"]
+        assert refusal and "block-diagonal LoRA factors on an expert" in refusal, refusal
+        assert "experts.0.up_proj" in refusal and "target_modules_bd_a/b" in refusal, refusal
+        worst = {}
+        for name, output in zip(batch, result["outputs"], strict=True):
+            reference = teacher_forced(load_reference(model, adapters[name] if name else None), prompts[name],
+                                       output["token_ids"])  # fmt: skip
+            chosen = reference[torch.arange(len(output["token_ids"])), torch.tensor(output["token_ids"])]
+            margin = (reference.max(dim=-1).values - chosen).max().item()
+            error = (chosen - torch.tensor(output["logprobs"])).abs().max().item()
+            worst[name] = (round(margin, 4), round(error, 4))
+            assert margin < LOGPROB_ATOL and error < LOGPROB_ATOL, f"MoE {kernels}/{name}: ({margin:.3f}, {error:.3f})"
+        print(f"MoE {kernels} (PEFT argmax margin, PEFT logprob error):", worst)
