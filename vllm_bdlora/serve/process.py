@@ -12,11 +12,15 @@ from collections.abc import Callable
 
 
 def cpu_defaults(workers: int) -> dict[str, str]:
-    """vLLM-CPU settings that let `workers` (TP x PP) worker processes share a small machine (ignored on GPUs)."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    if workers > 1:
-        cores = os.cpu_count() or 1  # more workers than cores: they take turns, round-robin
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(workers))
+    """vLLM-CPU settings that let `workers` (TP x PP) worker processes share a small machine (ignored on GPUs): the
+    server's own core split (vllm_bdlora.serve.cpu_defaults) and a fixed 1 GiB KV cache per worker, so that tests
+    and benchmarks do not size it from the machine's free memory."""
+    from vllm_bdlora.serve.cpu_defaults import KV_CACHE_SPACE
+    from vllm_bdlora.serve.cpu_defaults import cpu_defaults as server_defaults
+
+    env = {KV_CACHE_SPACE: "1"}
+    if workers > 1:  # as on a machine with one NUMA node, whatever this one has
+        env |= server_defaults(workers, env, sorted(os.sched_getaffinity(0)), nodes=1, free_gib=0.0)
     return env
 
 
