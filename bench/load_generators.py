@@ -78,14 +78,15 @@ def normalise(generator: str, raw: dict) -> dict:
 
 
 def run_point(
-    args, model, adapters, url, io, concurrency, raw_path, log_path, profile: bool = False
+    args, model, adapters, url, io, concurrency, raw_path, log_path, profile: bool = False, generator: str = ""
 ) -> tuple[int, dict | None]:
-    """Run one load point; returns (exit code, the generator's result JSON, also saved at raw_path). With
-    `profile`, one wave of requests (`concurrency` of them) with vLLM's profiler on (`vllm bench serve --profile`;
-    the server needs --profiler-config)."""
+    """Run one load point with `generator` (default: args.load_generator); returns (exit code, the generator's
+    result JSON, also saved at raw_path). With `profile`, one wave of requests (`concurrency` of them) with vLLM's
+    profiler on (`vllm bench serve --profile`; the server needs --profiler-config)."""
+    generator = generator or args.load_generator
     prompts = concurrency if profile else num_prompts(args.prompts_per_concurrency, concurrency)
     env = dict(os.environ)
-    if args.load_generator == "vllm":
+    if generator == "vllm":
         raw_dir, raw_name = os.path.split(raw_path)
         command = vllm_bench_command(url, model, adapters, io, concurrency, prompts, raw_dir, raw_name)
         command += ["--profile"] if profile else []
@@ -96,13 +97,13 @@ def run_point(
         command = llmperf.command(args.llmperf_dir, args.llmperf_python, model, next(iter(adapters), model), io,
                                   concurrency, prompts, work)  # fmt: skip
     with open(log_path, "w") as out:
-        if args.load_generator == "llmperf":
+        if generator == "llmperf":
             out.write(warm_up(url, next(iter(adapters), model), io, concurrency) + "\n")
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
         rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            cwd=args.llmperf_dir if args.load_generator == "llmperf" else None).returncode  # fmt: skip
-    if args.load_generator == "llmperf":
+                            cwd=args.llmperf_dir if generator == "llmperf" else None).returncode  # fmt: skip
+    if generator == "llmperf":
         summaries = glob.glob(os.path.join(raw_path + ".llmperf", "*_summary.json"))
         if summaries:
             shutil.copy(summaries[0], raw_path)
@@ -110,7 +111,7 @@ def run_point(
         return rc, None
     with open(raw_path) as f:
         raw = json.load(f)
-    if args.load_generator == "vllm":
+    if generator == "vllm":
         raw = keep_per_request_timings(raw)
         with open(raw_path, "w") as f:
             json.dump(raw, f)

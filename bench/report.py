@@ -46,8 +46,27 @@ def setting(row) -> tuple:
     return int(row["tp"]), int(row["input_len"]), int(row["output_len"]), int(row["num_adapters"] or 1)
 
 
+def generator_label(row) -> str:
+    from bench.load_generators import LABELS
+
+    generator = row.get("load_generator") or "vllm"
+    return LABELS.get(generator, generator)
+
+
+def primary_generator(rows) -> str:
+    """The load generator the tables, speed-ups and plots are made from: `vllm bench serve` where it ran, else the
+    one that did. Points a second generator measured against the same servers get tables of their own."""
+    from bench.load_generators import LABELS
+
+    labels = [generator_label(r) for r in rows]
+    return LABELS["vllm"] if LABELS["vllm"] in labels or not labels else labels[0]
+
+
 def index(rows) -> dict:
-    """(tp, in, out, adapters, concurrency) -> {(mode, rank): row}; base rows serve every adapter count."""
+    """(tp, in, out, adapters, concurrency) -> {(mode, rank): row} over the primary generator's points; base rows
+    serve every adapter count."""
+    primary = primary_generator(rows)
+    rows = [r for r in rows if generator_label(r) == primary]
     table = defaultdict(dict)
     adapter_counts = {int(r["num_adapters"]) for r in rows if r["mode"] != "base"} or {1}
     for row in rows:
@@ -270,10 +289,35 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
                 f"{row['median_e2el_ms']:.0f} | {row['output_throughput']:.1f} |"
             )
         out += ["", *[f"- {line}" for line in speedups(points)], ""]
+        out += other_generator_tables(rows, key, points)
     text = "\n".join(out) + "\n"
     with open(os.path.join(results_dir, "summary.md"), "w") as f:
         f.write(text)
     return text
+
+
+def other_generator_tables(rows: list[dict], key: tuple, points: dict) -> list[str]:
+    """For one section: the same servers' points as measured by each other load generator, beside the primary's
+    TTFT and TPOT (each generator times from its own client, so their ratio, not each number, is comparable)."""
+    tp, i, o, n, bs = key
+    primary = primary_generator(rows)
+    out = []
+    for label in sorted({generator_label(r) for r in rows} - {primary}):
+        theirs = [r for r in rows if generator_label(r) == label and (*setting(r)[:3], int(r["concurrency"])) ==
+                  (tp, i, o, bs) and int(r["num_adapters"] or 1) in (n, 0)]  # fmt: skip
+        if not theirs:
+            continue
+        out += [f"Measured by `{label}` against the same servers (its own prompts and clock):", "",
+                f"| mode | rank | TPOT ms | TTFT ms | E2E ms | tokens/s | TPOT / {primary}'s | TTFT / {primary}'s |",
+                "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for row in sorted(theirs, key=lambda r: (r["mode"], int(r["rank"]))):
+            mine = points.get((row["mode"], int(row["rank"]))) or {}
+            ratios = [f"{row[k] / mine[k]:.2f}" if mine.get(k) else "-" for k in ("median_tpot_ms", "median_ttft_ms")]
+            out.append(f"| {row['mode']} | {int(row['rank'])} | {row['median_tpot_ms']:.2f} | "
+                       f"{row['median_ttft_ms']:.1f} | {row['median_e2el_ms']:.0f} | {row['output_throughput']:.1f} | "
+                       f"{ratios[0]} | {ratios[1]} |")  # fmt: skip
+        out.append("")
+    return out
 
 
 def write_plots(results_dir: str, table: dict) -> list[str]:

@@ -126,9 +126,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--load-generator",
-        choices=GENERATORS,
         default="vllm",
-        help="vllm = `vllm bench serve`; llmperf = LLMPerf from --llmperf-dir (see bench/load_generators.py)",
+        help="vllm = `vllm bench serve`; llmperf = LLMPerf from --llmperf-dir (see bench/load_generators.py); "
+        "vllm,llmperf = both, one after the other against the same server at every point",
     )
     p.add_argument("--llmperf-dir", help="an LLMPerf checkout (with token_benchmark_ray.py)")
     p.add_argument("--llmperf-python", default="python", help="the interpreter of LLMPerf's own virtual environment")
@@ -141,10 +141,15 @@ def parse_args(argv=None):
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
     args = p.parse_args(argv)
-    if args.profile_concurrency and args.load_generator != "vllm":
+    args.load_generators = [g for g in args.load_generator.split(",") if g]
+    unknown = [g for g in args.load_generators if g not in GENERATORS]
+    if unknown or not args.load_generators or len(set(args.load_generators)) < len(args.load_generators):
+        p.error(f"--load-generator: one or more of {', '.join(GENERATORS)}, each once (got {args.load_generator!r})")
+    args.load_generator = args.load_generators[0]  # the one the summary's tables and plots are made from
+    if args.profile_concurrency and "vllm" not in args.load_generators:
         p.error("--profile-concurrency drives vLLM's profiler through `vllm bench serve --profile`: "
                 "use --load-generator vllm")  # fmt: skip
-    if args.load_generator == "llmperf":
+    if "llmperf" in args.load_generators:
         if not args.llmperf_dir or not os.path.exists(os.path.join(args.llmperf_dir, "token_benchmark_ray.py")):
             p.error(
                 "--load-generator llmperf needs --llmperf-dir pointing at an LLMPerf checkout "
@@ -203,8 +208,9 @@ def adapter_paths(args, config: ServerConfig) -> dict[str, str]:
     }
 
 
-def point_name(config: ServerConfig, io: tuple[int, int], concurrency: int) -> str:
-    return f"{config.label}_io{io[0]}-{io[1]}_bs{concurrency}.json"
+def point_name(config: ServerConfig, io: tuple[int, int], concurrency: int, generator: str = "vllm") -> str:
+    suffix = "" if generator == "vllm" else f"_{generator}"
+    return f"{config.label}_io{io[0]}-{io[1]}_bs{concurrency}{suffix}.json"
 
 
 def max_lora_rank(config: ServerConfig) -> int:
@@ -253,15 +259,15 @@ def profiler_config(args, config: ServerConfig) -> str:
                        "torch_profiler_with_stack": False, "max_iterations": PROFILED_STEPS})  # fmt: skip
 
 
-def row_from_result(config, args, io, concurrency, raw_path, result: dict) -> dict:
+def row_from_result(config, args, io, concurrency, raw_path, result: dict, generator: str) -> dict:
     shape = SHAPES[args.model_shape]
     nblocks = adapter_nblocks(args, config)
     return {
         "mode": config.mode, "tp": config.tp, "rank": config.rank,
         "trainable_params": trainable_params(shape, config.rank, nblocks) if config.rank else 0,
         "input_len": io[0], "output_len": io[1], "concurrency": concurrency, "num_adapters": config.num_adapters,
-        **normalise(args.load_generator, result),
-        "model_shape": args.model_shape, "load_generator": LABELS[args.load_generator],
+        **normalise(generator, result),
+        "model_shape": args.model_shape, "load_generator": LABELS[generator],
         "raw_file": os.path.relpath(raw_path, args.out),
     }  # fmt: skip
 
@@ -316,11 +322,36 @@ def profile_once(args, config, model, adapters, url, io, concurrency) -> None:
         return
     os.makedirs(folder, exist_ok=True)
     rc, _ = run_point(args, model, adapters, url, io, concurrency, os.path.join(folder, f"bench_{name}.json"),
-                      os.path.join(folder, f"bench_{name}.log"), profile=True)  # fmt: skip
+                      os.path.join(folder, f"bench_{name}.log"), profile=True, generator="vllm")  # fmt: skip
     # vLLM 0.26 names them profiler_out_<rank>.txt, 0.32 rank<rank>.profiler_out.txt
     tables = sorted(glob.glob(os.path.join(folder, "*profiler_out*.txt")))
     print(f"[sweep] profiled {config.label} io={io[0]}/{io[1]} bs={concurrency}: rc={rc}, "
           f"{len(tables)} rank table(s) in {folder}", flush=True)  # fmt: skip
+
+
+def measure_point(args, config, model, adapters, url, io, concurrency, generator, finished, writer, csv_file,
+                  failures, progress) -> int:  # fmt: skip
+    """One point with one load generator against the running server: its row in points.csv (1), or a failure or a
+    point already measured (0)."""
+    name = point_name(config, io, concurrency, generator)
+    if name in finished:
+        return 0
+    bench_log = os.path.join(args.out, "logs", name.replace(".json", ".log"))
+    raw = os.path.join(args.out, "raw", name)
+    rc, result = run_point(args, model, adapters, url, io, concurrency, raw, bench_log, generator=generator)
+    if result is None:
+        failures.append(f"{name}: {LABELS[generator]} rc={rc}, see {bench_log}")
+        print(f"[sweep] FAILED {name}\n{tail(bench_log, 8)}", flush=True)
+        return 0
+    row = row_from_result(config, args, io, concurrency, raw, result, generator)
+    writer.writerow(row)
+    csv_file.flush()
+    done, total, started = progress
+    eta = (time.monotonic() - started) / done * (total - done)
+    print(f"[sweep] {done}/{total} {config.label} io={io[0]}/{io[1]} bs={concurrency} ({LABELS[generator]}): "
+          f"tpot {row['median_tpot_ms']:.2f} ms, ttft {row['median_ttft_ms']:.1f} ms, "
+          f"{row['output_throughput']:.1f} tok/s (eta {eta / 60:.0f} min)", flush=True)  # fmt: skip
+    return 1
 
 
 def main(argv=None) -> int:
@@ -329,7 +360,7 @@ def main(argv=None) -> int:
     ios = [tuple(int(x) for x in pair.split("/")) for pair in args.io.split(",")]
     concurrencies = csv_ints(args.concurrency)
     profiled = csv_ints(args.profile_concurrency)
-    total = len(configs) * len(ios) * len(concurrencies)
+    total = len(configs) * len(ios) * len(concurrencies) * len(args.load_generators)
     print(f"[sweep] {len(configs)} server configurations, {total} points -> {args.out}", flush=True)
     if args.dry_run:
         for config in configs:
@@ -348,7 +379,7 @@ def main(argv=None) -> int:
         if f.tell() == 0:  # a new (or empty) file; one with a header but no points yet keeps its header
             writer.writeheader()
         for config in configs:
-            names = [point_name(config, io, bs) for io in ios for bs in concurrencies]
+            names = [point_name(config, io, bs, g) for io in ios for bs in concurrencies for g in args.load_generators]
             if all(name in finished for name in names):
                 done += len(names)
                 continue
@@ -367,25 +398,11 @@ def main(argv=None) -> int:
                 wait_healthy(proc, url, log_path, args.start_timeout)
                 for io in ios:
                     for concurrency in concurrencies:
-                        done += 1
-                        name = point_name(config, io, concurrency)
-                        if name in finished:
-                            continue
-                        bench_log = os.path.join(args.out, "logs", name.replace(".json", ".log"))
-                        raw = os.path.join(args.out, "raw", name)
-                        rc, result = run_point(args, model, adapters, url, io, concurrency, raw, bench_log)
-                        if result is None:
-                            failures.append(f"{name}: {LABELS[args.load_generator]} rc={rc}, see {bench_log}")
-                            print(f"[sweep] FAILED {name}\n{tail(bench_log, 8)}", flush=True)
-                            continue
-                        row = row_from_result(config, args, io, concurrency, raw, result)
-                        writer.writerow(row)
-                        f.flush()
-                        measured += 1
-                        eta = (time.monotonic() - started) / done * (total - done)
-                        print(f"[sweep] {done}/{total} {config.label} io={io[0]}/{io[1]} bs={concurrency}: "
-                              f"tpot {row['median_tpot_ms']:.2f} ms, ttft {row['median_ttft_ms']:.1f} ms, "
-                              f"{row['output_throughput']:.1f} tok/s (eta {eta / 60:.0f} min)", flush=True)  # fmt: skip
+                        for generator in args.load_generators:
+                            done += 1
+                            point = (io, concurrency, generator)
+                            measured += measure_point(args, config, model, adapters, url, *point, finished, writer, f,
+                                                      failures, (done, total, started))  # fmt: skip
                 for io in ios:
                     for concurrency in profiled:
                         profile_once(args, config, model, adapters, url, io, concurrency)

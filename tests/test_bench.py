@@ -277,6 +277,30 @@ def test_summary_names_the_load_generator_that_ran(tmp_path):
     assert "| bdlora | 128 | 128 | 10.00 | - | 50.0 | - |" in text  # no ITL or p99 reported: dashes, not a crash
 
 
+def test_a_second_load_generator_gets_its_own_table_beside_the_first(tmp_path):
+    """Both generators against the same servers: tables, speed-ups and plots come from `vllm bench serve`'s points;
+    LLMPerf's follow in a table of their own with each number's ratio to the first generator's."""
+    first = [synthetic_row("base", 0, 5.0, 200), synthetic_row("bdlora", 128, 6.0, 150)]
+    second = [{**row, "load_generator": "llmperf", "median_tpot_ms": row["median_tpot_ms"] * 1.5,
+               "median_ttft_ms": 100.0} for row in first]  # fmt: skip
+    rows = [{**row, "load_generator": "vllm"} for row in first] + second
+    table = report.index(rows)
+    assert {r["load_generator"] for section in table.values() for r in section.values()} == {"vllm"}
+    text = report.write_summary(str(tmp_path), rows, table)
+    assert "load generator `llmperf token_benchmark_ray`" in text and "`vllm bench serve`" in text
+    assert "Measured by `llmperf token_benchmark_ray` against the same servers" in text
+    assert "| bdlora | 128 | 9.00 | 100.0 | 1000 | 150.0 | 1.50 | 2.00 |" in text
+    assert "| base | 0 | 7.50 | 100.0 | 1000 | 200.0 | 1.50 | 2.00 |" in text
+
+
+@pytest.mark.parametrize("generators", ["vllm,vllm", "vllm,ab", ""])
+def test_load_generator_lists_are_checked(generators):
+    from bench.sweep import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--load-generator", generators, "--out", "x"])
+
+
 def test_first_wave_time_is_read_from_per_request_timings(tmp_path):
     """Four requests at concurrency 2: the first wave is the two that start first, whatever their order in the
     file; its time runs from the first start to the later of their first tokens. A median TTFT cannot show it."""

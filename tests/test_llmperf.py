@@ -1,5 +1,5 @@
 """The real LLMPerf (ray-project/llmperf, the BD-LoRA paper's load generator) measuring a BD-LoRA server on the
-CPU through `bench.sweep --load-generator llmperf`.
+CPU through `bench.sweep --load-generator vllm,llmperf`, beside `vllm bench serve` against the same server.
 
 LLMPerf runs from a checkout (BDLORA_LLMPERF_DIR, else ../shared/vendor/llmperf beside this repository) in an
 interpreter of its own (BDLORA_LLMPERF_PYTHON, else .venv-llmperf, made here by bench/llmperf.py once)."""
@@ -38,7 +38,7 @@ def llmperf_python() -> str:
     return llmperf.venv_python(str(venv))
 
 
-def test_llmperf_measures_a_bd_server_with_the_served_models_token_counts(llmperf_checkout, llmperf_python, tmp_path):
+def test_llmperf_and_vllm_bench_measure_one_bd_server_with_its_token_counts(llmperf_checkout, llmperf_python, tmp_path):
     from bench.sweep import main
 
     out = tmp_path / "results"
@@ -46,11 +46,13 @@ def test_llmperf_measures_a_bd_server_with_the_served_models_token_counts(llmper
         "--model-shape", "tiny", "--tp", "1", "--modes", "bdlora", "--ranks", "8", "--io", f"64/{OUTPUT_TOKENS}",
         "--concurrency", "2", "--adapters", "1", "--prompts-per-concurrency", "3", "--max-model-len", "256",
         "--dtype", "float32", "--out", str(out), "--workdir", str(tmp_path / "work"), "--start-timeout", "240",
-        "--load-generator", "llmperf", "--llmperf-dir", llmperf_checkout, "--llmperf-python", llmperf_python,
+        "--load-generator", "vllm,llmperf", "--llmperf-dir", llmperf_checkout, "--llmperf-python", llmperf_python,
     ]  # fmt: skip
     assert main(argv) == 0, (out / "failures.txt").read_text()
-    (row,) = list(csv.DictReader(open(out / "points.csv")))
+    first, row = list(csv.DictReader(open(out / "points.csv")))
+    assert first["load_generator"] == "vllm bench serve" and int(first["completed"]) == 12
     assert row["load_generator"] == "llmperf token_benchmark_ray" and row["mode"] == "bdlora"
+    assert len(list((out / "logs").glob("server_*.log"))) == 1  # one server, measured by both
     assert int(row["completed"]) == 12  # max(12, 3 prompts x concurrency 2)
     assert float(row["median_ttft_ms"]) > 0 and float(row["output_throughput"]) > 0
     summary = json.loads((out / "raw" / Path(row["raw_file"]).name).read_text())
@@ -61,4 +63,5 @@ def test_llmperf_measures_a_bd_server_with_the_served_models_token_counts(llmper
     assert summary["results_number_errors"] == 0
     log = (out / "logs" / Path(row["raw_file"]).name.replace(".json", ".log")).read_text()
     assert log.startswith("warm-up: 2 requests to a0, HTTP [200]"), log[:500]
-    assert "Shakespeare-sonnet chat prompts" in (out / "summary.md").read_text()
+    text = (out / "summary.md").read_text()
+    assert "Shakespeare-sonnet chat prompts" in text and "Measured by `llmperf token_benchmark_ray`" in text
