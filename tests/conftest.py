@@ -125,6 +125,24 @@ def engine_kwargs(model: str, tp: int, bdlora: bool, **overrides) -> dict:
     return kwargs
 
 
+@torch.no_grad()
+def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """`model`'s log-probabilities (float32) at each step of `tokens` continuing `prompt`, the tokens given: how a
+    reference scores another engine's own continuation, so that a near-tie that went the other way is no failure."""
+    ids = torch.tensor([prompt + tokens])
+    logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    return logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+
+
+def reference_errors(reference, prompt: list[int], output: dict) -> tuple[float, float]:
+    """(argmax margin, logprob error) of one engine output against `reference` teacher-forced on its tokens: how
+    far below the reference's best each chosen token is, and how far the engine's log-probabilities are off."""
+    scores = teacher_forced(reference, prompt, output["token_ids"])
+    chosen = scores[torch.arange(len(output["token_ids"])), torch.tensor(output["token_ids"])]
+    margin = (scores.max(dim=-1).values - chosen).max().item()
+    return margin, (chosen - torch.tensor(output["logprobs"])).abs().max().item()
+
+
 # float32 everywhere; vLLM's CPU kernels and Transformers differ only by summation order.
 LOGPROB_ATOL = 1e-3
 

