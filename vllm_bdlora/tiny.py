@@ -221,11 +221,8 @@ def add_dora_magnitudes(adapter_dir: str, base_model: str, out_dir: str, seed: i
         tensors[key.removesuffix(".lora_A.weight") + ".lora_magnitude_vector"] = weight.norm(dim=1) * jitter
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
-    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-        config = json.load(f)
-    config["use_dora"] = True
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    copy_json_with(os.path.join(adapter_dir, "adapter_config.json"), os.path.join(out_dir, "adapter_config.json"),
+                   use_dora=True)  # fmt: skip
     for name in os.listdir(adapter_dir):
         if name not in ("adapter_model.safetensors", "adapter_config.json"):
             src = os.path.join(adapter_dir, name)
@@ -238,7 +235,6 @@ def make_int8_checkpoint(model_dir: str, out_dir: str, dequantized_dir: str) -> 
     """A compressed-tensors W8A8 checkpoint of `model_dir` (decoder projections int8, symmetric, one scale per
     output channel; activations quantized per token at run time, as llm-compressor's W8A8 scheme writes them), and
     beside it the same model with those projections dequantized (float32): the weights a reference must use."""
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -267,9 +263,14 @@ def make_int8_checkpoint(model_dir: str, out_dir: str, dequantized_dir: str) -> 
     for directory, weights in ((out_dir, quantized), (dequantized_dir, dequantized)):
         shutil.copytree(model_dir, directory, dirs_exist_ok=True)
         save_file(weights, os.path.join(directory, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    config = os.path.join(out_dir, "config.json")
+    copy_json_with(config, config, quantization_config=quantization)
     return out_dir, dequantized_dir
+
+
+def copy_json_with(source: str, target: str, **changes) -> None:
+    """Write the JSON object in `source` to `target` (which may be `source`) with `changes` set."""
+    with open(source) as f:
+        config = json.load(f)
+    with open(target, "w") as f:
+        json.dump({**config, **changes}, f, indent=2)
