@@ -34,6 +34,7 @@ def test_a_bd_server_on_cuda_captures_prefills_up_to_the_setting_and_says_so(par
     assert engine_args.compilation_config.max_cudagraph_capture_size == 2048
     line = next(r.getMessage() for r in caplog.records if "capturing CUDA graphs" in r.getMessage())
     assert "up to 2048 tokens" in line and "prefill_graph_tokens" in line and "Graph capturing finished" in line
+    assert "147 graph sizes in all" in line  # 1, 2, 4; 8-248 by 8; 256-2048 by 16
 
 
 @pytest.mark.parametrize(

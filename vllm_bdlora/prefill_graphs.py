@@ -25,6 +25,14 @@ logger = logging.getLogger("vllm.bdlora")
 VLLM_DEFAULT_CEILING = 512
 
 
+def vllm_capture_grid(limit: int) -> list[int]:
+    """The batch sizes vLLM captures up to `limit` when given only a ceiling: 1, 2, 4, every 8 tokens below 256,
+    every 16 from 256 (vLLM's own grid, for the log line)."""
+    return (
+        [n for n in (1, 2, 4) if n <= limit] + list(range(8, min(limit + 1, 256), 8)) + list(range(256, limit + 1, 16))
+    )
+
+
 def prefill_capture_limit(engine_args, settings: BdLoraSettings, on_cuda: bool) -> int | None:
     """The `max_cudagraph_capture_size` to give vLLM, or None to leave its configuration as it is: off CUDA, with
     the setting at 0, under --enforce-eager, with graphs turned off or where the user chose a capture range."""
@@ -53,10 +61,10 @@ def capture_prefills(engine_args, settings: BdLoraSettings, on_cuda: bool) -> in
     logger.info(
         "vllm-bdlora: capturing CUDA graphs for batches of up to %d tokens (vLLM's default stops at min(2 x "
         "max_num_seqs, %d)), so that LoRA prefills of up to %d tokens run as graphs instead of paying every LoRA "
-        "layer's launches on the host. Cost: about %d more graph sizes, each captured with and without LoRA, in "
-        "start-up time and graph memory (vLLM's 'Graph capturing finished' line reports both). To keep vLLM's "
-        "range, set additional_config {\"bdlora\": {\"prefill_graph_tokens\": 0}} or a capture range of your own "
+        "layer's launches on the host. Cost: %d graph sizes in all, each captured with and without LoRA, in start-up "
+        "time and graph memory (vLLM's 'Graph capturing finished' line reports both). To keep vLLM's range, set "
+        "additional_config {\"bdlora\": {\"prefill_graph_tokens\": 0}} or a capture range of your own "
         "(--compilation-config '{\"max_cudagraph_capture_size\": N}').",
-        limit, VLLM_DEFAULT_CEILING, limit, max(0, (limit - VLLM_DEFAULT_CEILING) // 16),
+        limit, VLLM_DEFAULT_CEILING, limit, len(vllm_capture_grid(limit)),
     )  # fmt: skip
     return limit
