@@ -8,8 +8,9 @@ the base model 36 ms (bench/results/serving/tp1-llama3.1-8b-h200*). So a BD-LoRA
 graphs up to `prefill_graph_tokens` (the plugin's setting) unless the user set a capture range, turned graphs off
 or ran eagerly. vLLM builds the sizes itself (its usual grid, every 16 tokens above 256), so a prompt is padded to at
 most 15 more tokens; each added size is captured once with and once without LoRA, which costs start-up time and
-graph memory (vLLM's "Graph capturing finished" line reports both; bench/results/prefill/ has measured figures).
-Longer prefills than the range stay eager, where the GPU's work has grown past the host's.
+graph memory (vLLM's "Graph capturing finished" line reports both; measured figures:
+bench/results/serving/tp1-llama3.1-8b-h100-ttft/startup.md). Longer prefills than the range stay eager, where the
+GPU's work has grown past the host's.
 """
 
 from __future__ import annotations
