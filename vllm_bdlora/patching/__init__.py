@@ -10,6 +10,7 @@ rather than patching something it does not understand.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -70,6 +71,26 @@ def wrap_method(owner: type, name: str, make_wrapper: Callable[[Callable], Calla
     elif isinstance(raw, classmethod):
         wrapper = classmethod(wrapper)
     setattr(owner, name, wrapper)
+    return True
+
+
+def wrap_function(
+    module_name: str, name: str, make_wrapper: Callable[[Callable], Callable], required: tuple[str, ...] = ()
+) -> bool:
+    """Replace the module-level function `module_name.name` by `make_wrapper(original)`, once, after checking that
+    the original takes the `required` parameters. A module that imported the function by name keeps its own
+    reference: wrap it there too."""
+    module = importlib.import_module(module_name)
+    function = getattr(module, name, None)
+    if function is None:
+        raise UpstreamContractError(f"vllm-bdlora cannot patch {module_name}.{name}: it does not exist.")
+    if getattr(function, _ORIGINAL, None) is not None:
+        return False
+    require_parameters(function, required, f"{module_name}.{name}")
+    wrapper = make_wrapper(function)
+    functools.update_wrapper(wrapper, function)
+    setattr(wrapper, _ORIGINAL, function)
+    setattr(module, name, wrapper)
     return True
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from vllm_bdlora.config import BdLoraSettings
-from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_method
+from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_function, wrap_method
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -164,33 +164,19 @@ def ignore_unadapted_tokens(op):
         output[unadapted] = kept
         return result
 
-    masked.__bdlora_original__ = op
-    masked.__name__ = op.__name__
     return masked
 
 
 def patch_cpu_lora_ops_ignore_unadapted_tokens() -> bool:
     """vLLM's CPU LoRA ops index the stacked weights with each token's slot, -1 meaning "no adapter":
     a base-model request in a mixed batch picks up the adapter in the last slot once it is filled."""
-    import importlib
-
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
-    changed = False
-    for module_name in CPU_LORA_OP_NAMESPACES:
-        module = importlib.import_module(module_name)
-        for name in CPU_LORA_OPS:
-            op = getattr(module, name, None)
-            if op is None:
-                raise UpstreamContractError(f"vllm-bdlora: {module_name}.{name} is missing.")
-            if getattr(op, "__bdlora_original__", None) is not None:
-                continue
-            require_parameters(op, ("inputs", "lora_indices_tensor"), f"{module_name}.{name}")
-            setattr(module, name, ignore_unadapted_tokens(op))
-            changed = True
-    return changed
+    wrapped = [wrap_function(module, name, ignore_unadapted_tokens, ("inputs", "lora_indices_tensor"))
+               for module in CPU_LORA_OP_NAMESPACES for name in CPU_LORA_OPS]  # fmt: skip
+    return any(wrapped)
 
 
 # Where vLLM's linear LoRA layers look up the device for their buffers (base_linear imports the function by name).
@@ -210,30 +196,17 @@ def lora_device_beside_repacked_weights(lookup):
                 return tensors[0].device
         return lookup(base_layer)
 
-    device.__bdlora_original__ = lookup
-    device.__name__ = lookup.__name__
     return device
 
 
 def patch_cpu_lora_device_of_repacked_layers() -> bool:
-    import importlib
-
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
-    changed = False
-    for module_name in LORA_DEVICE_LOOKUPS:
-        module = importlib.import_module(module_name)
-        lookup = getattr(module, "_get_lora_device", None)
-        if lookup is None:
-            raise UpstreamContractError(f"vllm-bdlora: {module_name}._get_lora_device is missing.")
-        if getattr(lookup, "__bdlora_original__", None) is not None:
-            continue
-        require_parameters(lookup, ("base_layer",), f"{module_name}._get_lora_device")
-        module._get_lora_device = lora_device_beside_repacked_weights(lookup)
-        changed = True
-    return changed
+    wrapped = [wrap_function(module, "_get_lora_device", lora_device_beside_repacked_weights, ("base_layer",))
+               for module in LORA_DEVICE_LOOKUPS]  # fmt: skip
+    return any(wrapped)
 
 
 def patch_adapter_load_order() -> bool:
