@@ -14,9 +14,9 @@ its own, sent one prompt of `--tokens` tokens at a time with one output token, s
 
 Per case: the median time of a request (prefill + one sampled token, offline: no HTTP), then a torch-profiler pass
 over a few requests: GPU busy time per request (kernel time summed) against its wall time (the rest is the GPU
-waiting for the host), the LoRA layer op's calls and host time per call, and kernel time by kind (GEMMs, attention,
-LoRA kernels, the rest). Writes prefill_profile.{json,md}. It measures the mechanism; the serving sweep measures
-what users see (TTFT through `vllm serve`).
+waiting for the host), the LoRA layer op's calls and host time per call, kernel time by kind (GEMMs, attention,
+LoRA kernels, the rest) and the case's top kernels by GPU time. Writes prefill_profile.{json,md}. It measures the
+mechanism; the serving sweep measures what users see (TTFT through `vllm serve`).
 """
 
 from __future__ import annotations
@@ -39,19 +39,38 @@ BD_RANK, NFS_RANK = 128, 64
 TIMED, PROFILED, WARM_UPS = 20, 5, 3
 OUR_KERNELS = ("_routed_shrink_kernel", "_fused_expand_kernel", "_decode_lora_linear_kernel", "_dora_compose_kernel")
 LORA_OP = "vllm_bdlora::fused_lora_slices_"
+TOP_KERNELS, KERNEL_NAME_CHARS = 15, 90  # each case's kernels by GPU time: which of them the LoRA time is
 
 
 def kernel_kind(name: str) -> str:
+    """Inductor names its generated kernels after the ops they fuse (`triton_poi_fused_fused_lora_slices__mul_silu`
+    is the base's SiLU-and-multiply reading our op's output): those are the model's own elementwise work, never
+    LoRA. FlashAttention's kernels are CUTLASS templates: attention is matched before GEMMs."""
     lower = name.lower()
     if any(k in name for k in OUR_KERNELS):
         return "lora_ours"
+    if lower.startswith("triton_"):
+        return "other"
     if "lora" in lower:
         return "lora_vllm"
-    if any(k in lower for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
-        return "gemm"
     if any(k in lower for k in ("flash", "attn", "attention", "fmha")):
         return "attention"
+    if any(k in lower for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        return "gemm"
     return "other"
+
+
+def with_current_kinds(row: dict) -> dict:
+    """`row` with the time of each kernel it lists moved to the kind `kernel_kind` gives it now (a case measured
+    under older rules; the kernels past its top list keep their recorded kind)."""
+    row = dict(row)
+    for kernel in row.get("top_kernels", []):
+        kind = kernel_kind(kernel["name"])
+        if kind != kernel["kind"]:
+            row[f"{kernel['kind']}_ms"] -= kernel["ms_per_request"]
+            row[f"{kind}_ms"] += kernel["ms_per_request"]
+    row["top_kernels"] = [k | {"kind": kernel_kind(k["name"])} for k in row.get("top_kernels", [])]
+    return row
 
 
 def run_case(name: str, args) -> dict:
@@ -117,10 +136,14 @@ def run_case(name: str, args) -> dict:
     profiled_ms = (time.perf_counter() - t0) * 1e3 / PROFILED
     kinds = dict.fromkeys(("gemm", "attention", "lora_ours", "lora_vllm", "other"), 0.0)
     op_calls, op_host_us = 0, 0.0
+    kernels = []
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         if str(getattr(event, "device_type", "")).endswith("CUDA") and device_us:
             kinds[kernel_kind(event.key)] += device_us / 1e3 / PROFILED
+            kernels.append({"name": event.key[:KERNEL_NAME_CHARS], "kind": kernel_kind(event.key),
+                            "calls_per_request": round(event.count / PROFILED, 1),
+                            "ms_per_request": round(device_us / 1e3 / PROFILED, 3)})  # fmt: skip
         if event.key == LORA_OP:
             op_calls += event.count
             op_host_us += event.cpu_time_total
@@ -135,13 +158,15 @@ def run_case(name: str, args) -> dict:
         "lora_op_calls_per_request": op_calls // PROFILED,
         "lora_op_host_us_per_call": round(op_host_us / op_calls, 1) if op_calls else 0.0,
         "lora_op_host_ms_per_request": round(op_host_us / 1e3 / PROFILED, 2),
+        "top_kernels": sorted(kernels, key=lambda k: -k["ms_per_request"])[:TOP_KERNELS],
     }  # fmt: skip
 
 
 def write_report(out: str, rows: list[dict], command: str) -> str:
-    from bench.sweep import environment
-
-    env = environment()
+    """prefill_profile.md from the cases' rows, on the machine `out/environment.json` names (written by the run)."""
+    with open(os.path.join(out, "environment.json")) as f:
+        env = json.load(f)
+    rows = [with_current_kinds(r) for r in rows]
     base = next((r for r in rows if r["case"] == "base"), None)
     lines = [
         f"# Prefill profile: {rows[0]['model_shape']}, TP=1, one {rows[0]['tokens']}-token prompt at a time",
@@ -165,6 +190,11 @@ def write_report(out: str, rows: list[dict], command: str) -> str:
             f"{lora_ms:.1f} | {r['other_ms']:.1f} | {r['lora_op_calls_per_request']} | "
             f"{r['lora_op_host_us_per_call']:.0f} | {r['engine_start_s']:.0f} |"
         )  # fmt: skip
+    for r in rows:
+        lines += ["", f"## {r['case']}: kernels by GPU time (top {TOP_KERNELS}, per request)", "",
+                  "| kernel | kind | calls | ms |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| `{k['name']}` | {k['kind']} | {k['calls_per_request']:g} | {k['ms_per_request']:.3f} |"
+                  for k in r.get("top_kernels", [])]  # fmt: skip
     path = os.path.join(out, "prefill_profile.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -179,15 +209,26 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--cases", default="base,bd-eager,bd-graphs,nfs-eager")
     p.add_argument("--workdir", default="/tmp/bdlora-bench")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite prefill_profile.md from the case-*.json files already in --out, measuring nothing",
+    )
     p.add_argument("--run-case", help=argparse.SUPPRESS)  # internal: one case, in a process of its own
     args = p.parse_args(argv)
     given = sys.argv[1:] if argv is None else list(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.report_only:
+        return report_only(args.out, args.cases.split(","))
     if args.run_case:
         row = run_case(args.run_case, args)
         with open(os.path.join(args.out, f"case-{args.run_case}.json"), "w") as f:
             json.dump(row, f, indent=1)
         return 0
+    from bench.sweep import environment
+
+    with open(os.path.join(args.out, "environment.json"), "w") as f:
+        json.dump(environment(), f, indent=1)
     rows = []
     for name in args.cases.split(","):
         if name not in CASES:
@@ -212,6 +253,24 @@ def main(argv=None) -> int:
     command = "python -m bench.prefill_profile " + " ".join(given)
     print(open(write_report(args.out, rows, command)).read())
     return 0 if len(rows) == len(args.cases.split(",")) else 1
+
+
+def report_only(out: str, cases: list[str]) -> int:
+    rows = []
+    for name in cases:
+        path = os.path.join(out, f"case-{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                rows.append(json.load(f))
+    if not rows:
+        print(f"no case-*.json of {', '.join(cases)} in {out}")
+        return 1
+    with open(os.path.join(out, "prefill_profile.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(
+        open(write_report(out, rows, f"python -m bench.prefill_profile --out {out} --cases {','.join(cases)}")).read()
+    )
+    return 0
 
 
 if __name__ == "__main__":
