@@ -7,6 +7,7 @@ interpreter of its own (BDLORA_LLMPERF_PYTHON, else .venv-llmperf, made here by 
 import csv
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,14 @@ def test_llmperf_and_vllm_bench_measure_one_bd_server_with_its_token_counts(llmp
     assert log.startswith("warm-up: 2 requests to a0, HTTP [200]"), log[:500]
     text = (out / "summary.md").read_text()
     assert "Shakespeare-sonnet chat prompts" in text and "Measured by `llmperf token_benchmark_ray`" in text
+
+
+def test_offline_install_takes_what_the_host_python_lacks_from_wheels_and_the_rest_from_it(llmperf_python, tmp_path):
+    """An offline host (`install --wheels`): a venv made with no index sees the host interpreter's packages (here
+    LLMPerf's own venv stands for a host's Python), so a wheels folder holding none of the requirements installs."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    python = llmperf.install(str(tmp_path / "venv"), python=llmperf_python, wheels=str(wheels))
+    code = "import pydantic, ray, pandas, boto3; print(pydantic.VERSION, ray.__file__)"
+    version, ray_file = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert version.startswith("2.4") and not ray_file.startswith(str(tmp_path))
