@@ -154,36 +154,45 @@ def test_one_gpu_slot_refilled_between_dora_and_plain_adapters_matches_peft(
     assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("dora_one_slot")), dora_reference, order)
 
 
-# A compressed-tensors W8A8 base (int8 weights, one scale per output channel; activations quantized per token at
-# run time): the reference is PEFT on the dequantized weights, which leaves out only the activations' rounding. The
-# base request alone is up to 0.055 off it on this tiny model (adapters up to 0.07, TP=1 and 2); the bound is about
-# three times the base request's own error. vLLM's CPU backend needs the plugin's cpu_lora_device_of_repacked_layers
-# patch to build LoRA layers over this checkpoint at all.
-INT8_BATCH = [None, "bd64", "std16", "dora16", "bddora64"]
-INT8_ATOL = 0.15
+# Compressed-tensors bases as llm-compressor writes them: W8A8 (int8 weights, one scale per output channel;
+# activations quantized per token at run time) and W4A16 (4-bit weights in groups of 32 inputs, packed eight to an
+# int32; activations unquantized). The reference is PEFT on the dequantized weights, which leaves out only the
+# activations' rounding: under W8A8 the base request alone is up to 0.055 off it on this tiny model (adapters up to
+# 0.07, TP=1 and 2), and the bound is about three times that. vLLM's CPU backend needs the plugin's
+# cpu_lora_device_of_repacked_layers patch to build LoRA layers over either checkpoint at all (its kernels repack
+# the weights and leave `weight` unset).
+QUANTIZED_BATCH = [None, "bd64", "std16", "dora16", "bddora64"]
+# The checkpoint's maker, the dtype the engine serves it in (vLLM's 4-bit CPU kernel computes in bfloat16 only) and
+# the bound: W4A16's base request is 0.022 off PEFT (adapters up to 0.039, TP=1 and 2), in bfloat16 throughout.
+CHECKPOINTS = {
+    "int8": (tiny.make_int8_checkpoint, "float32", 0.15),
+    "w4a16": (tiny.make_w4a16_checkpoint, "bfloat16", 0.1),
+}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_int8_compressed_tensors_base_serves_every_adapter_kind_as_peft(tp, assets, tmp_path_factory):
-    """BD-LoRA, standard LoRA, DoRA and BD-DoRA over an int8 checkpoint in compressed-tensors' format (what
-    llm-compressor's W8A8 scheme writes), square layers (o_proj) included: each request within INT8_ATOL of PEFT
+@pytest.mark.parametrize("scheme", sorted(CHECKPOINTS))
+def test_compressed_tensors_base_serves_every_adapter_kind_as_peft(scheme, tp, assets, tmp_path_factory):
+    """BD-LoRA, standard LoRA, DoRA and BD-DoRA over an int8 (W8A8) and a 4-bit (W4A16) checkpoint in
+    compressed-tensors' format, square layers (o_proj) included: each request within the scheme's bound of PEFT
     teacher-forced on its tokens, DoRA's norms over the dequantized weight."""
     from tests.conftest import reference_errors
     from vllm_bdlora.peft_reference import load_reference
 
-    root = tmp_path_factory.mktemp(f"int8_tp{tp}")
-    int8, dequantized = tiny.make_int8_checkpoint(assets["model"], str(root / "int8"), str(root / "dequantized"))
+    root = tmp_path_factory.mktemp(f"{scheme}_tp{tp}")
+    make, dtype, atol = CHECKPOINTS[scheme]
+    checkpoint, dequantized = make(assets["model"], str(root / scheme), str(root / "dequantized"))
     rng = random.Random(3)
     prompts = {name: [rng.randrange(4, tiny.TINY_LLAMA["vocab_size"]) for _ in range(6 + i)]
-               for i, name in enumerate(INT8_BATCH)}  # fmt: skip
-    engine = engine_kwargs(int8, tp, bdlora=True, additional_config={"bdlora": {"dora": True}})
-    spec = {"engine": engine, "adapters": {n: assets[n] for n in INT8_BATCH if n}, "max_tokens": 16,
-            "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in INT8_BATCH]}  # fmt: skip
+               for i, name in enumerate(QUANTIZED_BATCH)}  # fmt: skip
+    engine = engine_kwargs(checkpoint, tp, bdlora=True, dtype=dtype, additional_config={"bdlora": {"dora": True}})
+    spec = {"engine": engine, "adapters": {n: assets[n] for n in QUANTIZED_BATCH if n}, "max_tokens": 16,
+            "requests": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in QUANTIZED_BATCH]}  # fmt: skip
     result = run_engine(spec, root / "run")
     errors = {}
-    for name, output in zip(INT8_BATCH, result["outputs"], strict=True):
+    for name, output in zip(QUANTIZED_BATCH, result["outputs"], strict=True):
         adapter = assets[REFERENCE_ADAPTER.get(name, name)] if name else None
         errors[name] = reference_errors(load_reference(dequantized, adapter), prompts[name], output)
-    print("int8 (PEFT argmax margin, PEFT logprob error):", errors)
+    print(f"{scheme} (PEFT argmax margin, PEFT logprob error):", errors)
     for name, (margin, error) in errors.items():
-        assert margin < INT8_ATOL and error < INT8_ATOL, f"{name}: int8 vs PEFT ({margin:.3f}, {error:.3f})"
+        assert max(margin, error) < atol, f"{name}: {scheme} vs PEFT ({margin:.3f}, {error:.3f})"

@@ -36,7 +36,7 @@ PATCH_TESTS = {
     "add_lora_failures_as_replies": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
     "cpu_lora_ops_ignore_unadapted_tokens": ["test_patching.py::test_cpu_ops_ignore_unadapted_tokens"],
     "cpu_lora_device_of_repacked_layers": [
-        "test_dora_engine.py::test_int8_compressed_tensors_base_serves_every_adapter_kind_as_peft"
+        "test_dora_engine.py::test_compressed_tensors_base_serves_every_adapter_kind_as_peft"
     ],
     "cpu_pipeline_stage_buffers": [
         "test_engine_vs_peft.py::test_bd_pipeline_and_tensor_parallel_match_peft_without_added_collectives"

@@ -235,6 +235,50 @@ def make_int8_checkpoint(model_dir: str, out_dir: str, dequantized_dir: str) -> 
     """A compressed-tensors W8A8 checkpoint of `model_dir` (decoder projections int8, symmetric, one scale per
     output channel; activations quantized per token at run time, as llm-compressor's W8A8 scheme writes them), and
     beside it the same model with those projections dequantized (float32): the weights a reference must use."""
+
+    def int8_channel(name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        scale = weight.abs().amax(dim=1, keepdim=True) / 127.0
+        q = torch.round(weight / scale).clamp(-127, 127).to(torch.int8)
+        return {name: q, name + "_scale": scale.to(weight.dtype)}, q.to(torch.float32) * scale
+
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
+              "actorder": None, "observer": None, "observer_kwargs": {}}  # fmt: skip
+    group = {"targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+             "weights": {**scheme, "strategy": "channel", "dynamic": False, "observer": "minmax"},
+             "input_activations": {**scheme, "strategy": "token", "dynamic": True}}  # fmt: skip
+    return _write_quantized(model_dir, out_dir, dequantized_dir, int8_channel, "int-quantized", group)
+
+
+def make_w4a16_checkpoint(model_dir: str, out_dir: str, dequantized_dir: str, group_size: int = 32) -> tuple[str, str]:
+    """A compressed-tensors W4A16 checkpoint of `model_dir` (decoder projections 4-bit, symmetric, one scale per
+    `group_size` inputs of each output channel, packed eight to an int32 by compressed-tensors' own packer;
+    activations unquantized: llm-compressor's W4A16 scheme, the GPTQ-style 4-bit layout), and the same model with
+    those projections dequantized (float32) beside it."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    def int4_groups(name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        rows, columns = weight.shape
+        grouped = weight.reshape(rows, columns // group_size, group_size)
+        # scales stored in bfloat16 (as llm-compressor stores them, and what vLLM's 4-bit CPU kernel computes in):
+        # the weights are quantized and dequantized with the rounded scale
+        scale = (grouped.abs().amax(dim=2, keepdim=True) / 7.0).to(torch.bfloat16).float()
+        q = torch.round(grouped / scale).clamp(-8, 7).to(torch.int8)
+        stem = name.removesuffix("weight")
+        stored = {stem + "weight_packed": pack_to_int32(q.reshape(rows, columns), 4),
+                  stem + "weight_scale": scale.squeeze(2).to(torch.bfloat16),
+                  stem + "weight_shape": torch.tensor([rows, columns], dtype=torch.int64)}  # fmt: skip
+        return stored, (q.to(torch.float32) * scale).reshape(rows, columns)
+
+    group = {"targets": ["Linear"], "format": "pack-quantized", "input_activations": None, "output_activations": None,
+             "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+                         "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
+                         "observer_kwargs": {}}}  # fmt: skip
+    return _write_quantized(model_dir, out_dir, dequantized_dir, int4_groups, "pack-quantized", group)
+
+
+def _write_quantized(model_dir, out_dir, dequantized_dir, quantize, fmt: str, group: dict) -> tuple[str, str]:
+    """Write `model_dir` with each decoder projection's weight replaced by `quantize(name, weight)`'s tensors under
+    compressed-tensors' config for `group` (to `out_dir`), and with its dequantized weight (to `dequantized_dir`)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -243,23 +287,13 @@ def make_int8_checkpoint(model_dir: str, out_dir: str, dequantized_dir: str) -> 
     quantized, dequantized = {}, {}
     for name, tensor in tensors.items():
         if name.endswith("_proj.weight") and ".layers." in name:
-            scale = tensor.abs().amax(dim=1, keepdim=True) / 127.0
-            q = torch.round(tensor / scale).clamp(-127, 127).to(torch.int8)
-            quantized[name], quantized[name + "_scale"] = q, scale.to(tensor.dtype)
-            dequantized[name] = q.to(torch.float32) * scale
+            stored, dequantized[name] = quantize(name, tensor)
+            quantized.update(stored)
         else:
             quantized[name] = dequantized[name] = tensor
-    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
-              "actorder": None, "observer": None, "observer_kwargs": {}}  # fmt: skip
-    quantization = {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
-        "config_groups": {"group_0": {
-            "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
-            "weights": {**scheme, "strategy": "channel", "dynamic": False, "observer": "minmax"},
-            "input_activations": {**scheme, "strategy": "token", "dynamic": True},
-        }},
-    }  # fmt: skip
+    quantization = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+                    "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+                    "config_groups": {"group_0": group}}  # fmt: skip
     for directory, weights in ((out_dir, quantized), (dequantized_dir, dequantized)):
         shutil.copytree(model_dir, directory, dirs_exist_ok=True)
         save_file(weights, os.path.join(directory, "model.safetensors"))

