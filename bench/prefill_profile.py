@@ -140,8 +140,9 @@ def run_case(name: str, args) -> dict:
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         if str(getattr(event, "device_type", "")).endswith("CUDA") and device_us:
-            kinds[kernel_kind(event.key)] += device_us / 1e3 / PROFILED
-            kernels.append({"name": event.key[:KERNEL_NAME_CHARS], "kind": kernel_kind(event.key),
+            kind = kernel_kind(event.key)
+            kinds[kind] += device_us / 1e3 / PROFILED
+            kernels.append({"name": event.key[:KERNEL_NAME_CHARS], "kind": kind,
                             "calls_per_request": round(event.count / PROFILED, 1),
                             "ms_per_request": round(device_us / 1e3 / PROFILED, 3)})  # fmt: skip
         if event.key == LORA_OP:
@@ -265,6 +266,7 @@ def report_only(out: str, cases: list[str]) -> int:
     if not rows:
         print(f"no case-*.json of {', '.join(cases)} in {out}")
         return 1
+    rows = [with_current_kinds(r) for r in rows]
     with open(os.path.join(out, "prefill_profile.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(
