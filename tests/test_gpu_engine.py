@@ -196,10 +196,7 @@ def test_moe_model_serves_bd_on_attention_and_refuses_bd_factors_on_experts(tmp_
     """A tiny Qwen3-MoE (vLLM's fused MoE layer, whose LoRA runs on Triton kernels vLLM's CPU build lacks): BD-LoRA
     and standard adapters on attention match PEFT, fp16, on both kernel paths; an adapter with block-diagonal factors
     on the experts is refused naming them, and the server keeps serving the others after it."""
-    import json
     import random
-
-    from safetensors.torch import save_file
 
     from vllm_bdlora import tiny
 
@@ -209,15 +206,7 @@ def test_moe_model_serves_bd_on_attention_and_refuses_bd_factors_on_experts(tmp_
         "bd32": tiny.make_adapter(model, str(root / "bd32"), 32, nblocks=2, target_modules=tiny.ATTENTION, seed=41),
         "std8": tiny.make_adapter(model, str(root / "std8"), 8, target_modules=tiny.ATTENTION, seed=42),
     }
-    experts = root / "bd-experts"
-    experts.mkdir()
-    prefix = "base_model.model.model.layers.0.mlp.experts"
-    tensors = {f"{prefix}.{e}.up_proj.lora_{f}.weight": torch.full((8, 8), 0.01) for e in range(2) for f in "AB"}
-    save_file(tensors, str(experts / "adapter_model.safetensors"))
-    section = {"target_modules_bd_a": ["down_proj"], "target_modules_bd_b": ["up_proj"], "nblocks": 2}
-    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["up_proj"], "use_bdlora": section}
-    (experts / "adapter_config.json").write_text(json.dumps(config))
-    adapters["bd-experts"] = str(experts)
+    adapters["bd-experts"] = tiny.make_bd_experts_adapter(str(root / "bd-experts"))
     batch = [None, "bd32", "std8"]
     rng = random.Random(5)
     prompts = {name: [rng.randrange(4, 512) for _ in range(6 + i)] for i, name in enumerate(batch)}

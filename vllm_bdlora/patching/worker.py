@@ -179,6 +179,31 @@ def patch_cpu_lora_ops_ignore_unadapted_tokens() -> bool:
     return any(wrapped)
 
 
+def patch_cpu_moe_experts_without_lora() -> bool:
+    """On the CPU backend, build a mixture of experts' layers as without LoRA where a BD-LoRA server's LoRA targets
+    leave them out (`vllm_bdlora.experts`): vLLM's LoRA MoE kernels need Triton, which its CPU build lacks."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    from vllm_bdlora.experts import experts_built_for_lora
+
+    require_parameters(FusedMoEConfig.__init__, ("is_lora_enabled",), "FusedMoEConfig.__init__")
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            if kwargs.get("is_lora_enabled"):
+                kwargs["is_lora_enabled"] = experts_built_for_lora(get_current_vllm_config())
+            return original(self, *args, **kwargs)
+
+        return __init__
+
+    return wrap_method(FusedMoEConfig, "__init__", make)
+
+
 # Where vLLM's linear LoRA layers look up the device for their buffers (base_linear imports the function by name).
 LORA_DEVICE_LOOKUPS = ("vllm.lora.layers.utils", "vllm.lora.layers.base_linear")
 
