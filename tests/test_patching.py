@@ -49,6 +49,9 @@ PATCH_TESTS = {
         "test_server.py::test_bad_adapters_get_400_and_the_server_keeps_serving",
         "test_server_guards.py::test_adapter_paths_outside_the_roots_get_one_uniform_403",
     ],
+    "ray_serve_adapter_refusals": [
+        "test_ray_serve.py::test_ray_serve_refuses_a_bad_adapter_with_400_and_keeps_serving"
+    ],
     "api_key_covers_every_route": ["test_server_guards.py::test_every_route_but_the_probes_needs_the_api_key"],
     "adapter_refusals_as_warnings": [
         "test_patching.py::test_adapter_refusal_logs_one_warning_line",
@@ -60,6 +63,7 @@ PATCH_TESTS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def applied():
+    import ray.llm._internal.serve.engines.vllm.vllm_engine  # noqa: F401  (a Ray Serve LLM replica has it loaded)
     import vllm.entrypoints.openai.models.serving  # noqa: F401  (the API server has it loaded)
 
     from vllm_bdlora.plugin import register

@@ -24,6 +24,30 @@ PATH_REFUSED = (
 )
 
 
+class AdapterLoadRefused(Exception):
+    """A refused adapter load that keeps its HTTP status (`status_code`) wherever it is raised: Ray Serve pickles a
+    replica's exception to the process that answers the request, and answers with the exception's status_code."""
+
+    def __init__(self, message: str, status_code: int):
+        super().__init__(message)
+        self.status_code = status_code
+
+    def __reduce__(self):
+        return type(self), (str(self), self.status_code)
+
+
+def adapter_failure_status(message: str) -> int | None:
+    """The HTTP status a failed adapter load answers, from its message: 400 for an adapter vllm-bdlora refused (the
+    client's input), 403 for a path outside the allowed roots; None for failures that are not the client's."""
+    from vllm_bdlora.adapters import AdapterRejected
+
+    if AdapterRejected.MARKER in message:
+        return 400
+    if PATH_REFUSED in message:
+        return 403
+    return None
+
+
 def needs_api_key(path: str) -> bool:
     """Every path but the open probes (and their sub-paths, e.g. /metrics/ as mounted) needs the key."""
     trimmed = path.rstrip("/") or "/"

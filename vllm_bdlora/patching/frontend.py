@@ -6,8 +6,7 @@ import logging
 import sys
 from http import HTTPStatus
 
-from vllm_bdlora.access import PATH_REFUSED, is_allowed_adapter_path, needs_api_key
-from vllm_bdlora.adapters import AdapterRejected
+from vllm_bdlora.access import PATH_REFUSED, adapter_failure_status, is_allowed_adapter_path, needs_api_key
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.patching import UpstreamContractError, original_of, require_parameters, wrap_method
 
@@ -27,7 +26,7 @@ def as_bad_request(response):
     """vLLM answers every adapter load failure but "not found" with 500; a rejected adapter is the
     client's input, so answer 400 with the same message."""
     error = getattr(response, "error", None)
-    if error is not None and AdapterRejected.MARKER in error.message:
+    if error is not None and adapter_failure_status(error.message) == HTTPStatus.BAD_REQUEST:
         error.code = HTTPStatus.BAD_REQUEST.value
         error.type = "BadRequestError"
     return response

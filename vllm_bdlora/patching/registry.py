@@ -10,6 +10,7 @@ from vllm_bdlora.patching.frontend import (
     patch_engine_death_exit_status,
     patch_load_lora_adapter_policy,
 )
+from vllm_bdlora.patching.ray_serve import patch_ray_serve_adapter_refusals
 from vllm_bdlora.patching.worker import (
     patch_adapter_load_order,
     patch_adapter_loading,
@@ -248,6 +249,20 @@ PATCHES: tuple[Patch, ...] = (
         "BadRequestError. Covers /v1/load_lora_adapter, /adapters and --lora-modules.",
         removal="vLLM mapping adapter validation errors to 4xx and confining adapter paths.",
         apply=patch_load_lora_adapter_policy,
+    ),
+    Patch(
+        name="ray_serve_adapter_refusals",
+        targets=("ray.llm._internal.serve.engines.vllm.vllm_engine.VLLMEngine.resolve_lora",),
+        stage="plugin",
+        versions="Ray 2.60 Serve LLM over vLLM 0.26-0.32 (replica process only)",
+        why="Ray Serve LLM loads a multiplexed adapter on its first request and raises a ValueError when the load "
+        "fails, which its ingress answers with HTTP 500 and the replica's traceback: a refused adapter is the "
+        "client's input.",
+        how="Re-raise a failure vllm-bdlora refused as vllm_bdlora.access.AdapterLoadRefused, whose status_code "
+        "(400, or 403 for a path outside the allowed roots: adapter_failure_status) survives Ray's pickling and "
+        "becomes the answer's status; other failures unchanged.",
+        removal="Ray Serve LLM keeping the status of vLLM's adapter load error response.",
+        apply=patch_ray_serve_adapter_refusals,
     ),
     Patch(
         name="api_key_covers_every_route",
