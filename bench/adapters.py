@@ -14,12 +14,12 @@ from safetensors.torch import save_file
 from bench.shapes import LlamaShape
 from vllm_bdlora.tiny import ALL_PROJECTIONS, BD_A, BD_B
 
-# Parameter-matched pairs from the issue (standard r -> BD r'), as in the BD-LoRA paper.
+# Parameter-matched pairs (standard r -> BD r'), the BD-LoRA paper's.
 PARAMETER_MATCHED = {16: 32, 64: 128, 256: 512}
 
 
 def bd_rank_for(rank: int) -> int:
-    """The BD rank compared with standard rank `rank` (twice it outside the issue's table)."""
+    """The BD rank compared with standard rank `rank` (twice it outside that table)."""
     return PARAMETER_MATCHED.get(rank, 2 * rank)
 
 

@@ -422,7 +422,7 @@ def _or_dash(value, spec: str, unit: float = 1.0) -> str:
 
 
 def report(json_path: str) -> str:
-    """fused_lora.md beside the JSON: one table per adapter count and the issue's targets, judged from the
+    """fused_lora.md beside the JSON: one table per adapter count and the layer op's targets, judged from the
     graph-timed whole-layer medians (prefill: 1024-8192 tokens, decode: 1-64 tokens)."""
     _, rows, lines = report_start(
         json_path, "Fused LoRA kernels vs vLLM's LoRA kernels: whole adapted layer (base GEMM + LoRA)"
@@ -478,7 +478,7 @@ def report(json_path: str) -> str:
                 f"{_or_dash(r.get('cublas_one_adapter_lora_overhead_ms'), '.1f', 1e3)} |"
             )
         lines.append("")
-    lines += ["## Targets (issue 5): the layer op", ""]
+    lines += ["## Targets: the layer op", ""]
     for label, lo, hi, test, goal in (
         ("prefill (1024-8192 tokens): ≥ 1.2× faster than vLLM", 1024, 8192, lambda x: x >= 1.2, "≥ 1.2×"),
         ("decode (1-64 tokens): never slower than vLLM", 1, 64, lambda x: x >= 1.0, "≥ 1.0×"),
