@@ -157,15 +157,15 @@ def test_one_gpu_slot_refilled_between_dora_and_plain_adapters_matches_peft(
 # Compressed-tensors bases as llm-compressor writes them: W8A8 (int8 weights, one scale per output channel;
 # activations quantized per token at run time) and W4A16 (4-bit weights in groups of 32 inputs, packed eight to an
 # int32; activations unquantized). The reference is PEFT on the dequantized weights, which leaves out only the
-# activations' rounding: under W8A8 the base request alone is up to 0.055 off it on this tiny model (adapters up to
-# 0.07, TP=1 and 2), and the bound is about three times that. vLLM's CPU backend needs the plugin's
-# cpu_lora_device_of_repacked_layers patch to build LoRA layers over either checkpoint at all (its kernels repack
-# the weights and leave `weight` unset).
+# activations' rounding. vLLM's CPU backend needs the plugin's cpu_lora_device_of_repacked_layers patch to build LoRA
+# layers over either checkpoint at all (its kernels repack the weights and leave `weight` unset).
 QUANTIZED_BATCH = [None, "bd64", "std16", "dora16", "bddora64"]
-# The checkpoint's maker, the dtype the engine serves it in (vLLM's 4-bit CPU kernel computes in bfloat16 only) and
-# the bound: W4A16's base request is 0.022 off PEFT (adapters up to 0.039, TP=1 and 2), in bfloat16 throughout.
+# The checkpoint's maker, the dtype the engine serves it in and the bound. Both are served in bfloat16: vLLM's 4-bit
+# CPU kernel computes in bfloat16 only, and on CPUs with AMX its int8 kernel takes bfloat16 or half activations only
+# (a float32 engine stops at its first step there). W8A8's base request is up to 0.06 off PEFT (adapters up to 0.08,
+# TP=1 and 2), W4A16's 0.022 (adapters up to 0.039); each bound is over twice the worst seen.
 CHECKPOINTS = {
-    "int8": (tiny.make_int8_checkpoint, "float32", 0.15),
+    "int8": (tiny.make_int8_checkpoint, "bfloat16", 0.15),
     "w4a16": (tiny.make_w4a16_checkpoint, "bfloat16", 0.1),
 }
 
