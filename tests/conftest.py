@@ -31,6 +31,20 @@ ADAPTERS = {
 BATCH = [None, *ADAPTERS]
 
 
+def ray_serve_llm_unavailable() -> str | None:
+    """Why Ray Serve LLM's vLLM engine cannot run over the installed vLLM (Ray 2.60's imports vLLM modules that
+    releases before 0.29 and after 0.32 lack), or None. A missing Ray is an error: the dev extra installs it."""
+    import vllm
+
+    try:
+        import ray.llm._internal.serve.engines.vllm.vllm_engine  # noqa: F401
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("vllm"):
+            raise
+        return f"Ray Serve LLM does not run over vLLM {vllm.__version__} (it imports {error.name})"
+    return None
+
+
 def cpu_engine_env(workers: int) -> dict:
     env = {**cpu_defaults(workers), **os.environ}
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function

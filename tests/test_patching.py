@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import ray_serve_llm_unavailable
 from vllm_bdlora.patching import original_of
 from vllm_bdlora.patching.registry import PATCHES, apply_patches, patch_table
 
@@ -63,8 +64,9 @@ PATCH_TESTS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def applied():
-    import ray.llm._internal.serve.engines.vllm.vllm_engine  # noqa: F401  (a Ray Serve LLM replica has it loaded)
     import vllm.entrypoints.openai.models.serving  # noqa: F401  (the API server has it loaded)
+
+    ray_serve_llm_unavailable()  # imports Ray Serve LLM's vLLM engine, as a replica has, where it runs
 
     from vllm_bdlora.plugin import register
 
@@ -154,6 +156,8 @@ def test_targets_are_patched(patch):
         pytest.skip("only applies on vLLM's CPU platform")
     if patch.name == "bd_lora_layer_classes":
         pytest.skip("a tuple, not a function: see test_bd_classes_lead_the_class_tuple")
+    if patch.name == "ray_serve_adapter_refusals" and ray_serve_llm_unavailable():
+        pytest.skip(ray_serve_llm_unavailable())
     if patch.name == "adapter_refusals_as_warnings":
         pytest.skip("a logging filter, not a function: see test_adapter_refusal_logs_one_warning_line")
     resolved = 0

@@ -16,11 +16,12 @@ import pytest
 import requests
 
 from bench.bad_adapters import BAD_ADAPTERS
-from tests.conftest import cpu_engine_env
+from tests.conftest import cpu_engine_env, ray_serve_llm_unavailable
 from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve.process import free_port, tail
 
-pytestmark = pytest.mark.engine
+UNAVAILABLE = ray_serve_llm_unavailable()
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")]
 
 ROOT = Path(__file__).parents[1]
 TP, REPLICAS = 2, 2
@@ -165,7 +166,7 @@ def test_ray_serve_multiplexes_bd_adapters_over_replicas_as_peft(ray_serve, asse
     assert complete(url, "tiny").json()["choices"][0]["text"].split() == expected[None]
     for name in ADAPTERS:  # the first request for each adapter loads it on one replica
         assert complete(url, f"tiny:{name}").json()["choices"][0]["text"].split() == expected[name], name
-    time.sleep(5)  # the replicas report what they hold to Serve's routers
+    time.sleep(10)  # the replicas report what they hold to Serve's routers
     for _ in range(3):
         for name in ADAPTERS:
             assert complete(url, f"tiny:{name}").json()["choices"][0]["text"].split() == expected[name], name

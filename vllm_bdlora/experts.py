@@ -2,7 +2,7 @@
 
 vLLM runs LoRA on a mixture of experts' experts with Triton kernels only, and it builds every experts layer for
 those kernels whenever LoRA is on, whatever `--lora-target-modules` says. Its CPU build has no Triton, so on the
-CPU any LoRA server over a MoE model stopped at its first step, even one whose adapters leave the experts alone.
+CPU any LoRA server over a MoE model would stop at its first step, even one whose adapters leave the experts alone.
 With BD-LoRA on and `--lora-target-modules` given, the CPU backend builds the experts as without LoRA (its own MoE
 kernels); a LoRA manager that would still wrap an experts layer (no targets given, or targets naming the experts)
 is refused before any LoRA layer is built (`lora_wrapped_experts`).

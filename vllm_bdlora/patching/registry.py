@@ -254,7 +254,7 @@ PATCHES: tuple[Patch, ...] = (
         name="ray_serve_adapter_refusals",
         targets=("ray.llm._internal.serve.engines.vllm.vllm_engine.VLLMEngine.resolve_lora",),
         stage="plugin",
-        versions="Ray 2.60 Serve LLM over vLLM 0.26-0.32 (replica process only)",
+        versions="Ray 2.60 Serve LLM, which runs over vLLM 0.29-0.32 (replica process only)",
         why="Ray Serve LLM loads a multiplexed adapter on its first request and raises a ValueError when the load "
         "fails, which its ingress answers with HTTP 500 and the replica's traceback: a refused adapter is the "
         "client's input.",
