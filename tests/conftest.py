@@ -31,6 +31,15 @@ ADAPTERS = {
 BATCH = [None, *ADAPTERS]
 
 
+def readme_block_after(marker: str, language: str = "bash") -> str:
+    """The README's first fenced `language` block after `marker`: what a user copies, run by the tests as written."""
+    readme = (HERE.parent / "README.md").read_text()
+    after = readme[readme.index(marker) :]
+    fence = f"```{language}\n"
+    start = after.index(fence) + len(fence)
+    return after[start : after.index("\n```", start)]
+
+
 def ray_serve_llm_unavailable() -> str | None:
     """Why Ray Serve LLM's vLLM engine cannot run over the installed vLLM (Ray 2.60's imports vLLM modules that
     releases before 0.29 and after 0.32 lack), or None. A missing Ray is an error: the dev extra installs it."""

@@ -156,8 +156,8 @@ def test_targets_are_patched(patch):
         pytest.skip("only applies on vLLM's CPU platform")
     if patch.name == "bd_lora_layer_classes":
         pytest.skip("a tuple, not a function: see test_bd_classes_lead_the_class_tuple")
-    if patch.name == "ray_serve_adapter_refusals" and ray_serve_llm_unavailable():
-        pytest.skip(ray_serve_llm_unavailable())
+    if patch.name == "ray_serve_adapter_refusals" and (reason := ray_serve_llm_unavailable()):
+        pytest.skip(reason)
     if patch.name == "adapter_refusals_as_warnings":
         pytest.skip("a logging filter, not a function: see test_adapter_refusal_logs_one_warning_line")
     resolved = 0

@@ -16,14 +16,13 @@ import pytest
 import requests
 
 from bench.bad_adapters import BAD_ADAPTERS
-from tests.conftest import cpu_engine_env, ray_serve_llm_unavailable
+from tests.conftest import cpu_engine_env, ray_serve_llm_unavailable, readme_block_after
 from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve.process import free_port, tail
 
 UNAVAILABLE = ray_serve_llm_unavailable()
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")]
 
-ROOT = Path(__file__).parents[1]
 TP, REPLICAS = 2, 2
 PROMPT = [10, 20, 30, 40, 50, 60]
 MAX_TOKENS = 16
@@ -38,10 +37,7 @@ def readme_serve_config() -> dict:
     """The README's `bdlora-serve.yaml`."""
     import yaml
 
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"`serve run bdlora-serve\.yaml`:\n\n```yaml\n(.*?)```", readme, re.S)
-    assert block, "README: the bdlora-serve.yaml block is missing"
-    return yaml.safe_load(block.group(1))
+    return yaml.safe_load(readme_block_after("`serve run bdlora-serve.yaml`:", "yaml"))
 
 
 def serve_config(model: str, port: int) -> dict:

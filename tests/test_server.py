@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import cpu_engine_env
+from tests.conftest import cpu_engine_env, readme_block_after
 from vllm_bdlora import tiny
 from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve.process import free_port, running_server, wait_healthy
@@ -174,13 +174,6 @@ def test_bad_adapter_at_startup_stops_the_server_with_a_clear_message(assets):
     output = proc.stdout + proc.stderr
     assert "LoRA adapter rejected: 'wide'" in output
     assert "start the server with --max-lora-rank 128" in output
-
-
-def readme_block_after(marker: str) -> str:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    after = readme[readme.index(marker) :]
-    start = after.index("```bash\n") + len("```bash\n")
-    return after[start : after.index("\n```", start)]
 
 
 def test_the_readmes_cpu_serving_command_starts_as_written_and_matches_peft():
