@@ -16,7 +16,8 @@
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
 #     SHAPE=llama-3.1-70b picks another model shape (results in tp$TP-70b).
 #   bash bench/hosts/gpu_host.sh queue "[NAME=VALUE ...] SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the
-#     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone
+#     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone;
+#     a line "run COMMAND" runs COMMAND there instead (GPU tests, the soak: results under /root/results/NAME)
 #   bash bench/hosts/gpu_host.sh watch SECONDS      # keep the host held (at most SECONDS: it returns when the
 #     queue is done), then bring back /root/results (and the FlashInfer JIT cache, for `install` on a later host)
 #     A call that returns kills what it started, and a server start cut by the call's 10-minute limit is
@@ -30,10 +31,11 @@ STEP=${1:?step}
 # on these VMs it faults with an illegal address (see README.md), so serving keeps it off.
 # CAPTURE_SIZE=N also captures CUDA graphs for batches of up to N tokens (vLLM's default stops at 2 x --max-num-seqs,
 # 128 here), e.g. to see how much of a 1024-token LoRA prefill is host time; its results go to a folder of their own.
+# QUANTIZATION=fp8 serves every mode of a line over that quantized base (--quantization; results in -fp8 folders).
 # RESULTS_TAG=NAME puts a line's results in a folder of their own too, e.g. for
 #   "RESULTS_TAG=proj llama-3.1-8b 4 64 base,bdfused,nfs --lora-target-modules qkv_proj,o_proj,gate_up_proj,down_proj"
 GRAPH_CONFIG='"pass_config":{"fuse_allreduce_rms":false}'${CAPTURE_SIZE:+,\"max_cudagraph_capture_size\":$CAPTURE_SIZE}
-GRAPH_ARGS="--compilation-config '{$GRAPH_CONFIG}'"
+GRAPH_ARGS="--compilation-config '{$GRAPH_CONFIG}'${QUANTIZATION:+ --quantization $QUANTIZATION}"
 SHAPE=${SHAPE:-llama-3.1-8b}
 line_dir() { echo "$1" | tr -d ' -' | tr ',' '_'; }  # a benchmark argument line as a folder name
 case $STEP in
@@ -56,6 +58,13 @@ install)
     site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     find "$site/flashinfer" "$site/tvm_ffi" -exec touch -h -d 2020-01-01 {} + 2>/dev/null
     for cache in "${caches[@]}"; do tar xzf "$cache" -C /root && echo "restored $cache (FlashInfer sources dated back)"; done
+  fi
+  # Wheels a run needs beyond the bundle (Ray, tblib) travel as parts w00..wNN of a tar holding the wheels and a
+  # requirements.txt naming what to install; pip takes the rest of their needs from the host (README.md).
+  if [ -e /root/pkg/w00 ]; then
+    mkdir -p /root/wheels && cat /root/pkg/w?? | tar x -C /root/wheels \
+      && python3 -m pip install -q --no-index --find-links /root/wheels -r /root/wheels/requirements.txt \
+      && echo "installed from wheels: $(tr '\n' ' ' < /root/wheels/requirements.txt)" || exit 1
   fi
   python3 -c "import vllm, vllm_bdlora, peft; print('vllm', vllm.__version__, 'peft', peft.__version__)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
@@ -122,7 +131,7 @@ rounds)  # rounds OLD.tgz FIRST-LAST "MODULE ARGS" ...: every line (a bench modu
   mkdir -p "$OUT" && tar czf "$OUT/rounds.tgz" -C /root rounds ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
-  RESULTS=tp$TP-${SHAPE##*-}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}
+  RESULTS=tp$TP-${SHAPE##*-}${QUANTIZATION:+-$QUANTIZATION}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}
   # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
   # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
@@ -139,7 +148,9 @@ queue)
   shift; printf '%s\n' "$@" > /root/queue.plan
   # A line may start with NAME=VALUE settings for its sweep alone (CAPTURE_SIZE=1024 llama-3.1-8b 2 64 ...).
   setsid nohup bash -c 'while read -r line; do
-      echo "== $(date +%T) $line"; set -- $line; settings=()
+      echo "== $(date +%T) $line"
+      if [[ $line == "run "* ]]; then bash -c "${line#run }" < /dev/null; echo "== $(date +%T) exit $?"; continue; fi
+      set -- $line; settings=()
       while [[ $1 == *=* ]]; do settings+=("$1"); shift; done
       env "${settings[@]}" SHAPE=$1 OUT=/root/queue-out bash bench/hosts/gpu_host.sh sweep "$2" "$3" "$4" 999 "${@:5}" < /dev/null
     done < /root/queue.plan; echo "== $(date +%T) queue done"' > /root/queue.log 2>&1 < /dev/null &
