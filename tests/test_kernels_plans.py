@@ -130,7 +130,7 @@ def test_the_structural_default_prefill_ranges_are_valid(out, hidden, width, sli
 
 def test_a_shape_the_table_lacks_takes_the_default_and_says_how_to_tune_it(caplog):
     """Lookups: the table's entry; for more adapters than the layer's entries hold, the entry of the most; a shape
-    with no entry, the structural default, logged once with the command that tunes it."""
+    with no entry, the structural default, logged once per layer shape with the command that tunes it."""
     table = table_for("NVIDIA H200", 132)
     gate_up = (28672, 4096, 256, 4)  # TP=1 gate_up_proj, BD r'=128, 4 slots
     assert table.decode_plan(*gate_up, 16, 8) == table.decode["out=28672 hidden=4096 total_width=256 slots=many "
@@ -143,6 +143,7 @@ def test_a_shape_the_table_lacks_takes_the_default_and_says_how_to_tune_it(caplo
     said = [r.getMessage() for r in caplog.records if "no launch plan" in r.getMessage()]
     assert len(said) == 1 and "out=1000 hidden=3000" in said[0] and "--write-table" in said[0]
     table.decode_plan(*unknown, 16, 1)  # asked again: a lookup, not another log line
+    table.decode_plan(*unknown, 16, 2)  # the same layer with more adapters: said already
     assert len([r for r in caplog.records if "no launch plan" in r.getMessage()]) == 1
     assert table.prefill_ranges(1000, 3000, 40, 1) == default_prefill_ranges(1000, 3000, 40, 1)
 

@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from vllm_bdlora.kernels.launch_math import cdiv, next_power_of_2
 
@@ -272,6 +272,7 @@ class PlanTable:
     decode: dict  # decode_key -> DecodePlan, or None for "keep the three-kernel path"
     prefill: dict  # prefill_key -> tuple of PrefillRange, by from_tokens
     source: str = "no table"  # where it was read from, for the logs
+    defaults_said: set = field(default_factory=set, repr=False)  # layer shapes whose missing plan was logged
 
     @classmethod
     def empty(cls, device: str, sms: int) -> PlanTable:
@@ -308,8 +309,9 @@ class PlanTable:
             key = decode_key(out_features, hidden, total_width, slots, block_m, mixed)
             if key in self.decode:
                 return self.decode[key]
-        missing = decode_key(out_features, hidden, total_width, slots, block_m, adapters)
-        self._say_default(missing, "decode_lora --configs")
+        layer = f"out={out_features} hidden={hidden} total_width={total_width}"
+        self._say_default(layer, decode_key(out_features, hidden, total_width, slots, block_m, adapters),
+                          "decode_lora --configs")  # fmt: skip
         return default_decode_plan(out_features, hidden, total_width, slots, self.sms, block_m, adapters)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019
@@ -317,7 +319,7 @@ class PlanTable:
         key = prefill_key(out_features, hidden, width, slices)
         if key in self.prefill:
             return self.prefill[key]
-        self._say_default(key, "fused_lora --pairs")
+        self._say_default(key, key, "fused_lora --pairs")
         return default_prefill_ranges(out_features, hidden, width, slices)
 
     def prefill_launch(self, tokens: int, out_features: int, hidden: int, width: int, slices: int) -> PrefillRange:
@@ -325,12 +327,16 @@ class PlanTable:
         ranges = self.prefill_ranges(out_features, hidden, width, slices)
         return next(r for r in reversed(ranges) if r.from_tokens <= tokens)
 
-    def _say_default(self, key: str, search: str) -> None:
-        # with no table at all its loading said so once; a table lacking a shape says which
+    def _say_default(self, layer: str, key: str, search: str) -> None:
+        # with no table at all its loading said so once; a table lacking a shape says which, once per layer shape
+        # (its other batch tiles and adapter counts miss too)
+        if (layer, search) in self.defaults_said:
+            return
+        self.defaults_said.add((layer, search))
         log = logger.info if self.decode or self.prefill else logger.debug
-        log("vllm-bdlora: no launch plan for %s in %s (%s); using the structural default. Tune one on "
-                    "this GPU with: python -m bench.kernels.%s --write-table", key, self.source, self.device,
-                    search)  # fmt: skip
+        log("vllm-bdlora: no launch plan for %s in %s (%s); using the structural default for this layer shape "
+            "(not logged again for its other batch tiles and adapter counts). Tune one on this GPU with: "
+            "python -m bench.kernels.%s --write-table", key, self.source, self.device, search)  # fmt: skip
 
 
 def table_path(device_name: str) -> str:
