@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import ADAPTERS, BATCH, batch_spec, engine_kwargs, run_engine, teacher_forced
+from tests.conftest import ADAPTERS, BATCH, batch_spec, engine_kwargs, reference_errors, run_engine
 from vllm_bdlora.peft_reference import load_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
@@ -39,11 +39,8 @@ def test_bd_on_gpu_matches_peft(tp, cuda_graphs, lora_kernels, slots, assets, pr
     result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}_{lora_kernels}_{slots}"))
     worst = {}
     for name, output in zip(BATCH, result["outputs"], strict=True):
-        reference = teacher_forced(load_reference(assets["model"], assets[name] if name else None),
-                                   prompts[name], output["token_ids"])  # fmt: skip
-        chosen = reference[torch.arange(len(output["token_ids"])), torch.tensor(output["token_ids"])]
-        margin = (reference.max(dim=-1).values - chosen).max().item()
-        logprob_error = (chosen - torch.tensor(output["logprobs"])).abs().max().item()
+        reference = load_reference(assets["model"], assets[name] if name else None)
+        margin, logprob_error = reference_errors(reference, prompts[name], output)
         worst[name] = (margin, logprob_error)
         assert margin < LOGPROB_ATOL, f"{name}: vLLM picked a token {margin:.3f} below PEFT's best"
         assert logprob_error < LOGPROB_ATOL, f"{name}: logprobs differ from PEFT's by {logprob_error:.3f}"
@@ -95,11 +92,8 @@ def test_dora_cuda_graphs_match_eager_and_peft(lora_kernels, assets, tmp_path_fa
     for name, g_out, e_out in zip(DORA_BATCH, results["graphs"]["outputs"], results["eager"]["outputs"], strict=True):
         cosines = step_cosines(g_out, e_out)
         assert min(cosines) >= 0.9999, f"{name}: CUDA-graph vs eager next-token cosine {min(cosines):.6f}"
-        reference = teacher_forced(load_reference(assets["model"], assets[reference_adapter[name]] if name else None),
-                                   prompts[name], g_out["token_ids"])  # fmt: skip
-        chosen = reference[torch.arange(len(g_out["token_ids"])), torch.tensor(g_out["token_ids"])]
-        margin = (reference.max(dim=-1).values - chosen).max().item()
-        error = (chosen - torch.tensor(g_out["logprobs"])).abs().max().item()
+        reference = load_reference(assets["model"], assets[reference_adapter[name]] if name else None)
+        margin, error = reference_errors(reference, prompts[name], g_out)
         summary[name] = (round(min(cosines), 6), round(margin, 4), round(error, 4))
         assert margin < LOGPROB_ATOL and error < LOGPROB_ATOL, f"{name}: differs from PEFT ({margin:.3f}, {error:.3f})"
     print("per request (min graph/eager cosine, PEFT argmax margin, PEFT logprob error):", summary)
@@ -137,11 +131,7 @@ def fp8_dequantized(model, tp: int = 1):
 def peft_errors(assets, prompts, name, output, reference_adapter, quantized, tp: int = 1) -> tuple[float, float]:
     """(argmax margin, logprob error) of one vLLM output against PEFT teacher-forced on its tokens."""
     model = load_reference(assets["model"], assets[reference_adapter.get(name, name)] if name else None)
-    reference = teacher_forced(fp8_dequantized(model, tp) if quantized else model, prompts[name], output["token_ids"])
-    chosen = reference[torch.arange(len(output["token_ids"])), torch.tensor(output["token_ids"])]
-    return (reference.max(dim=-1).values - chosen).max().item(), (
-        chosen - torch.tensor(output["logprobs"])
-    ).abs().max().item()
+    return reference_errors(fp8_dequantized(model, tp) if quantized else model, prompts[name], output)
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
@@ -260,11 +250,8 @@ def test_moe_model_serves_bd_on_attention_and_refuses_bd_factors_on_experts(tmp_
         assert "experts.0.up_proj" in refusal and "target_modules_bd_a/b" in refusal, refusal
         worst = {}
         for name, output in zip(batch, result["outputs"], strict=True):
-            reference = teacher_forced(load_reference(model, adapters[name] if name else None), prompts[name],
-                                       output["token_ids"])  # fmt: skip
-            chosen = reference[torch.arange(len(output["token_ids"])), torch.tensor(output["token_ids"])]
-            margin = (reference.max(dim=-1).values - chosen).max().item()
-            error = (chosen - torch.tensor(output["logprobs"])).abs().max().item()
+            reference = load_reference(model, adapters[name] if name else None)
+            margin, error = reference_errors(reference, prompts[name], output)
             worst[name] = (round(margin, 4), round(error, 4))
             assert margin < LOGPROB_ATOL and error < LOGPROB_ATOL, f"MoE {kernels}/{name}: ({margin:.3f}, {error:.3f})"
         print(f"MoE {kernels} (PEFT argmax margin, PEFT logprob error):", worst)
