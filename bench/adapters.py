@@ -14,13 +14,15 @@ from safetensors.torch import save_file
 from bench.shapes import LlamaShape
 from vllm_bdlora.tiny import ALL_PROJECTIONS, BD_A, BD_B
 
-# Parameter-matched pairs (standard r -> BD r'), the BD-LoRA paper's.
-PARAMETER_MATCHED = {16: 32, 64: 128, 256: 512}
+# The BD-LoRA paper's rank pairs (standard r -> BD r'). Equal trainable parameters only where BD has about 4
+# blocks (Llama-3.1-8B, r=64: 167.8M; BD r'=128 at nblocks 1/2/4/8: 335.5M, 226.5M, 172.0M, 144.7M); the
+# sweep's tables list both counts, so a comparison says which it is.
+PAPER_RANK_PAIRS = {16: 32, 64: 128, 256: 512}
 
 
 def bd_rank_for(rank: int) -> int:
     """The BD rank compared with standard rank `rank` (twice it outside that table)."""
-    return PARAMETER_MATCHED.get(rank, 2 * rank)
+    return PAPER_RANK_PAIRS.get(rank, 2 * rank)
 
 
 def factor_shapes(shape: LlamaShape, module: str, rank: int, nblocks: int | None) -> tuple[tuple, tuple]:

@@ -1,7 +1,7 @@
 """Every committed serving run on one page:  python -m bench.overview [RESULTS_ROOT]
 
 For each run folder under RESULTS_ROOT/serving (default bench/results) and each setting it measured, BD-LoRA's TPOT
-speed-up over S-LoRA and NFS-LoRA at parameter-matched ranks, its throughput ratio, and its TPOT and median
+speed-up over S-LoRA and NFS-LoRA at the paper's paired ranks, its throughput ratio, and its TPOT and median
 inter-token latency over the base model's. Only ratios within one run are used: absolute timings of one
 configuration move between hosts (BS=1 TTFT up to 2x, see results/README.md), ratios measured side by side do not.
 
@@ -64,8 +64,9 @@ def write_markdown(results_root: str, rows: list[dict]) -> str:
         "baseline's; over base = BD's TPOT / the base model's (1 = no LoRA cost), and the same for the median",
         "inter-token latency (ITL: the decode step; at 64 concurrent requests with long prompts a request's TPOT also",
         "counts the steps it shares with others' prefills, and moves with their arrival pattern). Ranks: standard r",
-        "vs BD r' with about the same parameters at TP=8 (at TP=1 a BD adapter has one block: a standard LoRA of rank",
-        "r', twice r's parameters). Each run's host, versions and commands are in its `summary.md`;",
+        "vs BD r' with nblocks = TP, the paper's pairs: BD has 2x r's parameters at TP=1 (one block: a standard LoRA",
+        "of rank r'), 1.35x at TP=2, about the same at TP=4, 0.86x at TP=8. Each run's host, versions and commands",
+        "are in its `summary.md`;",
         "`overview.png` plots the fused-kernel rows at 1024/128 against TP.",
         "",
         "| run | shape | TP | tokens | adapters | BS | BD kernels | r / r' | TPOT vs S-LoRA | vs NFS | "

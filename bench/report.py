@@ -2,7 +2,7 @@
 
 summary.md: host, versions and the exact command; per setting a table of every mode and rank (with the first
 wave's prefill time where the raw files keep per-request timings); BD-LoRA's
-speed-ups over NFS-LoRA and S-LoRA at parameter-matched ranks and its cost over the base model (on vLLM's
+speed-ups over NFS-LoRA and S-LoRA at the paper's paired ranks and its cost over the base model (on vLLM's
 LoRA kernels and on the fused kernels, whichever ran); where TP=4 was measured, the TP=4 serving targets, each
 marked met / missed / not measured.
 plots/: TPOT, TTFT and throughput against trainable parameters, one line per mode, one panel per
@@ -17,7 +17,7 @@ import json
 import os
 from collections import defaultdict
 
-from bench.adapters import PARAMETER_MATCHED, bd_rank_for
+from bench.adapters import PAPER_RANK_PAIRS, bd_rank_for
 from bench.sweep import DEFAULT_MAX_LORAS
 
 METRICS = (("median_tpot_ms", "TPOT (ms)"), ("median_ttft_ms", "TTFT (ms)"), ("output_throughput", "tokens/s"))
@@ -82,16 +82,16 @@ BD_SERVING = {"bdlora": "vLLM's LoRA kernels", "bdfused": "vllm-bdlora's fused k
 
 def bd_comparisons(points: dict):
     """(BD mode, standard rank r, BD rank r', BD's row, {"nfs"/"slora": the row at rank r or None}) for every BD
-    point of one setting ({(mode, rank): row}), in BD_SERVING then PARAMETER_MATCHED order."""
+    point of one setting ({(mode, rank): row}), in BD_SERVING then PAPER_RANK_PAIRS order."""
     for bd_mode in BD_SERVING:
-        for r, r_bd in PARAMETER_MATCHED.items():
+        for r, r_bd in PAPER_RANK_PAIRS.items():
             bd = points.get((bd_mode, r_bd))
             if bd:
                 yield bd_mode, r, r_bd, bd, {mode: points.get((mode, r)) for mode in ("nfs", "slora")}
 
 
 def speedups(points: dict) -> list[str]:
-    """Each way of serving BD adapters against the parameter-matched baselines and the base model, then
+    """Each way of serving BD adapters against the baselines of paired rank and the base model, then
     the fused kernels against vLLM's where both ran."""
     lines = []
     base = points.get(("base", 0))
@@ -136,7 +136,7 @@ def measured(ranks, candidates) -> str:
     return f" (measured at r={', '.join(map(str, ranks))}; not at r={', '.join(map(str, missing))})"
 
 
-NFS_TARGET_RANKS = [r for r in PARAMETER_MATCHED if r >= 64]  # "no slower than NFS-LoRA at any rank ≥ 64"
+NFS_TARGET_RANKS = [r for r in PAPER_RANK_PAIRS if r >= 64]  # "no slower than NFS-LoRA at any rank ≥ 64"
 
 
 def bd_checks(table: dict, bd_mode: str) -> dict:
@@ -152,7 +152,7 @@ def bd_checks(table: dict, bd_mode: str) -> dict:
         (points, r, r_bd, mode)
         for key, points in table.items()
         if key[0] == 4 and key[4] == 64
-        for r, r_bd in PARAMETER_MATCHED.items()
+        for r, r_bd in PAPER_RANK_PAIRS.items()
         for mode in ("nfs", "slora")
         if (bd_mode, r_bd) in points and (mode, r) in points
     ]
@@ -184,14 +184,14 @@ def targets(table: dict) -> list[str]:
             f"- TP=4, BS=1, 1024/128: BD{label} no slower than NFS-LoRA at every rank ≥ 64 — {verdict(c['nfs'])}"
             f"{measured(c['nfs_ranks'], NFS_TARGET_RANKS)}",
             f"- TP=4, BS=64: BD{label} throughput ≥ both baselines at every parameter-matched rank — "
-            f"{verdict(c['throughput'])}{measured(c['throughput_ranks'], PARAMETER_MATCHED)}",
+            f"{verdict(c['throughput'])}{measured(c['throughput_ranks'], PAPER_RANK_PAIRS)}",
         ]
 
     fused_run = any(mode == "bdfused" for key, points in table.items() if key[0] == 4 for mode, _ in points)
     p1 = table.get((4, 1024, 128, 1, 1), {})
     dora_checks = [
         p1[("bddora", r_bd)]["median_tpot_ms"] <= 1.10 * p1[("bdlora", r_bd)]["median_tpot_ms"]
-        for r_bd in PARAMETER_MATCHED.values()
+        for r_bd in PAPER_RANK_PAIRS.values()
         if ("bddora", r_bd) in p1 and ("bdlora", r_bd) in p1
     ]
     lines = [

@@ -12,7 +12,8 @@ Modes: base (no LoRA) · nfs (vLLM's default LoRA) · slora (--fully-sharded-lor
 · bddora (the bdlora adapters plus DoRA magnitude vectors, served with --enable-dora) · bdfused (bdlora on
 vllm-bdlora's fused LoRA kernels). bdlora and bddora name {"lora_kernels": "vllm"} and bdfused "fused" in
 --additional-config, whatever the plugin's default.
-Ranks are parameter-matched pairs: standard r for nfs/slora, BD r' for bdlora/bddora (bench/adapters.py).
+Ranks are the BD-LoRA paper's pairs: standard r for nfs/slora, BD r' for bdlora/bddora (bench/adapters.py;
+equal trainable parameters at nblocks = 4, not at 1, 2 or 8).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bench.adapters import PARAMETER_MATCHED, bd_rank_for, trainable_params, write_adapter
+from bench.adapters import PAPER_RANK_PAIRS, bd_rank_for, trainable_params, write_adapter
 from bench.load_generators import GENERATORS, LABELS, normalise, run_point
 from bench.shapes import SHAPES, make_dummy_model
 from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait_gpu_memory_released, wait_healthy
@@ -90,8 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", default="1,2,4", help="comma-separated TP sizes")
     p.add_argument(
         "--ranks",
-        default=",".join(map(str, PARAMETER_MATCHED)),
-        help="standard ranks r; bdlora uses the parameter-matched r' (16->32, 64->128, 256->512)",
+        default=",".join(map(str, PAPER_RANK_PAIRS)),
+        help="standard ranks r; BD modes use the paper's paired r' (16->32, 64->128, 256->512)",
     )
     p.add_argument("--io", default="1024/128,128/1024", help="input/output token pairs")
     p.add_argument("--concurrency", default="1,16,64")

@@ -42,6 +42,14 @@ def test_parameter_counts_match_the_paper():
     assert round(trainable_params(shape, 128, nblocks=8) / 1e5) == 1447
 
 
+def test_paired_ranks_have_equal_parameters_only_at_four_blocks():
+    """The counts README.md and bench/README.md state for BD r'=128 at each TP against LoRA r=64."""
+    shape = SHAPES["llama-3.1-8b"]
+    bd = {tp: round(trainable_params(shape, 128, nblocks=tp) / 1e5) for tp in (1, 2, 4, 8)}
+    assert bd == {1: 3355, 2: 2265, 4: 1720, 8: 1447}
+    assert abs(bd[4] / round(trainable_params(shape, 64) / 1e5) - 1) < 0.03
+
+
 def synthetic_row(mode, rank, tpot, throughput, concurrency=1):
     return {
         "mode": mode, "tp": 4, "rank": rank, "trainable_params": rank * 1e6, "input_len": 1024, "output_len": 128,
