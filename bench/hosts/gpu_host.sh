@@ -19,7 +19,8 @@
 #     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone;
 #     a line "run COMMAND" runs COMMAND there instead (GPU tests, the soak: results under /root/results/NAME)
 #   bash bench/hosts/gpu_host.sh watch SECONDS      # keep the host held (at most SECONDS: it returns when the
-#     queue is done), then bring back /root/results (and the FlashInfer JIT cache, for `install` on a later host)
+#     queue is done), then bring back /root/results (and the FlashInfer JIT cache and the compile caches, for
+#     `install` on a later host)
 #     A call that returns kills what it started, and a server start cut by the call's 10-minute limit is
 #     lost; `queue` runs its sweeps one after another under setsid, which lives until the host
 #     goes back, so no server start is wasted at call boundaries. Follow it with back-to-back `watch` calls
@@ -38,6 +39,36 @@ GRAPH_CONFIG='"pass_config":{"fuse_allreduce_rms":false}'${CAPTURE_SIZE:+,\"max_
 GRAPH_ARGS="--compilation-config '{$GRAPH_CONFIG}'${QUANTIZATION:+ --quantization $QUANTIZATION}"
 SHAPE=${SHAPE:-llama-3.1-8b}
 line_dir() { echo "$1" | tr -d ' -' | tr ',' '_'; }  # a benchmark argument line as a folder name
+# vLLM's torch.compile cache and the Triton caches (Inductor's kernels inside it, the plugin's in ~/.triton/cache)
+# of the servers started on this host. vLLM keys the compile cache by configuration, versions and model code, and
+# documents copying it between machines of the same versions: on a later host it spares each server start the
+# compile of its configuration (30-50 s of an 8B server's start, plus 13 s of the plugin's kernels). A call
+# brings back files of up to 16 MiB, eight at most, so the caches come back as 15 MiB parts compile-cache-NN
+# (each small enough to ride along with a 32 MiB bundle part's copy), or not at all when the compressed caches
+# are over COMPILE_CACHE_MAX_MIB (45: three parts beside results.tgz and the FlashInfer cache).
+COMPILE_CACHE_DIRS=(.cache/vllm/torch_compile_cache .triton/cache)
+bring_back_compile_caches() {
+  local present=() dir size_mib
+  for dir in "${COMPILE_CACHE_DIRS[@]}"; do [ -d "/root/$dir" ] && present+=("$dir"); done
+  [ ${#present[@]} -gt 0 ] || return 0
+  tar czf /root/compile-cache.tgz -C /root "${present[@]}" || return 0
+  size_mib=$(( ($(stat -c %s /root/compile-cache.tgz) + 1048575) / 1048576 ))
+  if (( size_mib > ${COMPILE_CACHE_MAX_MIB:-45} )); then
+    echo "compile caches: $size_mib MiB compressed, over ${COMPILE_CACHE_MAX_MIB:-45} MiB: not brought back"
+    return 0
+  fi
+  split -b 15M -d -a 2 /root/compile-cache.tgz "$OUT/compile-cache-"
+  echo "compile caches: $size_mib MiB compressed, in $(ls "$OUT"/compile-cache-?? | wc -l) part(s) compile-cache-NN"
+}
+restore_compile_caches() {
+  local parts=(/root/pkg/compile-cache-??)
+  [ -e "${parts[0]}" ] || return 0
+  if cat "${parts[@]}" | tar xz -C /root; then
+    echo "restored the compile caches of an earlier host (${#parts[@]} part(s)): $(cd /root && du -sh "${COMPILE_CACHE_DIRS[@]}" 2>/dev/null | tr '\t\n' '  ')"
+  else
+    echo "the compile-cache parts in /root/pkg did not unpack (one missing?): servers compile as on a fresh host"
+  fi
+}
 case $STEP in
 install)
   # A host taken back between the part calls comes back bare, so later parts land without the earlier ones: stop
@@ -59,6 +90,7 @@ install)
     find "$site/flashinfer" "$site/tvm_ffi" -exec touch -h -d 2020-01-01 {} + 2>/dev/null
     for cache in "${caches[@]}"; do tar xzf "$cache" -C /root && echo "restored $cache (FlashInfer sources dated back)"; done
   fi
+  restore_compile_caches
   # Wheels a run needs beyond the bundle (Ray, tblib) travel as parts w00..wNN of a tar holding the wheels and a
   # requirements.txt naming what to install; pip takes the rest of their needs from the host (README.md).
   if [ -e /root/pkg/w00 ]; then
@@ -168,6 +200,7 @@ watch)
   for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
     ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
   mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C /root/results .
-  if [ -d /root/.cache/flashinfer ]; then tar czf "$OUT/flashinfer-cache.tgz" -C /root .cache/flashinfer; fi ;;
+  if [ -d /root/.cache/flashinfer ]; then tar czf "$OUT/flashinfer-cache.tgz" -C /root .cache/flashinfer; fi
+  bring_back_compile_caches ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
