@@ -4,6 +4,7 @@ small end-to-end sweep on CPU (the same code path the GPU sweeps take)."""
 import csv
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -741,6 +742,44 @@ def test_gpu_host_stops_on_a_host_without_the_bundle(tmp_path):
     queued = step("queue", "llama-3.1-8b 1 64 base")
     assert queued.returncode == 3 and "run install first" in queued.stdout
     assert not (root / "queue.plan").exists()
+
+
+def test_gpu_host_brings_compile_caches_back_in_parts_and_install_restores_them(tmp_path):
+    """`watch` returns the host's compile caches as parts small enough for a call's 16 MiB file limit, or says
+    their size and leaves them when over COMPILE_CACHE_MAX_MIB; `install` on the next host unpacks the parts."""
+    step, root = _stand_in_host(tmp_path, "import sys\nsys.exit(0)\n")
+    compiled = root / ".cache" / "vllm" / "torch_compile_cache" / "hash" / "rank_0_0"
+    compiled.mkdir(parents=True)
+    (compiled / "artifact").write_bytes(os.urandom(20 * 1024 * 1024))  # incompressible: two parts
+    (root / ".triton" / "cache" / "kernel").mkdir(parents=True)
+    (root / ".triton" / "cache" / "kernel" / "k.cubin").write_bytes(b"cubin")
+    (root / "results").mkdir()
+    (root / "queue.log").write_text("== 00:00:00 queue done\n")
+    watched = step("watch", "1")
+    assert "in 2 part(s)" in watched.stdout, watched.stdout + watched.stderr
+    parts = sorted((tmp_path / "out").glob("compile-cache-*"))
+    assert [p.name for p in parts] == ["compile-cache-00", "compile-cache-01"]
+    assert max(p.stat().st_size for p in parts) <= 15 * 1024 * 1024
+    original = (compiled / "artifact").read_bytes()
+    for dir_ in (root / ".cache", root / ".triton"):
+        shutil.rmtree(dir_)
+    (root / "pkg").mkdir()
+    for part in parts:
+        shutil.copy(part, root / "pkg")
+    (tmp_path / ".gpu").mkdir()
+    (tmp_path / ".gpu" / "install_bundle.sh").write_text("exit 0\n")
+    installed = step("install")
+    assert "restored the compile caches of an earlier host (2 part(s))" in installed.stdout, installed.stdout
+    assert (compiled / "artifact").read_bytes() == original
+    assert (root / ".triton" / "cache" / "kernel" / "k.cubin").read_bytes() == b"cubin"
+    shutil.rmtree(tmp_path / "out")
+    over = tmp_path / "over"
+    over.mkdir()
+    limited_step, limited_root = _stand_in_host(over, "import sys\nsys.exit(0)\n", COMPILE_CACHE_MAX_MIB="10")
+    shutil.copytree(root, limited_root)
+    limited = limited_step("watch", "1")
+    assert "over 10 MiB: not brought back" in limited.stdout, limited.stdout + limited.stderr
+    assert not list((over / "out").glob("compile-cache-*"))
 
 
 def test_prefill_profile_sorts_kernels_by_kind_and_reports_each_case_against_the_base(tmp_path):
