@@ -48,13 +48,13 @@ line_dir() { echo "$1" | tr -d ' -' | tr ',' '_'; }  # a benchmark argument line
 # are over COMPILE_CACHE_MAX_MIB (45: three parts beside results.tgz and the FlashInfer cache).
 COMPILE_CACHE_DIRS=(.cache/vllm/torch_compile_cache .triton/cache)
 bring_back_compile_caches() {
-  local present=() dir size_mib
+  local present=() dir size_mib limit_mib=${COMPILE_CACHE_MAX_MIB:-45}
   for dir in "${COMPILE_CACHE_DIRS[@]}"; do [ -d "/root/$dir" ] && present+=("$dir"); done
   [ ${#present[@]} -gt 0 ] || return 0
   tar czf /root/compile-cache.tgz -C /root "${present[@]}" || return 0
   size_mib=$(( ($(stat -c %s /root/compile-cache.tgz) + 1048575) / 1048576 ))
-  if (( size_mib > ${COMPILE_CACHE_MAX_MIB:-45} )); then
-    echo "compile caches: $size_mib MiB compressed, over ${COMPILE_CACHE_MAX_MIB:-45} MiB: not brought back"
+  if (( size_mib > limit_mib )); then
+    echo "compile caches: $size_mib MiB compressed, over $limit_mib MiB: not brought back"
     return 0
   fi
   split -b 15M -d -a 2 /root/compile-cache.tgz "$OUT/compile-cache-"
