@@ -40,6 +40,11 @@ class Patch:
     apply: Callable[[], bool]  # True when it patched something in this call
     platform: Platform = "any"
 
+    @property
+    def platform_note(self) -> str:
+        """What the patch docs add after its stage: where it applies, unless everywhere."""
+        return ", CPU backend only" if self.platform == "cpu" else ""
+
     def applies_here(self) -> bool:
         if self.platform == "any":
             return True

@@ -323,9 +323,6 @@ def apply_patches(stage: Stage) -> list[str]:
     return [patch.name for patch in PATCHES if patch.stage == stage and patch()]
 
 
-CPU_ONLY = ", CPU backend only"
-
-
 def patch_table() -> str:
     rows = [
         "# vLLM patches applied by vllm-bdlora",
@@ -340,7 +337,7 @@ def patch_table() -> str:
     ]
     for p in PATCHES:
         targets = "<br>".join(f"`{t}`" for t in p.targets)
-        where = f"{p.stage}{CPU_ONLY if p.platform == 'cpu' else ''}"
+        where = f"{p.stage}{p.platform_note}"
         rows.append(f"| `{p.name}` | {targets} | {where} | {p.versions} | {p.why} | {p.how} | {p.removal} |")
     return "\n".join(rows) + "\n"
 
@@ -353,7 +350,7 @@ def patch_listing(width: int = 100) -> str:
     for p in PATCHES:
         lines = [p.name]
         lines += [f"  patches {t}" for t in p.targets]
-        where = f"{p.stage} stage{CPU_ONLY if p.platform == 'cpu' else ''}"
+        where = f"{p.stage} stage{p.platform_note}"
         for label, text in (("applied", f"{where}; vLLM {p.versions}"), ("why", p.why), ("how", p.how),
                             ("delete when", p.removal)):  # fmt: skip
             lines += textwrap.wrap(text, width, initial_indent=f"  {label}: ", subsequent_indent="    ")
