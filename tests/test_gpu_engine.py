@@ -196,7 +196,7 @@ def test_ray_executor_serves_bd_adapters_like_the_default_executor(tp, pp, asset
     for name, ray_out, mp_out in zip(BATCH, results["ray"]["outputs"], results["mp"]["outputs"], strict=True):
         assert ray_out["token_ids"] == mp_out["token_ids"], f"{name}: Ray executor tokens differ"
         diff = max(abs(a - b) for a, b in zip(ray_out["logprobs"], mp_out["logprobs"], strict=True))
-        # Two engine runs of the same batch differ by fp16 summation order alone (up to 1.9e-3 seen on an H100).
+        # Two engine runs of the same batch differ by fp16 summation order alone (up to 3.9e-3 seen on H100s).
         assert diff < 1e-2, f"{name}: Ray executor logprobs differ by {diff:.2e}"
         margin, error = peft_errors(assets, prompts, name, ray_out, {}, quantized=False)
         worst[name] = (round(diff, 5), round(margin, 4), round(error, 4))
@@ -206,9 +206,12 @@ def test_ray_executor_serves_bd_adapters_like_the_default_executor(tp, pp, asset
     # loads the plugin (its kernels' launch plans), and the first TP rank of each pipeline stage reports the BD
     # layers it holds and admits the adapter (the plugin logs those once per stage, not once per GPU).
     lines = logs["ray"].splitlines()
-    assert len(ray_workers(lines, "vllm-bdlora:")) == tp * pp, logs["ray"][-3000:]
-    assert len(ray_workers(lines, "BD-LoRA packed qkv", f"layer(s), TP={tp}")) == pp, logs["ray"][-3000:]
-    assert len(ray_workers(lines, "vllm-bdlora: adapter 'bd64' (BD-LoRA")) == pp, logs["ray"][-3000:]
+    expected = {("vllm-bdlora:",): tp * pp, ("BD-LoRA packed qkv", f"layer(s), TP={tp}"): pp,
+                ("vllm-bdlora: adapter 'bd64' (BD-LoRA",): pp}  # fmt: skip
+    found = {fragments: ray_workers(lines, *fragments) for fragments in expected}
+    print("Ray worker pids per log line:", {fragments[0]: sorted(pids) for fragments, pids in found.items()})
+    for fragments, count in expected.items():
+        assert len(found[fragments]) == count, (fragments, found[fragments], logs["ray"][-3000:])
 
 
 def ray_workers(lines: list[str], *fragments: str) -> set[str]:
