@@ -45,10 +45,11 @@ line_dir() { echo "$1" | tr -d ' -' | tr ',' '_'; }  # a benchmark argument line
 # compile of its configuration (30-50 s of an 8B server's start, plus 13 s of the plugin's kernels). A call
 # brings back files of up to 16 MiB, eight at most, so the caches come back as 15 MiB parts compile-cache-NN
 # (each small enough to ride along with a 32 MiB bundle part's copy), or not at all when the compressed caches
-# are over COMPILE_CACHE_MAX_MIB (45: three parts beside results.tgz and the FlashInfer cache).
+# are over COMPILE_CACHE_MAX_MIB (75: five parts beside results.tgz and the FlashInfer cache, seven files; the
+# caches of four TP=2 FP8 servers came to 63 MiB).
 COMPILE_CACHE_DIRS=(.cache/vllm/torch_compile_cache .triton/cache)
 bring_back_compile_caches() {
-  local present=() dir size_mib limit_mib=${COMPILE_CACHE_MAX_MIB:-45}
+  local present=() dir size_mib limit_mib=${COMPILE_CACHE_MAX_MIB:-75}
   for dir in "${COMPILE_CACHE_DIRS[@]}"; do [ -d "/root/$dir" ] && present+=("$dir"); done
   [ ${#present[@]} -gt 0 ] || return 0
   tar czf /root/compile-cache.tgz -C /root "${present[@]}" || return 0
