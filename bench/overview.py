@@ -16,6 +16,7 @@ import os
 import re
 
 from bench import report
+from bench.plots import save_png
 
 
 def natural_order(run: str) -> list:
@@ -118,7 +119,7 @@ def write_plot(results_root: str, rows: list[dict]) -> str:
     fig.suptitle("BD-LoRA on the fused kernels, 1024/128 tokens, one adapter: every committed run (same-run ratios)")
     fig.tight_layout()
     path = os.path.join(results_root, "overview.png")
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -18,6 +18,7 @@ import os
 from collections import defaultdict
 
 from bench.adapters import PAPER_RANK_PAIRS, bd_rank_for
+from bench.plots import save_png
 from bench.sweep import DEFAULT_MAX_LORAS
 
 METRICS = (("median_tpot_ms", "TPOT (ms)"), ("median_ttft_ms", "TTFT (ms)"), ("output_throughput", "tokens/s"))
@@ -359,7 +360,7 @@ def write_plots(results_dir: str, table: dict) -> list[str]:
         fig.suptitle(f"TP={tp}, {i}/{o} tokens, {n} adapter(s)")
         fig.tight_layout()
         path = os.path.join(results_dir, "plots", f"tp{tp}_io{i}-{o}_adapters{n}.png")
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written

@@ -781,6 +781,32 @@ def test_gpu_host_brings_compile_caches_back_in_parts_and_install_restores_them(
     assert not list((over / "out").glob("compile-cache-*"))
 
 
+def test_figures_are_saved_as_palette_pngs_that_look_like_the_rendering(tmp_path):
+    """A committed plot is a 256-colour PNG: every pixel within a few shades of matplotlib's own rendering, and
+    the file smaller than that rendering's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image, ImageChops
+
+    from bench.plots import save_png
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    for slope, style in ((1, "-"), (2, "--"), (3, ":")):
+        ax.plot(range(10), [slope * x for x in range(10)], style, marker="o", label=f"slope {slope}")
+    ax.legend()
+    fig.savefig(tmp_path / "rendered.png", dpi=110)
+    save_png(fig, str(tmp_path / "saved.png"), dpi=110)
+    plt.close(fig)
+    with Image.open(tmp_path / "rendered.png") as rendered, Image.open(tmp_path / "saved.png") as saved:
+        assert saved.mode == "P" and saved.size == rendered.size
+        difference = ImageChops.difference(rendered.convert("RGB"), saved.convert("RGB"))
+        assert max(high for _, high in difference.getextrema()) <= 64  # anti-aliasing shades, nothing more
+        assert sum(difference.convert("L").histogram()[16:]) < 0.01 * saved.size[0] * saved.size[1]
+    assert (tmp_path / "saved.png").stat().st_size < (tmp_path / "rendered.png").stat().st_size
+
+
 def test_prefill_profile_sorts_kernels_by_kind_and_reports_each_case_against_the_base(tmp_path):
     from bench.prefill_profile import kernel_kind, write_report
 

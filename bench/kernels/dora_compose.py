@@ -15,6 +15,7 @@ import argparse
 import torch
 
 from bench.kernels.harness import copy_bandwidth_gbs, time_cuda, write_results
+from bench.plots import save_png
 
 ROWS = (1, 512, 2048, 4096, 8192, 16384, 32768)
 COLS = (4096, 8192, 14336, 28672)
@@ -121,7 +122,7 @@ def plot(rows: list[dict], out_dir: str) -> None:
         ax.axhline(0.8 if ax is axes[0] else 2.0, color="grey", ls="--", lw=1)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(f"{out_dir}/dora_compose.png", dpi=120)
+    save_png(fig, f"{out_dir}/dora_compose.png", dpi=120)
 
 
 def main(argv=None) -> int:
