@@ -760,6 +760,16 @@ def test_gpu_host_brings_compile_caches_back_in_parts_and_install_restores_them(
     parts = sorted((tmp_path / "out").glob("compile-cache-*"))
     assert [p.name for p in parts] == ["compile-cache-00", "compile-cache-01"]
     assert max(p.stat().st_size for p in parts) <= 15 * 1024 * 1024
+    archived = (root / "compile-cache.tgz").stat().st_mtime_ns
+    first = [p.read_bytes() for p in parts]
+    again = step("watch", "1")  # nothing compiled since: the same archive, not compressed again
+    assert "in 2 part(s)" in again.stdout, again.stdout + again.stderr
+    assert (root / "compile-cache.tgz").stat().st_mtime_ns == archived
+    assert [p.read_bytes() for p in sorted((tmp_path / "out").glob("compile-cache-*"))] == first
+    (root / ".triton" / "cache" / "kernel" / "later.cubin").write_bytes(b"later")  # a server compiled more
+    step("watch", "1")
+    assert (root / "compile-cache.tgz").stat().st_mtime_ns != archived
+    (root / ".triton" / "cache" / "kernel" / "later.cubin").unlink()
     original = (compiled / "artifact").read_bytes()
     for dir_ in (root / ".cache", root / ".triton"):
         shutil.rmtree(dir_)

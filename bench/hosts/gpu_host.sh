@@ -52,7 +52,11 @@ bring_back_compile_caches() {
   local present=() dir size_mib limit_mib=${COMPILE_CACHE_MAX_MIB:-75}
   for dir in "${COMPILE_CACHE_DIRS[@]}"; do [ -d "/root/$dir" ] && present+=("$dir"); done
   [ ${#present[@]} -gt 0 ] || return 0
-  tar czf /root/compile-cache.tgz -C /root "${present[@]}" || return 0
+  # Each watch call brings them back again (a call's $OUT starts empty); compress them again only when a server
+  # has written to them since the last call's archive.
+  if [ ! -e /root/compile-cache.tgz ] || [ -n "$(cd /root && find "${present[@]}" -newer compile-cache.tgz -print -quit)" ]; then
+    tar czf /root/compile-cache.tgz -C /root "${present[@]}" || { rm -f /root/compile-cache.tgz; return 0; }
+  fi
   size_mib=$(( ($(stat -c %s /root/compile-cache.tgz) + 1048575) / 1048576 ))
   if (( size_mib > limit_mib )); then
     echo "compile caches: $size_mib MiB compressed, over $limit_mib MiB: not brought back"
