@@ -58,7 +58,11 @@ PATCH_TESTS = {
         "test_patching.py::test_adapter_refusal_logs_one_warning_line",
         "test_server_guards.py::test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving",
     ],
-    "engine_death_exit_status": ["test_server_guards.py::test_dead_engine_turns_health_to_503_and_exits_non_zero"],
+    "engine_death_exit_status": [
+        "test_server_guards.py::test_dead_engine_turns_health_to_503_and_exits_non_zero",
+        "test_lifecycle.py::test_calls_waiting_on_a_dead_engine_are_answered_with_engine_dead_error",
+        "test_lifecycle.py::test_server_exits_with_status_1_by_the_deadline_and_kills_its_engine_processes",
+    ],
 }
 
 

@@ -118,6 +118,12 @@ def without_load_inplace(lora_request):
     return msgspec.structs.replace(lora_request, load_inplace=False)
 
 
+def pending_engine_calls(engine_client) -> dict:
+    """The API server's calls to the engine core still waiting for an answer (call id -> future): the
+    multiprocess client's `utility_results`, the same in 0.26 through 0.33; empty for a client without it."""
+    return getattr(getattr(engine_client, "engine_core", None), "utility_results", None) or {}
+
+
 def token_groups(punica_wrapper) -> tuple:
     """(sorted token ids, slot per group, tokens per group, group starts, CPU no-LoRA flag) that vLLM's GPU
     punica wrapper computes once per step for its own LoRA kernels; Nones where the wrapper has none (CPU)."""

@@ -91,7 +91,8 @@ def patch_api_key_covers_every_route() -> bool:
 
 def patch_engine_death_exit_status() -> bool:
     """/health answers 503 as soon as an engine process is gone; the watchdog's verdict that the engine died is
-    recorded and `vllm serve` exits non-zero after it."""
+    recorded, calls still waiting on the engine are answered with EngineDeadError (so the HTTP server's shutdown
+    does not wait for them forever), and `vllm serve` exits non-zero after it."""
     if not in_api_server():
         return False
     import importlib
@@ -99,8 +100,19 @@ def patch_engine_death_exit_status() -> bool:
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    from vllm_bdlora.compat import ENGINE_ERROR_HANDLER_MODULES, SERVER_LAUNCHER_MODULES, modules_with
-    from vllm_bdlora.serve.lifecycle import EXIT_ENGINE_DIED, engine_died, engine_processes_alive, note_engine_death
+    from vllm_bdlora.compat import (
+        ENGINE_ERROR_HANDLER_MODULES,
+        SERVER_LAUNCHER_MODULES,
+        modules_with,
+        pending_engine_calls,
+    )
+    from vllm_bdlora.serve.lifecycle import (
+        EXIT_ENGINE_DIED,
+        engine_died,
+        engine_processes_alive,
+        fail_pending_engine_calls,
+        note_engine_death,
+    )
 
     serve = importlib.import_module(SERVE_COMMAND_MODULE)
     # The watchdog and the error handler of in-flight requests each imported the function by name.
@@ -117,6 +129,7 @@ def patch_engine_death_exit_status() -> bool:
         original_check(server, engine)
         if getattr(server, "should_exit", False) and engine.errored:
             note_engine_death()
+            fail_pending_engine_calls(pending_engine_calls(engine), EngineDeadError)
 
     terminate_if_errored.__bdlora_original__ = original_check
     changed = False

@@ -296,10 +296,11 @@ PATCHES: tuple[Patch, ...] = (
         versions="0.26-0.32 (API server process only; module paths differ, see compat.py)",
         why="When the engine dies (a worker killed, say), /health answers 200 until the engine core gives up "
         "on its step (9 s on CPU under load), and `vllm serve` exits with status 0, so a supervisor that restarts "
-        "failed services leaves the server down.",
+        "failed services leaves the server down; with an adapter load in flight it never exits at all.",
         how="check_health also fails once one of the engine's local processes is gone; the watchdog's verdict that "
-        "the engine errored is recorded (vllm_bdlora.serve.lifecycle) and the serve command exits with status 1 "
-        "after it.",
+        "the engine errored is recorded (vllm_bdlora.serve.lifecycle), engine calls still waiting (an adapter load "
+        "in flight: vLLM never answers it, and the HTTP server's shutdown waits for it forever) are answered with "
+        "EngineDeadError, and the serve command exits with status 1 after it, within 30 s of the verdict.",
         removal="vLLM exiting non-zero when its engine dies.",
         apply=patch_engine_death_exit_status,
     ),

@@ -2,17 +2,22 @@
 
 vLLM's API server notices a dead engine in its watchdog, stops serving and returns from `vllm serve` normally,
 so the process exits with status 0 and a supervisor that restarts failed services leaves it down. The watchdog's
-verdict is recorded here and `vllm serve` then exits with `EXIT_ENGINE_DIED`.
+verdict is recorded here and `vllm serve` then exits with `EXIT_ENGINE_DIED`, within `EXIT_DEADLINE_S` of it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 logger = logging.getLogger("vllm.bdlora")
 
 EXIT_ENGINE_DIED = 1
+# From the verdict that the engine died to the process's exit, at most. The orderly stop takes about a second
+# (the engine's processes are already gone or are killed at once); the deadline covers whatever else waits on the
+# dead engine, so that a supervisor never watches a server that neither serves nor exits.
+EXIT_DEADLINE_S = 30.0
 _engine_died = threading.Event()
 
 
@@ -23,6 +28,47 @@ def note_engine_death() -> None:
             "vllm-bdlora: the engine died (see the errors above); the server stops and exits with status %d.",
             EXIT_ENGINE_DIED,
         )
+        threading.Thread(target=_exit_by_deadline, args=(EXIT_DEADLINE_S,), name="bdlora-exit-deadline",
+                         daemon=True).start()  # fmt: skip
+
+
+def _exit_by_deadline(seconds: float) -> None:
+    threading.Event().wait(seconds)  # the process normally exits before this returns (a daemon thread dies with it)
+    logger.error(
+        "vllm-bdlora: the server did not stop within %.0f s of the engine's death; its engine processes are "
+        "killed and it exits with status %d now.", seconds, EXIT_ENGINE_DIED,
+    )  # fmt: skip
+    for handler in logging.getLogger().handlers + logger.handlers:
+        handler.flush()
+    kill_child_processes()
+    os._exit(EXIT_ENGINE_DIED)
+
+
+def kill_child_processes() -> None:
+    import psutil
+
+    for process in psutil.Process().children(recursive=True):
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+
+
+def fail_pending_engine_calls(pending: dict, make_error) -> int:
+    """Answer, with `make_error()`, every call still waiting on the engine core (an adapter load, say).
+
+    vLLM fails the requests that stream from a dead engine but leaves its utility calls waiting for an answer
+    that will never come; the HTTP server's shutdown then waits for those requests forever, and the process
+    neither serves nor exits. Returns how many calls were answered."""
+    failed = 0
+    for future in list(pending.values()):
+        if not future.done():
+            future.set_exception(make_error())
+            failed += 1
+    if failed:
+        logger.error("vllm-bdlora: %d call(s) waiting on the dead engine (adapter loads, say) answered with an "
+                     "error.", failed)  # fmt: skip
+    return failed
 
 
 def engine_died() -> bool:
