@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -33,13 +34,12 @@ def note_engine_death() -> None:
 
 
 def _exit_by_deadline(seconds: float) -> None:
-    threading.Event().wait(seconds)  # the process normally exits before this returns (a daemon thread dies with it)
+    time.sleep(seconds)  # the process normally exits before this returns (a daemon thread dies with it)
+    # Logging's stream handlers flush each record, so the line is out before os._exit.
     logger.error(
         "vllm-bdlora: the server did not stop within %.0f s of the engine's death; its engine processes are "
         "killed and it exits with status %d now.", seconds, EXIT_ENGINE_DIED,
     )  # fmt: skip
-    for handler in logging.getLogger().handlers + logger.handlers:
-        handler.flush()
     kill_child_processes()
     os._exit(EXIT_ENGINE_DIED)
 
