@@ -136,7 +136,9 @@ def _finish(acc, n0, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, ro
                     in_slice = col_ok & (cols >= lo) & (cols < hi)
                     b = tl.load(b_ptr + slot * stride_bl + safe_cols[None, :] * stride_bn + ws[:, None],
                                 mask=in_slice[None, :] & (ws < w_j)[:, None], other=0.0)  # fmt: skip
-                    acc += tl.dot(s.to(b.dtype), b)
+                    # Rows of other slots load S as 0, but 0 times a non-finite B entry is NaN: select, do not rely
+                    # on the zeros, so that no adapter's values reach another adapter's (or the base model's) rows.
+                    acc += tl.where(mine[:, None], tl.dot(s.to(b.dtype), b), 0.0)
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
