@@ -1,10 +1,12 @@
 """A server an adversarial client cannot break: `vllm serve --enable-bdlora` at TP=2 with --api-key,
 --allowed-adapter-roots and a one-adapter CPU cache (so adapters are dropped and read again), against PEFT.
 
-Covered: every route but the probes needs the key; adapter paths outside the roots get one uniform 403; every
-kind of bad adapter gets a 4xx naming it (bench/bad_adapters.py) and the others keep serving; an admitted
-adapter whose files are changed or deleted afterwards keeps being served as admitted; a bad --lora-modules
-entry stops start-up naming it; a dead engine turns /health to 503 and the process exits non-zero."""
+Covered: every route but the probes needs the key (/metrics too, with one series of vLLM's LoRA gauge); adapter
+paths outside the roots get one uniform 403; names and paths outside the rules get 400; every kind of bad adapter
+gets a 4xx naming it (bench/bad_adapters.py), at once, and the others keep serving; an admitted adapter whose files
+are changed or deleted afterwards keeps being served as admitted; an unload removes the adapter from the engine and a
+reload serves it again; a bad --lora-modules entry stops start-up naming it; a stopped worker turns /health to 503
+until it runs again; a dead engine turns /health to 503 and the process exits non-zero."""
 
 import os
 import re
@@ -60,8 +62,8 @@ def server(assets, roots, tmp_path_factory):
     command = serve_command(
         assets["model"], free_port(), {"bd64": inside / "bd64"}, "--allowed-adapter-roots", str(inside)
     )
-    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (_, url):
-        yield url, log_path
+    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (process, url):
+        yield url, log_path, process
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,7 @@ def routes_from_log(log: str) -> list[tuple[str, str]]:
 
 
 def test_every_route_but_the_probes_needs_the_api_key(server):
-    url, log_path = server
+    url, log_path, _ = server
     routes = routes_from_log(log_path.read_text())
     paths = {path for path, _ in routes}
     assert {"/v1/completions", "/adapters", "/adapters/{adapter_name}", "/invocations", "/health"} <= paths
@@ -117,7 +119,7 @@ def test_every_route_but_the_probes_needs_the_api_key(server):
 
 
 def test_adapter_paths_outside_the_roots_get_one_uniform_403(server, roots, tmp_path):
-    url, _ = server
+    url, _, _ = server
     inside, outside = roots
     (inside / "link-out").symlink_to(outside / "bd64")
     attempts = [
@@ -144,11 +146,13 @@ def test_adapter_paths_outside_the_roots_get_one_uniform_403(server, roots, tmp_
 @pytest.mark.parametrize("bad", BAD_ADAPTERS, ids=lambda b: b.kind)
 def test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving(server, roots, assets, reference_words, bad):
     inside, _ = roots
-    url, log_path = server
+    url, log_path, _ = server
     name = f"bad-{bad.kind}"
     path = bad.make(assets["bd64"], inside / name)
     log_start = len(log_path.read_text())
+    started = time.monotonic()
     response = load(url, name, path)
+    assert time.monotonic() - started < 30, "a bad adapter must be refused at once (a FIFO is not waited on)"
     assert response.status_code == bad.status, response.text
     message = response.json()["error"]["message"]
     for fragment in (name, *bad.says):
@@ -164,7 +168,7 @@ def test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving(server, root
 def test_admitted_adapter_is_served_as_admitted_after_its_files_change(server, roots, reference_words):
     """One CPU cache entry: loading std16 drops bd48 from it, so the next bd48 request reads bd48 again. Its
     files were re-saved with other weights, then truncated, then deleted: each time it is served as admitted."""
-    url, log_path = server
+    url, log_path, _ = server
     inside, _ = roots
     source = inside / "bd48"
     log_start = len(log_path.read_text())
@@ -190,7 +194,7 @@ def test_an_adapter_swapping_run_logs_each_adapter_once(server, roots, assets, r
     """18 requests alternating over three adapters through one GPU slot and one CPU-cache entry: every request
     swaps the slot and reads its adapter again, and the log holds one admission line per adapter and no other
     vllm-bdlora line (re-reads log at DEBUG)."""
-    url, log_path = server
+    url, log_path, _ = server
     inside, _ = roots
     names = ("swap-bd64", "swap-std16", "swap-bd48")
     log_start = len(log_path.read_text())
@@ -206,6 +210,62 @@ def test_an_adapter_swapping_run_logs_each_adapter_once(server, roots, assets, r
     assert len(ours) == 3 and "Traceback" not in log, ours
     for name in names:
         assert unload(url, name).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("name", "path_suffix"),
+    [("forged\nINFO vllm: all good", ""), ("nul\0name", ""), ("x" * 129, ""), ("ok-name", "\0")],
+    ids=["newline", "nul", "too_long", "nul_in_path"],
+)
+def test_names_and_paths_outside_the_rules_get_400_naming_the_rule(server, roots, name, path_suffix):
+    url, log_path, _ = server
+    inside, _ = roots
+    log_start = len(log_path.read_text())
+    response = load(url, name, f"{inside / 'std16'}{path_suffix}")
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert ("letters, digits and" in message) if not path_suffix else ("without control characters" in message)
+    log = log_path.read_text()[log_start:]
+    assert not any(line.startswith("INFO vllm: all good") for line in log.splitlines())  # no forged log line
+    assert "\0" not in log
+    assert "Traceback" not in log
+
+
+def test_metrics_need_the_key_and_keep_one_lora_series(server, reference_words):
+    url, _, _ = server
+    assert requests.get(f"{url}/metrics", timeout=10).status_code == 401
+    for name in ("bd64", "bd64", "bd64"):
+        complete(url, name)
+    metrics = requests.get(f"{url}/metrics", headers=AUTH, timeout=10)
+    assert metrics.status_code == 200
+    series = [line for line in metrics.text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(series) == 1, series
+
+
+def test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it(server, roots, reference_words):
+    """Both unload routes reach the engine: each logs the removal (on every rank the GPU slot, the host-cache entry
+    and what the worker kept go); the same name loads and serves again, five times over."""
+    url, log_path, _ = server
+    inside, _ = roots
+    log_start = len(log_path.read_text())
+    for cycle in range(5):
+        assert load(url, "cycled", inside / "std16").status_code == 200
+        assert complete(url, "cycled") == reference_words["std16"]
+        if cycle % 2:
+            response = requests.delete(f"{url}/adapters/cycled", headers=AUTH, timeout=60)
+        else:
+            response = unload(url, "cycled")
+        assert response.status_code == 200, response.text
+    assert unload(url, "cycled").status_code == 404  # already gone: the engine's removal is not repeated
+    deadline = time.monotonic() + 30
+    log = ""
+    while time.monotonic() < deadline:
+        log = log_path.read_text()[log_start:]
+        if log.count("vllm-bdlora: adapter 'cycled' removed from the engine") == 5:
+            break
+        time.sleep(0.5)
+    assert log.count("vllm-bdlora: adapter 'cycled' removed from the engine") == 5, log[-3000:]
+    assert complete(url, "bd64") == reference_words["bd64"]
 
 
 def test_bad_lora_modules_entry_stops_startup_naming_it(assets, tmp_path):
@@ -230,6 +290,32 @@ def test_lora_modules_outside_the_roots_stop_startup_naming_the_entry(assets, tm
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert f"LoRA adapter 'outside': {PATH_REFUSED}" in output and "EngineCore" not in output
+
+
+def test_a_stopped_worker_turns_health_to_503_and_back(server, reference_words):
+    """A worker stopped (SIGSTOP) leaves vLLM's /health at 200 for the executor's 300 s while nothing progresses:
+    here it answers 503 within seconds, and 200 again once the worker runs."""
+    import signal
+
+    import psutil
+
+    url, _, process = server
+    workers = [p for p in psutil.Process(process.pid).children(recursive=True) if "Worker_TP1" in " ".join(p.cmdline())]
+    assert workers, "no worker process found"
+    worker = workers[0]
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        while requests.get(f"{url}/health", timeout=10).status_code == 200:
+            assert time.monotonic() - stopped < 5, "/health still answers 200 five seconds after a worker stopped"
+            time.sleep(0.2)
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    while requests.get(f"{url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() - resumed < 30, "/health does not come back once the worker runs again"
+        time.sleep(0.2)
+    assert complete(url, "bd64") == reference_words["bd64"]
 
 
 def test_dead_engine_turns_health_to_503_and_exits_non_zero(assets, tmp_path):
