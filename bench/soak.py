@@ -12,7 +12,8 @@ Phases:
    swapping adapters through its `--max-loras` slots and `--max-cpu-loras` cache (re-reading adapters it
    dropped). Beside it, a churn client unloads and reloads its own adapters (each reload checked against its
    isolated answer) and sends every kind of bad adapter (`bench/bad_adapters.py`, each must get its 4xx).
-   The server's resident memory (all its processes) is sampled every second.
+   The server's resident memory and open files (all its processes; files a worker spills adapters to are unlinked,
+   so only their descriptors show them) are sampled every second: neither may grow with the unload/reload cycles.
 3. Fault (unless `--no-fault`): one tensor-parallel worker is killed during traffic; requests before it must
    all succeed, /health must turn 503, an adapter load or unload in flight must be answered, and the process
    must exit non-zero.
@@ -85,6 +86,8 @@ class Server:
             "--max-num-seqs", str(args.concurrency), "--allowed-adapter-roots", str(workdir),
             "--lora-modules", *[f"{n}={p}" for n, p in static],
         ]  # fmt: skip
+        if args.adapter_host_memory:
+            command += ["--adapter-host-memory", args.adapter_host_memory]
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "PYTHONUNBUFFERED": "1"}
         self.proc = launch(command, str(self.log), args.tp, env)
         self.command = command
@@ -102,11 +105,17 @@ class Server:
         return requests.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
 
     def rss_bytes(self) -> int:
+        return self._over_processes(lambda p: p.memory_info().rss)
+
+    def open_files(self) -> int:
+        return self._over_processes(lambda p: len(p.open_files()))
+
+    def _over_processes(self, measure) -> int:
         import psutil
 
         try:
             root = psutil.Process(self.proc.pid)
-            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            return sum(measure(p) for p in [root, *root.children(recursive=True)])
         except psutil.Error:
             return 0
 
@@ -143,7 +152,8 @@ def run(args) -> dict:
     served = [n for n in adapters if n not in churned]
     server = Server(model, adapters, args, workdir)
     report: dict = {key: getattr(args, key) for key in ("requests", "adapters", "tp", "max_loras", "max_cpu_loras",
-                                                        "concurrency", "dtype", "tie_tolerance")}  # fmt: skip
+                                                        "adapter_host_memory", "concurrency", "dtype",
+                                                        "tie_tolerance")}  # fmt: skip
     report["churned"] = churned
     try:
         t0 = time.monotonic()
@@ -175,6 +185,7 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
     errors, mismatches, near_ties, lost_after_fault = [], [], [], []
     done = threading.Event()
     rss: list[tuple[float, int]] = []
+    files: list[int] = []
     churn_log = {"reloads": 0, "reload_mismatches": 0, "bad_loads": 0, "bad_load_wrong_answers": []}
     started = time.monotonic()
     fault = {"killed_at_request": fault_at}
@@ -184,6 +195,7 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
     def sample_memory():
         while not done.is_set():
             rss.append((round(time.monotonic() - started, 1), server.rss_bytes()))
+            files.append(server.open_files())
             done.wait(1.0)
 
     def churn():
@@ -272,7 +284,7 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
         "errors": len(errors), "error_examples": errors[:5], "mismatches": len(mismatches),
         "mismatch_examples": mismatches[:5], "near_ties": len(near_ties), "seconds": round(seconds, 1),
         "requests_per_s": round(completed[0] / seconds, 2), "churn": churn_log,
-        "rss_samples": rss,
+        "rss_samples": rss, "open_files_samples": files,
     }  # fmt: skip
     if fault_at is not None:
         fault.update(wait_for_death(server, fault))
@@ -340,6 +352,13 @@ def verdict(report: dict, rss_growth_limit: float) -> list[str]:
         report["rss_growth_after_warmup"] = round(growth, 4)
         if growth > rss_growth_limit:
             failures.append(f"resident memory grew {growth:.1%} after warm-up (limit {rss_growth_limit:.0%})")
+    files = [n for n in report.get("open_files_samples", []) if n]
+    if len(files) >= 10:
+        warm = files[len(files) // 5]
+        report["open_files_after_warmup"], report["open_files_max_after_warmup"] = warm, max(files[len(files) // 5 :])
+        # each reload may hold a file for a moment; a leak grows with the cycles
+        if report["open_files_max_after_warmup"] > warm + 8 + report["churn"]["reloads"] // 10:
+            failures.append(f"open files grew from {warm} to {report['open_files_max_after_warmup']} after warm-up")
     fault = report.get("fault")
     if fault:
         if fault["exit_status"] in (0, None):
@@ -356,6 +375,7 @@ def verdict(report: dict, rss_growth_limit: float) -> list[str]:
 def write_results(out: Path, report: dict, failures: list[str], argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     samples = report.pop("rss_samples")
+    report.pop("open_files_samples", None)
     with open(out / "rss.csv", "w") as f:
         f.write("seconds,rss_mib\n")
         f.writelines(f"{s},{b / 2**20:.1f}\n" for s, b in samples)
@@ -377,7 +397,8 @@ def write_results(out: Path, report: dict, failures: list[str], argv: list[str])
         "# Reliability soak", "",
         f"`{environment['command']}` ({environment['date']}, {hardware}, {vllm_build}).", "",
         f"Server: TP={report['tp']}, {report['dtype']}, --max-loras {report['max_loras']}, --max-cpu-loras "
-        f"{report['max_cpu_loras']}, {report['adapters']} adapters (BD-LoRA nblocks=TP and 2·TP, standard LoRA; ranks "
+        f"{report['max_cpu_loras']}, --adapter-host-memory {report.get('adapter_host_memory') or 'default'}, "
+        f"{report['adapters']} adapters (BD-LoRA nblocks=TP and 2·TP, standard LoRA; ranks "
         f"16-64), {report['concurrency']} concurrent clients.", "",
         "| check | result |", "|---|---|",
         f"| requests answered before the fault | {report['completed_before_fault']} of {report['sent']} sent |",
@@ -390,6 +411,8 @@ def write_results(out: Path, report: dict, failures: list[str], argv: list[str])
         f"{len(churn['bad_load_wrong_answers'])} answered wrongly |",
         f"| resident memory after warm-up (all server processes) | {report.get('rss_after_warmup_mib')} MiB, at most "
         f"{report.get('rss_max_after_warmup_mib')} MiB later ({report.get('rss_growth_after_warmup', 0):+.1%}) |",
+        f"| open files after warm-up (all server processes) | {report.get('open_files_after_warmup')}, at most "
+        f"{report.get('open_files_max_after_warmup')} later |",
         f"| throughput | {report['requests_per_s']} requests/s over {report['seconds']} s |",
     ]  # fmt: skip
     if fault:
@@ -435,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--max-loras", type=int, default=4)
     parser.add_argument("--max-cpu-loras", type=int, default=8)
+    parser.add_argument("--adapter-host-memory", default="",
+                        help="the server's --adapter-host-memory (small: adapters spilled, read back)")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", help="the server's --dtype (float16 or bfloat16 on GPUs)")
     parser.add_argument("--tie-tolerance", type=float, default=0.0,

@@ -4,10 +4,13 @@
 
 SPEC: {"engine": {LLM kwargs}, "adapters": {name: path}, "requests": [{"adapter": name|null,
 "prompt_token_ids": [...]}], "max_tokens": N, "top_logprobs": K (default 1),
-"count_collectives": [adapter name|null, ...], "expect_errors": [adapter name, ...]}
+"count_collectives": [adapter name|null, ...], "expect_errors": [adapter name, ...], "poison": adapter name,
+"after": [requests, each run alone after the batch]}
 
 RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...], "top_logprobs": [{token: logprob}]}],
-"collectives": {probe: [per-worker {op: count}]}, "errors": {adapter name: message or null}}. Each engine
+"collectives": {probe: [per-worker {op: count}]}, "errors": {adapter name: message or null},
+"after": [outputs], "kv_non_finite": [per-worker count]}. "poison" admits that adapter, then sets every weight
+of its LoRA slot to NaN on every worker (what admission refuses, written past it) before the batch runs. Each engine
 gets a fresh process so that one test's engine (and its worker processes and memory) cannot leak into the next.
 """
 
@@ -46,6 +49,46 @@ def _read_counters(worker):
     return dict(worker._bdlora_collectives)
 
 
+def _poison_slot(worker, adapter_id):
+    import torch
+
+    manager = worker.model_runner.lora_manager._adapter_manager
+    index = manager.lora_index_to_id.index(adapter_id)
+    poisoned = 0
+    for module in manager.modules.values():
+        for attribute in ("lora_a_stacked", "lora_b_stacked"):
+            value = getattr(module, attribute, None)
+            for stacked in (value,) if isinstance(value, torch.Tensor) else value or ():
+                if isinstance(stacked, torch.Tensor):
+                    stacked[index] = float("nan")
+                    poisoned += 1
+    return poisoned
+
+
+def _kv_non_finite(worker):
+    """Non-finite entries in the worker's KV cache, counted a slice at a time (on a GPU the cache fills most of its
+    memory: a mask of the whole of it would not fit beside it)."""
+    import torch
+
+    caches = getattr(worker.model_runner, "kv_caches", None) or []
+    total = 0
+    for cache in caches:
+        if not isinstance(cache, torch.Tensor) or not cache.is_floating_point():
+            continue
+        flat = cache.reshape(-1)
+        for start in range(0, flat.numel(), 1 << 26):
+            total += int((~torch.isfinite(flat[start : start + (1 << 26)])).sum())
+    return total
+
+
+def _output(o):
+    return {
+        "token_ids": list(o.outputs[0].token_ids),
+        "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
+        "top_logprobs": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
+    }
+
+
 def main(spec_path: str, result_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -76,18 +119,15 @@ def main(spec_path: str, result_path: str) -> None:
                 result["errors"][name] = None
             except Exception as e:  # the message is what the test checks
                 result["errors"][name] = f"{type(e).__name__}: {e}"
+    if spec.get("poison"):
+        llm.llm_engine.add_lora(lora(spec["poison"]))
+        assert all(llm.collective_rpc(_poison_slot, args=(ids[spec["poison"]],)))
     if spec.get("requests"):
         outputs = generate(spec["requests"], spec["max_tokens"])
-        result["outputs"] = [
-            {
-                "token_ids": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
-                ],
-                "top_logprobs": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
-            }
-            for o in outputs
-        ]
+        result["outputs"] = [_output(o) for o in outputs]
+    if spec.get("after"):
+        result["after"] = [_output(generate([request], spec["max_tokens"])[0]) for request in spec["after"]]
+        result["kv_non_finite"] = llm.collective_rpc(_kv_non_finite)
     if spec.get("count_collectives"):
         llm.collective_rpc(_install_counters)
         result["collectives"] = {}

@@ -1,34 +1,52 @@
-"""The checks that need no engine: adapter files on disk, path confinement, admitted copies and the executor's
-verdict on the ranks' replies. The same code answers the server's requests (test_server_guards.py)."""
+"""The checks that need no engine: adapter files on disk (opened once, confined, regular files only), the values an
+adapter may hold, adapter names and paths, the store a worker keeps admitted adapters in (host budget, spill files,
+admissions on threads of their own) and the executor's verdict on the ranks' replies. The same code answers the
+server's requests (test_server_guards.py)."""
 
+import errno
+import json
+import math
 import os
+import shutil
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from bench.bad_adapters import BAD_ADAPTERS
-from vllm_bdlora.access import OPEN_PATHS, is_allowed_adapter_path, needs_api_key
-from vllm_bdlora.adapter_files import check_adapter_dir, module_rank
-from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
-from vllm_bdlora.admission import (
-    COPY_DIR_PREFIX,
-    AdmissionReceipt,
-    AdmittedCopies,
-    check_admission_replies,
-    remove_copies_of_dead_processes,
+from vllm_bdlora.access import (
+    ADAPTER_NAME_MAX,
+    OPEN_PATHS,
+    adapter_failure_status,
+    adapter_name_problem,
+    adapter_path_problem,
+    is_allowed_adapter_path,
+    needs_api_key,
 )
-from vllm_bdlora.loading import non_finite_problems
+from vllm_bdlora.adapter_files import UNREADABLE, AdapterPathRefused, check_adapter_dir, module_rank, open_adapter
+from vllm_bdlora.adapter_values import (
+    MAX_GAIN,
+    config_scale_problems,
+    gain_problems,
+    module_gain,
+    non_finite_problems,
+)
+from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
+from vllm_bdlora.admission import AdapterStore, AdmissionReceipt, StoreFull, check_admission_replies
 
 # Found only once the tensors are read (by the worker) or by vLLM's own path lookup.
-AFTER_READ = {"nan_weights", "inf_weights", "missing_path"}
+AFTER_READ = {"nan_weights", "inf_weights", "missing_path", "huge_factor"}
 
 
 @pytest.mark.parametrize("bad", [b for b in BAD_ADAPTERS if b.kind not in AFTER_READ], ids=lambda b: b.kind)
 def test_every_file_problem_is_named_before_any_tensor_is_read(assets, tmp_path, bad):
     path = bad.make(assets["bd64"], tmp_path / bad.kind)
+    started = time.monotonic()
     with pytest.raises(AdapterRejected) as rejected:
         check_adapter_dir(path, bad.kind)
+    assert time.monotonic() - started < 30  # a FIFO is refused, not waited on
     message = str(rejected.value)
     assert f"LoRA adapter rejected: '{bad.kind}'" in message and "Fix:" in message
     for fragment in bad.says:
@@ -41,12 +59,135 @@ def test_good_adapters_pass_with_their_shapes(assets, name):
     assert files.config["r"] in (16, 64) and any(".lora_A." in t for t in files.tensor_shapes)
 
 
+def test_a_missing_file_a_symlink_a_fifo_and_a_directory_get_one_message(assets, tmp_path):
+    """What an answer says about a file must not tell what exists on the server's disk."""
+    answers = set()
+    for kind in ("missing", "fifo", "symlink", "system_symlink", "directory"):
+        path = tmp_path / kind
+        shutil.copytree(assets["bd64"], path)
+        config = path / "adapter_config.json"
+        os.remove(config)
+        if kind == "fifo":
+            os.mkfifo(config)
+        elif kind == "symlink":
+            os.symlink(assets["bd64"] + "/adapter_config.json", config)
+        elif kind == "system_symlink":
+            os.symlink("/etc/passwd", config)
+        elif kind == "directory":
+            os.mkdir(config)
+        with pytest.raises(AdapterRejected) as rejected:
+            check_adapter_dir(str(path), "ad")
+        answers.add(str(rejected.value))
+    assert len(answers) == 1 and f"adapter_config.json {UNREADABLE}" in answers.pop()
+
+
+def test_confinement_is_checked_on_the_directory_that_was_opened(assets, tmp_path):
+    """A symlink inside a root re-pointed outside after the API server's path check: what the worker opens is
+    outside, and it is refused as the API server refuses it."""
+    root, outside = tmp_path / "adapters", tmp_path / "elsewhere"
+    root.mkdir()
+    shutil.copytree(assets["bd64"], root / "bd64")
+    shutil.copytree(assets["std16"], outside)
+    link = root / "current"
+    link.symlink_to(root / "bd64")
+    assert is_allowed_adapter_path(str(link), [str(root)])  # the API server's check passes
+    link.unlink()
+    link.symlink_to(outside)  # re-pointed before the worker opens it
+    with pytest.raises(AdapterPathRefused) as refused:
+        open_adapter(str(link), "ad", [str(root)])
+    assert adapter_failure_status(str(refused.value)) == 403
+    assert open_adapter(str(root / "bd64"), "ad", [str(root)]).config["r"] == 64
+    with pytest.raises(AdapterPathRefused):  # outside and missing: the same answer as outside and present
+        open_adapter(str(tmp_path / "nothing"), "ad", [str(root)])
+
+
+def test_an_opened_adapter_reads_what_was_opened_even_if_the_path_changes(assets, tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(assets["bd64"], source)
+    with open_adapter(str(source), "bd64") as opened:
+        before = {n: t.clone() for n, t in opened.tensor_views().items()}
+        shutil.rmtree(source)
+        shutil.copytree(assets["std16"], source)  # replaced by another adapter under the same path
+        after = opened.tensor_views()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert opened.unchanged()
+    with open_adapter(str(source), "x") as other:
+        assert other.identity != opened.identity
+
+
+def test_a_weights_file_written_in_place_while_open_is_seen_as_changed(assets, tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(assets["bd64"], source)
+    with open_adapter(str(source), "bd64") as opened:
+        with open(source / "adapter_model.safetensors", "r+b") as f:
+            f.seek(os.path.getsize(source / "adapter_model.safetensors") - 4)
+            f.write(b"\0\0\0\0")
+        os.utime(source / "adapter_model.safetensors", ns=(1, 1))
+        assert not opened.unchanged()
+
+
 def test_rank_pattern_matches_dotted_suffixes_as_peft_does():
     config = {"r": 16, "rank_pattern": {"q_proj": 8, "layers.1.mlp.up_proj": 4}}
     assert module_rank(config, "model.layers.0.self_attn.q_proj") == 8
     assert module_rank(config, "model.layers.1.mlp.up_proj") == 4
     assert module_rank(config, "model.layers.0.mlp.up_proj") == 16
     assert module_rank(config, "model.layers.0.self_attn.xq_proj") == 16  # a suffix at a "." boundary only
+
+
+def test_a_rank_pattern_that_is_not_a_regular_expression_is_named(assets, tmp_path):
+    path = tmp_path / "ad"
+    shutil.copytree(assets["bd64"], path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["rank_pattern"] = {"q_proj(": 8}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterRejected, match=r"rank_pattern key 'q_proj\(' is not a regular expression"):
+        check_adapter_dir(str(path), "ad")
+
+
+@pytest.mark.parametrize(
+    ("config", "names"),
+    [
+        ({"r": 8, "lora_alpha": 16}, []),
+        ({"r": 8, "lora_alpha": 1e308}, ["lora_alpha 1e+308 / r (r 8)"]),
+        ({"r": 8, "lora_alpha": -1e7}, ["lora_alpha -1e+07 / r (r 8)"]),
+        ({"r": 64, "lora_alpha": 8e6, "use_rslora": True}, []),  # 1e6: at the limit
+        ({"r": 64, "lora_alpha": 8.1e6, "use_rslora": True}, ["lora_alpha 8.1e+06 / sqrt(r) (r 64)"]),
+        ({"r": 8, "alpha_pattern": {"q_proj": 1e9}}, ["alpha_pattern['q_proj'] 1e+09 / r (r 8)"]),
+        ({"r": 8, "lora_alpha": 8e6, "rank_pattern": {"q_proj": 1}},
+         ["lora_alpha (rank_pattern 'q_proj') 8e+06 / r (rank_pattern['q_proj'] 1)"]),
+    ],
+)  # fmt: skip
+def test_scales_over_the_limit_are_named_with_key_and_value(config, names):
+    problems = config_scale_problems(config)
+    assert len(problems) == len(names)
+    for problem, name in zip(problems, names, strict=True):
+        assert problem.startswith(name) and "over the limit" in problem, problem
+
+
+def test_gain_bounds_what_a_module_can_add_to_any_input():
+    torch.manual_seed(0)
+    a, b, scaling = torch.randn(8, 64), torch.randn(32, 8), 2.0
+    gain = module_gain(a, b, scaling)
+    for _ in range(20):
+        x = torch.randn(64)
+        assert (scaling * b @ (a @ x)).norm() <= gain * x.norm() * (1 + 1e-6)
+    assert gain_problems([("m", a, b, scaling)], torch.float32) == []
+
+
+@pytest.mark.parametrize(
+    ("scale", "dtype", "refused"),
+    [(1.0, torch.float32, False), (1e5, torch.bfloat16, False), (2e6, torch.float32, True),
+     (1e30, torch.bfloat16, True), (1e4, torch.float16, False), (2e5, torch.float16, True),
+     (1e300, torch.float32, True)],
+)  # fmt: skip
+def test_modules_whose_gain_would_overflow_the_serving_dtype_are_named(scale, dtype, refused):
+    # ||A||_F = ||B||_F = 0.8: a gain of 0.64 x scale
+    a, b = torch.full((4, 16), 0.1, dtype=torch.float64), torch.full((16, 4), 0.1, dtype=torch.float64)
+    problems = gain_problems([("model.layers.0.mlp.up_proj", a, b * scale, 1.0)], dtype)
+    assert bool(problems) == refused
+    if refused:
+        assert problems[0].startswith("model.layers.0.mlp.up_proj: ")
+    assert math.isfinite(MAX_GAIN)
 
 
 @pytest.mark.parametrize("factor", ["lora_a", "lora_b"])
@@ -63,11 +204,31 @@ def test_non_finite_factors_are_named(factor, value):
     assert problems == [f"model.layers.0.mlp.up_proj: {name} holds NaN or Inf"]
 
 
+@pytest.mark.parametrize("name", ["support-bd128", "org/adapter:v1.2", "a", "x" * ADAPTER_NAME_MAX, "tenant_7@eu+1"])
+def test_adapter_names_of_the_safe_set_pass(name):
+    assert adapter_name_problem(name) is None
+
+
+@pytest.mark.parametrize(
+    "name", ["", "line\nbreak", "nul\0byte", "x" * (ADAPTER_NAME_MAX + 1), "-leading", "space here", "é", None, 7]
+)
+def test_adapter_names_outside_the_safe_set_are_refused_naming_the_rule(name):
+    problem = adapter_name_problem(name)
+    assert problem is not None and "letters, digits" in problem
+    assert "\n" not in problem and "\0" not in problem and len(problem) < 400
+
+
+def test_adapter_paths_with_control_characters_are_refused():
+    assert adapter_path_problem("/adapters/a") is None
+    for path in ("/adapters/a\0b", "/adapters/\nx", "", None):
+        assert "not allowed" in adapter_path_problem(path)
+
+
 def test_only_the_probes_are_open():
     for path in OPEN_PATHS:
         assert not needs_api_key(path) and not needs_api_key(path + "/")
     for path in ("/adapters", "/adapters/x", "/invocations", "/v1/completions", "/docs", "/openapi.json", "/",
-                 "/healthz", "/health/../adapters"):  # fmt: skip
+                 "/healthz", "/health/../adapters", "/metrics"):  # fmt: skip
         assert needs_api_key(path), path
 
 
@@ -87,41 +248,79 @@ def test_paths_are_confined_after_resolution(tmp_path):
     assert is_allowed_adapter_path("/anything", [])  # no roots: no confinement
 
 
-def test_admitted_copy_survives_changes_to_its_source(assets, tmp_path):
-    source = tmp_path / "source"
-    import shutil
-
-    shutil.copytree(assets["bd64"], source)
-    copies = AdmittedCopies(str(tmp_path / "copies"))
-    os.mkdir(copies.parent)
-    first = copies.stage(str(source), "bd64")
-    copies.keep(7, first)
-    shutil.rmtree(source)
-    assert copies.get(7) == first and check_adapter_dir(first.directory, "bd64").config["r"] == 64
-    assert sorted(os.listdir(first.directory)) == ["adapter_config.json", "adapter_model.safetensors"]
-    # An in-place reload replaces the copy (and deletes the old one) only once kept.
-    shutil.copytree(assets["std16"], source)
-    second = copies.stage(str(source), "bd64")
-    assert second.digest != first.digest and copies.get(7) == first
-    copies.keep(7, second)
-    assert copies.get(7) == second and not os.path.exists(first.directory)
-    copies.forget(7)
-    assert copies.get(7) is None and not os.path.exists(second.directory)
-    copies.remove_all()
-    assert os.listdir(copies.parent) == []
+# -- the store ---------------------------------------------------------------------------------------------------
 
 
-def test_copies_of_dead_workers_are_removed(tmp_path):
-    dead = tmp_path / f"{COPY_DIR_PREFIX}999999999-x"
-    alive = tmp_path / f"{COPY_DIR_PREFIX}{os.getpid()}-x"
-    other = tmp_path / "unrelated"
-    for d in (dead, alive, other):
-        d.mkdir()
-    remove_copies_of_dead_processes(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])
+def kept(identity: str, values: float, n: int = 256):
+    """An admitted adapter as the store sees it: a template LoRAModel whose module weights hold tensors."""
+    weights = SimpleNamespace(
+        lora_a=torch.full((4, n), values), lora_b=torch.full((n, 4), -values, dtype=torch.bfloat16)
+    )
+    template = SimpleNamespace(loras={"m": weights})
+    nbytes = 4 * n * 4 + n * 4 * 2
+    return SimpleNamespace(identity=identity, template=template, nbytes=nbytes)
 
 
-def test_ranks_that_copied_different_bytes_are_refused_and_cleaned_up():
+def test_the_store_spills_past_its_budget_and_reads_back_exactly(tmp_path):
+    store = AdapterStore(host_budget=kept("x", 0).nbytes * 2, spill_dir=str(tmp_path))
+    adapters = {i: kept(f"id{i}", float(i)) for i in range(1, 5)}
+    for i, adapter in adapters.items():
+        store.keep(i, adapter)
+    assert store.resident_bytes <= store.host_budget and store.ids() == {1, 2, 3, 4}
+    assert os.listdir(tmp_path) == []  # spill files are unlinked as soon as made
+    assert adapters[1].template.loras["m"].lora_a is None  # the least recently used were spilled
+    for i in (1, 2, 3, 4):
+        got = store.get(i)
+        assert torch.equal(got.template.loras["m"].lora_a, torch.full((4, 256), float(i)))
+        assert torch.equal(got.template.loras["m"].lora_b, torch.full((256, 4), -float(i), dtype=torch.bfloat16))
+        assert store.resident_bytes <= store.host_budget
+    assert store.status([1, 9]) == {1: ("ready", "id1"), 9: ("unknown",)}
+    assert store.forget(2) and not store.forget(2) and store.get(2) is None
+    store.remove_all()
+    assert store.ids() == set() and store.resident_bytes == 0
+
+
+def test_a_spill_that_finds_no_space_keeps_the_adapter_and_says_why(tmp_path, monkeypatch):
+    store = AdapterStore(host_budget=kept("x", 0).nbytes, spill_dir=str(tmp_path))
+    store.keep(1, kept("a", 1.0))
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", no_space)
+    with pytest.raises(StoreFull) as full:
+        store.keep(2, kept("b", 2.0))
+    assert "No space left on device" in str(full.value) and adapter_failure_status(str(full.value)) == 507
+    assert store.get(1).template.loras["m"].lora_a is not None and store.get(2) is None
+
+
+def test_admissions_run_on_threads_and_a_stuck_one_does_not_hold_up_the_next():
+    store = AdapterStore(host_budget=2**30, threads=1)
+    stuck = threading.Event()
+    store.begin(1, "stuck", lambda: stuck.wait(60) and kept("never", 0.0))
+    store.begin(2, "next", lambda: kept("b", 2.0))
+    time.sleep(0.2)
+    status = store.status([1, 2])
+    assert status[1][0] == "pending" and status[1][1] > 0.1  # reading for 0.2 s
+    assert status[2] == ("pending", 0.0)  # one read at a time: 2 waits for 1, and its reading time has not begun
+    assert store.forget(1)  # given up at its deadline: its slot goes to the next admission
+    deadline = time.monotonic() + 10
+    while store.status([2])[2][0] == "pending" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.status([2]) == {2: ("ready", "b")}
+    assert store.take_staged(2).identity == "b" and store.get(2).identity == "b"
+    stuck.set()
+    store.begin(3, "bad", lambda: (_ for _ in ()).throw(AdapterRejected("bad", ["x: broken"])))
+    deadline = time.monotonic() + 10
+    while store.status([3])[3][0] == "pending" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    state, message = store.status([3])[3]
+    assert state == "failed" and "LoRA adapter rejected: 'bad'" in message
+    with pytest.raises(AdapterRejected):
+        store.take_staged(3)
+
+
+def test_ranks_that_read_different_files_are_refused_and_cleaned_up():
     request = SimpleNamespace(lora_name="ad", lora_int_id=3)
     removed = []
     assert check_admission_replies([AdmissionReceipt(True, "x"), AdmissionReceipt(True, "x")], request, None)
@@ -134,6 +333,15 @@ def test_ranks_that_copied_different_bytes_are_refused_and_cleaned_up():
     other = AdapterLoadFailure(f"LoRA adapter rejected: 'ad'. {AdapterRejected.OTHER_RANK}")
     with pytest.raises(RuntimeError, match="bad"):
         check_admission_replies([other, failure], request, None)
+
+
+def test_failure_statuses_follow_their_messages():
+    from vllm_bdlora.access import PATH_REFUSED, STORE_FULL
+
+    assert adapter_failure_status(str(AdapterRejected("a", ["x"]))) == 400
+    assert adapter_failure_status(f"LoRA adapter 'a': {PATH_REFUSED}") == 403
+    assert adapter_failure_status(f"LoRA adapter 'a' not admitted: {STORE_FULL} (disk full)") == 507
+    assert adapter_failure_status("something else") is None
 
 
 def test_cpu_defaults_only_where_vllms_own_would_stop_the_server():

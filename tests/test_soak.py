@@ -1,6 +1,6 @@
-"""The reliability soak, CI-sized: 300 requests over 8 adapters through 4 slots and 8 CPU-cache entries, with live
-unload/reload, every kind of bad adapter, and a worker killed at the end (bench/soak.py; the committed run is
-bench/results/soak/)."""
+"""The reliability soak, CI-sized: 300 requests over 24 adapters through 4 slots and 8 CPU-cache entries, with each
+worker keeping at most 2 MiB of adapters in memory (the rest spilled and read back), live unload/reload, every kind
+of bad adapter, and a worker killed at the end (bench/soak.py; the committed run is bench/results/soak/)."""
 
 import json
 
@@ -13,8 +13,9 @@ pytestmark = pytest.mark.engine
 
 def test_soak_answers_every_request_as_if_sent_alone(tmp_path):
     out = tmp_path / "out"
-    status = soak.main(["--requests", "300", "--adapters", "8", "--churn-adapters", "2", "--concurrency", "8",
-                        "--workdir", str(tmp_path / "work"), "--out", str(out)])  # fmt: skip
+    status = soak.main(["--requests", "300", "--adapters", "24", "--churn-adapters", "2", "--concurrency", "8",
+                        "--adapter-host-memory", "2MiB", "--workdir", str(tmp_path / "work"),
+                        "--out", str(out)])  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failures"] == [] and status == 0, summary
     assert summary["errors"] == 0 and summary["mismatches"] == 0

@@ -1,34 +1,40 @@
-"""Admitted adapters are served from what was admitted: a private copy of their files on each worker.
+"""What a worker keeps of the adapters it admitted, and how it admits them without holding up an engine step.
 
-vLLM reads an adapter's files again whenever it has dropped the adapter from its host-memory cache
-(`--max-cpu-loras`) and a request asks for it later. That read happens inside the engine step, where any
-failure stops the engine: an adapter whose files were re-saved, half-synced or deleted after it was admitted
-would take every request down with it, or be served as something other than what was admitted.
+vLLM reads an adapter's files whenever it has dropped the adapter from its host-memory cache (`--max-cpu-loras`)
+and a request asks for it again, inside the engine step, where every running request waits for the read and any
+failure stops the engine; an adapter whose files were re-saved, half-synced or deleted after it was admitted would
+take every request down with it, or be served as something other than what was admitted.
 
-So when a worker admits an adapter (the server's `--lora-modules`, a load request, or a request naming an
-adapter this worker has not seen), it copies the files vLLM reads into a directory of its own, checks and
-reads that copy, and every later read is of the same bytes, which passed the same checks before. Nothing
-that happens to the source afterwards reaches the engine step. Tensor-parallel ranks copy independently, so
-each reports the digest of what it copied and the executor refuses the adapter if they differ (its files
-changed while the ranks read them). A copy lives until the adapter is removed from the engine or the worker
-exits; copies of a dead worker are removed by the next worker that starts.
+So a worker reads an adapter once, when it admits it: its own share of the tensors, checked and cut to this rank
+(`vllm_bdlora.loading`), is kept here (`AdapterStore`), in host memory (pinned where the GPU copies from it) up to a
+budget in bytes and, past the budget, in a private file that is unlinked as soon as it is made (so it is gone with
+the process, however the process ends). Every later load of the adapter is built from what is kept: no file of the
+adapter's is read again, so nothing that happens to them afterwards reaches a step, and a re-read costs no more than
+the copy into a GPU slot.
+
+Admission runs on threads of its own (`begin`), one adapter per thread, a few at a time: the engine core asks every
+rank to begin, polls them between steps (`status`) and completes the load only once every rank has read the same
+files (each reports the digest of what it opened, `OpenedAdapter.identity`). A read that never returns (a stalled
+network filesystem) is given up by the engine core at its deadline (`forget`), and its thread no longer counts
+against the few that run at a time.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
-import hashlib
+import logging
 import os
-import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from vllm_bdlora.adapter_files import SERVED_FILES, check_adapter_dir
+from vllm_bdlora.access import STORE_FULL
 
-COPY_DIR_PREFIX = "vllm-bdlora-adapters-"
-_CHUNK = 8 * 2**20
+logger = logging.getLogger("vllm.bdlora")
 
 # True while a worker loads an adapter for an add_lora call (admission), as opposed to a step's request.
 _admitting = contextvars.ContextVar("bdlora_admitting", default=False)
@@ -47,109 +53,312 @@ def is_admitting() -> bool:
     return _admitting.get()
 
 
-@dataclass(frozen=True)
-class AdmittedCopy:
-    directory: str
-    digest: str  # sha256 over the copied files' names and bytes
+class StoreFull(RuntimeError):
+    """The host budget is used up and the rest cannot be spilled to disk (no space): the adapter is refused with
+    HTTP 507, naming it."""
 
 
-class AdmittedCopies:
-    """One worker's copies of its admitted adapters, keyed by vLLM's adapter id."""
+@dataclass
+class _Staging:
+    """One admission in progress on its own thread."""
 
-    def __init__(self, parent: str | None = None):
-        self.parent = parent or tempfile.gettempdir()
-        self._root: str | None = None
-        self._copies: dict[int, AdmittedCopy] = {}
-        self._serial = 0
+    adapter_id: int
+    name: str
+    reading_since: float | None = None  # set once it holds a slot (its time queued behind others does not count)
+    finished: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None  # an admitted adapter (see `vllm_bdlora.loading.AdmittedAdapter`)
+    error: BaseException | None = None
+    abandoned: bool = False  # forgotten while it ran: its result is dropped when it ends
+    counted: bool = True  # holds one of the running slots
 
-    def get(self, adapter_id: int) -> AdmittedCopy | None:
-        return self._copies.get(adapter_id)
 
-    def stage(self, source: str, adapter: str) -> AdmittedCopy:
-        """Copy the files vLLM reads from `source` (checked first, so that problems name the source's files)
-        into a new directory; `keep` makes it the adapter's once it has loaded, `discard` drops it if not."""
-        check_adapter_dir(source, adapter)
-        self._serial += 1
-        directory = os.path.join(self._ensure_root(), str(self._serial))
-        os.mkdir(directory)
-        digest = hashlib.sha256()
+@dataclass
+class _Spilled:
+    """An adapter whose tensors were spilled: a private unlinked file and, per tensor, its place in it."""
+
+    admitted: object  # its tensors set to None until read back
+    fd: int
+    places: list  # (module, attribute, offset, shape, dtype, pinned)
+
+
+class AdapterStore:
+    """One worker's admitted adapters (keyed by vLLM's adapter id), the admissions it runs, and its spill files.
+
+    `host_budget`: bytes of adapter tensors kept in host memory; the least recently used beyond it are spilled to
+    `spill_dir` (None: the system's temporary directory) and read back when a load asks for them. `threads`: how many
+    admissions read at once."""
+
+    def __init__(self, host_budget: int, spill_dir: str | None = None, threads: int = 4):
+        self.host_budget = host_budget
+        self.spill_dir = spill_dir or tempfile.gettempdir()
+        self._lock = threading.Lock()
+        self._admitted: OrderedDict[int, object] = OrderedDict()  # least recently used first
+        self._spilled: dict[int, _Spilled] = {}
+        self._staging: dict[int, _Staging] = {}
+        self._slots = threading.Semaphore(max(1, threads))
+        self.resident_bytes = 0
+
+    # -- admissions ---------------------------------------------------------------------------------------------
+    def begin(self, adapter_id: int, name: str, work: Callable[[], object]) -> None:
+        """Start admitting `adapter_id` on a thread of its own (`work` reads, checks and cuts it); an admission of
+        the same id already running is abandoned (an in-place reload supersedes it)."""
+        with self._lock:
+            previous = self._staging.pop(adapter_id, None)
+        if previous is not None:
+            self._abandon(previous)
+        staging = _Staging(adapter_id, name)
+        with self._lock:
+            self._staging[adapter_id] = staging
+        threading.Thread(target=self._run, args=(staging, work), name=f"bdlora-admit-{adapter_id}",
+                         daemon=True).start()  # fmt: skip
+
+    def _run(self, staging: _Staging, work: Callable[[], object]) -> None:
+        self._slots.acquire()
+        staging.reading_since = time.monotonic()
         try:
-            for name in SERVED_FILES:
-                path = os.path.join(source, name)
-                if os.path.isfile(path):
-                    digest.update(name.encode() + b"\0")
-                    _copy_hashing(path, os.path.join(directory, name), digest)
-        except OSError:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        return AdmittedCopy(directory, digest.hexdigest())
+            if not staging.abandoned:
+                staging.result = work()
+        except BaseException as e:  # reported through status(); the engine core turns it into the client's answer
+            staging.error = e
+        finally:
+            staging.finished = time.monotonic()
+            with self._lock:
+                release = staging.counted
+                staging.counted = False
+            if release:
+                self._slots.release()
+            staging.done.set()
 
-    def keep(self, adapter_id: int, copy: AdmittedCopy) -> None:
-        """`copy` is now what `adapter_id` is served from (an in-place reload replaces the previous copy)."""
-        previous = self._copies.get(adapter_id)
-        self._copies[adapter_id] = copy
-        if previous is not None and previous != copy:
-            self.discard(previous)
+    def status(self, ids: list[int]) -> dict[int, tuple]:
+        """Per id: ("pending", seconds spent reading so far), ("ready", identity), ("failed", message) or
+        ("unknown",)."""
+        found = {}
+        with self._lock:
+            for adapter_id in ids:
+                staging = self._staging.get(adapter_id)
+                kept = self._admitted.get(adapter_id) or getattr(self._spilled.get(adapter_id), "admitted", None)
+                if staging is None:
+                    found[adapter_id] = ("ready", kept.identity) if kept is not None else ("unknown",)
+                elif not staging.done.is_set():
+                    since = staging.reading_since
+                    found[adapter_id] = ("pending", 0.0 if since is None else time.monotonic() - since)
+                elif staging.error is not None:
+                    found[adapter_id] = ("failed", failure_message(staging.error))
+                else:
+                    found[adapter_id] = ("ready", staging.result.identity)
+        return found
 
-    def forget(self, adapter_id: int) -> None:
-        copy = self._copies.pop(adapter_id, None)
-        if copy is not None:
-            self.discard(copy)
+    def take_staged(self, adapter_id: int, timeout: float | None = None):
+        """The result of `adapter_id`'s admission (waiting for it, at most `timeout` seconds), kept from now on; None
+        where none was begun. Raises what the admission raised."""
+        with self._lock:
+            staging = self._staging.get(adapter_id)
+        if staging is None:
+            return None
+        if not staging.done.wait(timeout):
+            raise TimeoutError(f"adapter '{staging.name}' is still being read")
+        with self._lock:
+            if self._staging.get(adapter_id) is staging:
+                del self._staging[adapter_id]
+        if staging.error is not None:
+            raise staging.error
+        self.keep(adapter_id, staging.result)
+        return staging.result
 
-    @staticmethod
-    def discard(copy: AdmittedCopy) -> None:
-        shutil.rmtree(copy.directory, ignore_errors=True)
+    def _abandon(self, staging: _Staging) -> None:
+        staging.abandoned = True
+        with self._lock:
+            release = staging.counted and not staging.done.is_set()
+            staging.counted = False if release else staging.counted
+        if release:  # a read stuck past its deadline no longer holds up the admissions behind it
+            self._slots.release()
+
+    # -- what is kept ---------------------------------------------------------------------------------------------
+    def keep(self, adapter_id: int, admitted) -> None:
+        """`admitted` is what `adapter_id` is served from from now on (replacing an earlier one)."""
+        self._drop(adapter_id)
+        with self._lock:
+            self._admitted[adapter_id] = admitted
+            self.resident_bytes += admitted.nbytes
+        try:
+            self._enforce_budget(keep=adapter_id)
+        except StoreFull as e:
+            self._drop(adapter_id)
+            raise StoreFull(f"LoRA adapter '{getattr(admitted, 'name', adapter_id)}' not admitted: {e}") from e
+
+    def get(self, adapter_id: int):
+        """The admitted adapter (read back from its spill file if it was spilled), or None."""
+        with self._lock:
+            admitted = self._admitted.get(adapter_id)
+            if admitted is not None:
+                self._admitted.move_to_end(adapter_id)
+                return admitted
+            spilled = adapter_id in self._spilled
+        if not spilled:
+            return None
+        admitted = self._restore(adapter_id)
+        self._enforce_budget(keep=adapter_id)
+        return admitted
+
+    def forget(self, adapter_id: int) -> str | None:
+        """Drop everything of `adapter_id`: its admission in progress, its tensors, its spill file. Returns its name,
+        None if the store held nothing of it."""
+        with self._lock:
+            staging = self._staging.pop(adapter_id, None)
+        if staging is not None:
+            self._abandon(staging)
+        dropped = self._drop(adapter_id)
+        return dropped or (staging.name if staging is not None else None)
+
+    def ids(self) -> set[int]:
+        with self._lock:
+            return set(self._admitted) | set(self._spilled)
+
+    def resident_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._admitted)
+
+    def spilled_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._spilled)
+
+    def names(self) -> dict[int, str]:
+        """Adapter id -> name of everything kept or being admitted."""
+        with self._lock:
+            kept = [*self._admitted.items(), *((i, s.admitted) for i, s in self._spilled.items())]
+            names = {i: getattr(a, "name", str(i)) for i, a in kept}
+            names.update({i: s.name for i, s in self._staging.items()})
+        return names
+
+    def reading_seconds(self, adapter_id: int) -> float | None:
+        """How long a finished admission of `adapter_id` spent reading (None if there is none)."""
+        with self._lock:
+            staging = self._staging.get(adapter_id)
+        if staging is None or staging.reading_since is None or staging.finished is None:
+            return None
+        return staging.finished - staging.reading_since
 
     def remove_all(self) -> None:
-        self._copies.clear()
-        if self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
-            self._root = None
+        with self._lock:
+            ids = list(self._admitted) + list(self._spilled) + list(self._staging)
+        for adapter_id in ids:
+            self.forget(adapter_id)
 
-    def _ensure_root(self) -> str:
-        if self._root is None:
-            remove_copies_of_dead_processes(self.parent)
-            self._root = tempfile.mkdtemp(prefix=f"{COPY_DIR_PREFIX}{os.getpid()}-", dir=self.parent)
-            atexit.register(self.remove_all)
-        return self._root
+    def _drop(self, adapter_id: int) -> str | None:
+        with self._lock:
+            admitted = self._admitted.pop(adapter_id, None)
+            if admitted is not None:
+                self.resident_bytes -= admitted.nbytes
+            spilled = self._spilled.pop(adapter_id, None)
+        if spilled is not None:
+            os.close(spilled.fd)
+            admitted = spilled.admitted
+        return getattr(admitted, "name", str(adapter_id)) if admitted is not None else None
+
+    # -- spilling -------------------------------------------------------------------------------------------------
+    def _enforce_budget(self, keep: int) -> None:
+        while True:
+            with self._lock:
+                if self.resident_bytes <= self.host_budget:
+                    return
+                victim = next((i for i in self._admitted if i != keep), None)
+                if victim is None:
+                    return  # one adapter larger than the budget stays resident
+                admitted = self._admitted.pop(victim)
+                self.resident_bytes -= admitted.nbytes
+            try:
+                self._spill(victim, admitted)
+            except OSError as e:
+                with self._lock:  # keep it resident: over budget beats losing an admitted adapter
+                    self._admitted[victim] = admitted
+                    self._admitted.move_to_end(victim, last=False)
+                    self.resident_bytes += admitted.nbytes
+                raise StoreFull(
+                    f"{STORE_FULL}: the host memory for adapters ({self.host_budget} bytes per worker) is used up and "
+                    f"spilling to {self.spill_dir} failed ({e.strerror or e}); unload adapters, or give the server "
+                    'more "adapter_host_memory" or spill space'
+                ) from e
+
+    def _spill(self, adapter_id: int, admitted) -> None:
+        import torch
+
+        fd, path = tempfile.mkstemp(prefix="vllm-bdlora-spill-", dir=self.spill_dir)
+        os.unlink(path)  # the file lives as long as this descriptor: gone with the process, however it ends
+        places, offset = [], 0
+        try:  # ENOSPC included: the caller keeps the adapter resident and says so
+            for module, weights in admitted.template.loras.items():
+                for attribute in ("lora_a", "lora_b"):
+                    tensor = getattr(weights, attribute)
+                    if not isinstance(tensor, torch.Tensor):
+                        continue
+                    data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+                    written = 0
+                    while written < data.nbytes:
+                        written += os.pwrite(fd, memoryview(data)[written:], offset + written)
+                    places.append((module, attribute, offset, tuple(tensor.shape), tensor.dtype, tensor.is_pinned()))
+                    offset += data.nbytes
+        except OSError:
+            os.close(fd)
+            raise
+        for module, attribute, *_ in places:
+            setattr(admitted.template.loras[module], attribute, None)
+        with self._lock:
+            self._spilled[adapter_id] = _Spilled(admitted, fd, places)
+
+    def _restore(self, adapter_id: int):
+        import torch
+
+        with self._lock:
+            spilled = self._spilled.pop(adapter_id, None)
+        if spilled is None:  # read back by another thread meanwhile
+            return self.get(adapter_id)
+        admitted = spilled.admitted
+        try:
+            for module, attribute, offset, shape, dtype, pinned in spilled.places:
+                count = 1
+                for n in shape:
+                    count *= n
+                raw = torch.empty(count * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8,
+                                  pin_memory=pinned)  # fmt: skip
+                view = memoryview(raw.numpy())
+                done = 0
+                while done < len(view):
+                    done += os.preadv(spilled.fd, [view[done:]], offset + done)
+                setattr(admitted.template.loras[module], attribute, raw.view(dtype).reshape(shape))
+        finally:
+            os.close(spilled.fd)
+        with self._lock:
+            self._admitted[adapter_id] = admitted
+            self.resident_bytes += admitted.nbytes
+        return admitted
 
 
-def _copy_hashing(source: str, destination: str, digest) -> None:
-    with open(source, "rb") as src, open(destination, "wb") as dst:
-        while chunk := src.read(_CHUNK):
-            digest.update(chunk)
-            dst.write(chunk)
+def failure_message(error: BaseException) -> str:
+    """What the client is told about a failed admission (the API server picks the HTTP status from it)."""
+    from vllm_bdlora.adapters import AdapterRejected
+
+    if isinstance(error, AdapterRejected):
+        return str(error)
+    return str(error) or type(error).__name__
 
 
-def remove_copies_of_dead_processes(parent: str) -> None:
-    """Workers killed without running their exit handlers leave their copies behind; their directory names
-    carry the pid, so a later worker can tell which are orphaned."""
+def host_budget_bytes(configured: int | None, local_workers: int) -> int:
+    """The host-memory budget for one worker's adapters: the configured bytes, or a fifth of the machine's memory
+    shared by its workers."""
+    if configured is not None:
+        return configured
     try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith(COPY_DIR_PREFIX):
-            continue
-        pid = name[len(COPY_DIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _process_exists(int(pid)):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 * 2**30
+    return max(2**30, total // 5 // max(1, local_workers))
 
 
 @dataclass(frozen=True)
 class AdmissionReceipt:
-    """A worker's reply to add_lora: whether it loaded the adapter, and the digest of the copy it admitted
-    (None where vllm-bdlora does not copy, i.e. BD-LoRA is off)."""
+    """A worker's reply to add_lora: whether it loaded the adapter, and the digest of the files it admitted
+    (None where vllm-bdlora does not admit, i.e. BD-LoRA is off)."""
 
     loaded: bool
     digest: str | None
@@ -159,14 +368,26 @@ class AdmissionReceipt:
 
 
 def admission_receipt(worker_manager, lora_request, loaded: bool) -> AdmissionReceipt:
-    copies = getattr(worker_manager, "_bdlora_admitted", None)
-    copy = copies.get(lora_request.lora_int_id) if copies is not None else None
-    return AdmissionReceipt(bool(loaded), copy.digest if copy else None)
+    store = getattr(worker_manager, "_bdlora_store", None)
+    admitted = store.get(lora_request.lora_int_id) if store is not None else None
+    return AdmissionReceipt(bool(loaded), admitted.identity if admitted else None)
+
+
+def different_files_refusal(adapter: str) -> str:
+    from vllm_bdlora.adapters import AdapterRejected
+
+    return str(
+        AdapterRejected(
+            adapter,
+            ["its files changed while the tensor-parallel ranks were reading them (the ranks read different files)"],
+            "load it again once its files are completely written (write elsewhere, then rename into place).",
+        )
+    )
 
 
 def check_admission_replies(replies: list, lora_request, remove_everywhere) -> bool:
     """The executor's verdict on every rank's add_lora reply: the first failure is raised (after every reply
-    was read, see `AdapterLoadFailure`); ranks that copied different bytes mean the files changed during the
+    was read, see `AdapterLoadFailure`); ranks that read different files mean the files changed during the
     load, so the adapter is removed from every rank and refused."""
     from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
 
@@ -178,14 +399,5 @@ def check_admission_replies(replies: list, lora_request, remove_everywhere) -> b
     digests = {r.digest for r in replies if isinstance(r, AdmissionReceipt)}
     if len(digests) > 1:
         remove_everywhere()
-        raise RuntimeError(
-            str(
-                AdapterRejected(
-                    lora_request.lora_name,
-                    ["its files changed while the tensor-parallel ranks were reading them (the ranks copied different "
-                     "bytes)"],
-                    "load it again once its files are completely written (write elsewhere, then rename into place).",
-                )
-            )
-        )  # fmt: skip
+        raise RuntimeError(different_files_refusal(lora_request.lora_name))
     return all(replies)

@@ -137,3 +137,47 @@ def token_groups(punica_wrapper) -> tuple:
         meta.lora_token_start_loc,
         meta.no_lora_flag_cpu,
     )
+
+
+def cpu_kv_cache_write(attention_impl_class) -> tuple[str, int]:
+    """(method, index of its `key` argument after self) through which vLLM's CPU attention writes new keys and
+    values to the KV cache: `do_kv_cache_update(layer, key, value, ...)` where the release has it (0.32), else
+    `forward(layer, query, key, value, ...)`, which writes them before attending (0.26 to 0.31)."""
+    if "do_kv_cache_update" in attention_impl_class.__dict__:
+        return "do_kv_cache_update", 1
+    return "forward", 2
+
+
+def lora_weights_mapper(model):
+    """The checkpoint-name mapper vLLM's adapter reader applies for `model` (renames only: vLLM's LoRA manager packs
+    q/k/v and gate/up itself): `get_rename_mapper` in 0.32, `get_unstacked_mapper` in 0.26; None for models
+    without one."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return None
+    for method in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, method):
+            return getattr(mapper, method)()
+    return mapper
+
+
+def peft_helper_from_config(config: dict, worker_manager):
+    """vLLM's PEFTHelper for an adapter config already read (PEFTHelper.from_local_dir reads the file itself, the
+    same in 0.26 and 0.32, without the tensorizer case)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    return PEFTHelper.from_dict(
+        {**config, "vllm_max_position_embeddings": getattr(worker_manager, "max_position_embeddings", None)}
+    )
+
+
+def validate_read_lora(worker_manager, lora_model, lora_request) -> None:
+    """The checks vLLM's `_load_adapter` runs on an adapter it read, where this vLLM has them (0.32: MoE format,
+    classification heads; 0.26: none)."""
+    if hasattr(lora_request, "is_3d_lora_weight"):
+        lora_model.is_3d_lora_weight = lora_request.is_3d_lora_weight
+    manager = worker_manager._adapter_manager
+    for check in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"):
+        method = getattr(manager, check, None)
+        if method is not None:
+            method(lora_model)

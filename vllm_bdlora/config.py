@@ -59,9 +59,33 @@ class BdLoraSettings:
     # Directories under which runtime adapter loads (every route) may read; empty: any path the server can read.
     # Paths are resolved (symlinks, "..", relative to the server's working directory) before they are compared.
     allowed_adapter_roots: tuple[str, ...] = ()
-    # Where each worker keeps the copies of admitted adapters it serves from (vllm_bdlora/admission.py);
-    # None: the system's temporary directory.
-    adapter_copy_dir: str | None = None
+    # Host memory for admitted adapters, per worker, in bytes (each worker keeps its own share of every adapter it
+    # admitted, vllm_bdlora/admission.py); past it the least recently used are spilled to unlinked private files
+    # in `adapter_spill_dir` and read back when a request asks for them. None: a fifth of the machine's memory
+    # shared by its workers. A size string ("16GiB", "512MB") is read as bytes.
+    adapter_host_memory: int | None = None
+    # GPU memory for LoRA slots, per GPU, in bytes (or a size string): the server's --max-loras is set to the slots
+    # that fit (vllm_bdlora/sizing.py; logged with what a stock vLLM server would fit). None: --max-loras as given.
+    lora_gpu_memory: int | None = None
+    # Where spilled adapters go (files unlinked as soon as made: gone with the process); None: the system's
+    # temporary directory.
+    adapter_spill_dir: str | None = None
+    # An adapter whose files are not read, checked and cut on every rank within this many seconds is refused (a
+    # stalled network filesystem, say); the engine keeps serving while it waits.
+    adapter_load_timeout_s: float = 120.0
+    # Admissions that read at once on each worker (0: 4 on GPUs, 1 on the CPU backend, where they share the cores
+    # with the engine).
+    admission_threads: int = 0
+    # /health answers 503 when the engine core has not come back to its requests for this many seconds (a stopped or
+    # hung worker); 0 turns the check off.
+    engine_stall_timeout_s: float = 30.0
+    # Once a request has waited this long for a LoRA slot, other adapters' requests stop joining the batch until it
+    # has one (vllm_bdlora/scheduling.py); 0 keeps vLLM's order, under which a rarely used adapter can wait as long
+    # as the popular ones keep coming.
+    lora_wait_limit_s: float = 2.0
+    # Adapter names that get a label value of their own on /metrics (the first seen); later ones share "other", and 0
+    # exports no adapter name at all (vllm_bdlora/metrics.py).
+    metrics_max_adapters: int = 100
     # On a CUDA GPU, where the user set no capture range, CUDA graphs are captured for batches of up to this many
     # tokens (vLLM's default stops at 512 or 2 x max_num_seqs), so that LoRA prefills up to it do not pay every
     # LoRA layer's launches on the host (vllm_bdlora/prefill_graphs.py); 0 keeps vLLM's range.
@@ -120,11 +144,26 @@ class BdLoraSettings:
                 f'additional_config["{CONFIG_KEY}"]["allowed_adapter_roots"] must be a list of directories, got '
                 f"{roots!r}."
             )
-        copy_dir = section.get("adapter_copy_dir")
-        if copy_dir is not None and not isinstance(copy_dir, str):
+        spill_dir = section.get("adapter_spill_dir")
+        if spill_dir is not None and not isinstance(spill_dir, str):
             raise ValueError(
-                f'additional_config["{CONFIG_KEY}"]["adapter_copy_dir"] must be a directory, got {copy_dir!r}.'
+                f'additional_config["{CONFIG_KEY}"]["adapter_spill_dir"] must be a directory, got {spill_dir!r}.'
             )
+        host_memory = section.get("adapter_host_memory")
+        if host_memory is not None:
+            host_memory = parse_bytes(host_memory, "adapter_host_memory")
+        gpu_memory = section.get("lora_gpu_memory")
+        if gpu_memory is not None:
+            gpu_memory = parse_bytes(gpu_memory, "lora_gpu_memory")
+        seconds = {
+            key: _non_negative_number(section.get(key, getattr(cls, key)), key)
+            for key in ("adapter_load_timeout_s", "engine_stall_timeout_s", "lora_wait_limit_s")
+        }
+        threads = section.get("admission_threads", cls.admission_threads)
+        max_named = section.get("metrics_max_adapters", cls.metrics_max_adapters)
+        for key, value in (("admission_threads", threads), ("metrics_max_adapters", max_named)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be an integer >= 0, got {value!r}.')
         return cls(
             enabled=values["enabled"],
             dora=values["enabled"] and values["dora"],
@@ -133,7 +172,12 @@ class BdLoraSettings:
             one_launch_max_tokens=max_tokens,
             one_launch_max_mixed_width=mixed_width,
             allowed_adapter_roots=tuple(roots),
-            adapter_copy_dir=copy_dir,
+            adapter_host_memory=host_memory,
+            lora_gpu_memory=gpu_memory,
+            adapter_spill_dir=spill_dir,
+            admission_threads=threads,
+            metrics_max_adapters=max_named,
+            **seconds,
             prefill_graph_tokens=graph_tokens,
         )
 
@@ -143,10 +187,13 @@ class BdLoraSettings:
 
 
 def with_bdlora_enabled(
-    additional_config: Mapping[str, Any] | None, dora: bool = False, allowed_adapter_roots: list[str] | None = None
+    additional_config: Mapping[str, Any] | None,
+    dora: bool = False,
+    allowed_adapter_roots: list[str] | None = None,
+    **settings: Any,
 ) -> dict[str, Any]:
-    """`additional_config` with the BD-LoRA section switched on (and DoRA, and adapter roots, if given),
-    keeping whatever else it holds."""
+    """`additional_config` with the BD-LoRA section switched on (and DoRA, adapter roots and any other `settings`
+    given), keeping whatever else it holds."""
     merged = dict(additional_config or {})
     section = dict(merged.get(CONFIG_KEY) or {})
     section["enabled"] = True
@@ -154,5 +201,37 @@ def with_bdlora_enabled(
         section["dora"] = True
     if allowed_adapter_roots:
         section["allowed_adapter_roots"] = list(allowed_adapter_roots)
+    section.update({key: value for key, value in settings.items() if value is not None})
     merged[CONFIG_KEY] = section
     return merged
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_bytes(value, key: str) -> int:
+    """A size in bytes: an integer, or a string such as "16GiB", "512 MB" or "1e9"."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        found = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
+        if found and found.group(2).upper() in _UNITS:
+            try:
+                number = float(found.group(1))
+            except ValueError:
+                number = -1.0
+            if number >= 0:
+                return int(number * _UNITS[found.group(2).upper()])
+    raise ValueError(
+        f'additional_config["{CONFIG_KEY}"]["{key}"] must be a size in bytes (an integer, or a string such as '
+        f'"16GiB" or "512MB"), got {value!r}.'
+    )
+
+
+def _non_negative_number(value, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be a number >= 0 (seconds), got {value!r}.')
+    return float(value)

@@ -39,6 +39,8 @@ class Patch:
     removal: str
     apply: Callable[[], bool]  # True when it patched something in this call
     platform: Platform = "any"
+    # True where the targets are alternatives, one per vLLM release (compat.py picks), not all patched together
+    one_target_per_release: bool = False
 
     @property
     def platform_note(self) -> str:
@@ -113,3 +115,17 @@ def wrap_function(
 def original_of(func: Any) -> Any:
     func = getattr(func, "__func__", func)
     return getattr(func, _ORIGINAL, None)
+
+
+def add_method(owner: type, name: str, function: Callable) -> bool:
+    """Give `owner` a method vLLM does not have, once; raises if vLLM has since defined one of that name."""
+    existing = owner.__dict__.get(name)
+    if existing is function:
+        return False
+    if existing is not None or any(name in base.__dict__ for base in owner.__mro__[1:]):
+        raise UpstreamContractError(
+            f"vllm-bdlora cannot add {owner.__qualname__}.{name}: vLLM now defines it; see vllm_bdlora/compat.py."
+        )
+    function.__bdlora_added__ = True
+    setattr(owner, name, function)
+    return True

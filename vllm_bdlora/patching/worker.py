@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from vllm_bdlora.compat import cpu_kv_cache_write
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_function, wrap_method
 
@@ -89,14 +90,20 @@ def patch_adapter_loading() -> bool:
         return _load_adapter
 
     def make_remove(original):
-        # Only an explicit removal (the executor's remove_lora) lands here: vLLM v1's workers use the LRU manager,
-        # whose per-step adapter application evicts through the model manager and keeps the copy for re-reads.
+        # Only an explicit removal (the executor's remove_lora: an unload) lands here: vLLM v1's workers use the LRU
+        # manager, whose per-step adapter application evicts through the model manager and keeps what the worker
+        # admitted for later loads.
         def remove_adapter(self, adapter_id):
             removed = original(self, adapter_id)
-            copies = getattr(self, "_bdlora_admitted", None)
-            if copies is not None:
-                copies.forget(adapter_id)
-            return removed
+            store = getattr(self, "_bdlora_store", None)
+            name = store.forget(adapter_id) if store is not None else None
+            if name is not None:
+                from vllm_bdlora.loading import is_first_tp_rank
+
+                if is_first_tp_rank(self._adapter_manager):
+                    logger.info("vllm-bdlora: adapter '%s' removed from the engine (GPU slot, host cache, what each "
+                                "worker kept of it)", name)  # fmt: skip
+            return bool(removed or name)
 
         return remove_adapter
 
@@ -229,10 +236,12 @@ def patch_adapter_load_order() -> bool:
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
     from vllm_bdlora.compat import without_load_inplace
+    from vllm_bdlora.metrics import worker_stats
 
     def make(original):
         def _apply_adapters(self, requests):
             ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
+            worker_stats(self).record_lookups(self._adapter_manager, [r.adapter_id for r in ordered])
             return original(self, ordered)
 
         return _apply_adapters
@@ -269,3 +278,44 @@ def allocate_stage_buffers(runner) -> None:
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
     )
+
+
+def finite_kv(key, value):
+    """K and V as they may enter the KV cache: a non-finite entry (from a request whose hidden states overflowed)
+    becomes 0. Only that request's own, already meaningless, attention changes."""
+    import torch
+
+    def clean(tensor):
+        if tensor is None or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+            return tensor
+        return torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0)
+
+    return clean(key), clean(value)
+
+
+def patch_cpu_kv_cache_holds_finite_values() -> bool:
+    """vLLM's CPU attention reads every row of a KV-cache block and weighs the rows past a sequence's length by
+    zero: a NaN left in a freed block by one request becomes NaN (0 x NaN) in the next request that reuses the
+    block, whatever its adapter. Keep the cache finite where it is written."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    method, key_at = cpu_kv_cache_write(CPUAttentionBackendImpl)
+    target = f"CPUAttentionBackendImpl.{method}"
+    require_parameters(getattr(CPUAttentionBackendImpl, method), ("key", "value"), target)
+
+    def make(original):
+        def write_finite(self, *args, **kwargs):
+            args = list(args)
+            key = args[key_at] if len(args) > key_at else kwargs["key"]
+            value = args[key_at + 1] if len(args) > key_at + 1 else kwargs["value"]
+            key, value = finite_kv(key, value)
+            for at, name, tensor in ((key_at, "key", key), (key_at + 1, "value", value)):
+                if len(args) > at:
+                    args[at] = tensor
+                else:
+                    kwargs[name] = tensor
+            return original(self, *args, **kwargs)
+
+        return write_finite
+
+    return wrap_method(CPUAttentionBackendImpl, method, make)

@@ -1,0 +1,226 @@
+"""The engine core's side of adapter admission (`vllm_bdlora.engine_admission`), driven against workers' real adapter
+stores (`vllm_bdlora.admission`) whose reads the tests control: answers come later while the engine keeps going,
+every rank must read the same files, a read that never returns fails alone at its deadline, requests wait for their
+adapter, and an unload waits for the adapter's requests. The engine tests (test_engine_vs_peft.py, test_server*.py)
+run the same code inside vLLM."""
+
+import logging
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_bdlora.adapters import AdapterRejected
+from vllm_bdlora.admission import AdapterStore
+from vllm_bdlora.engine_admission import ADMISSION_TICK, EngineAdmissions
+
+
+def lora(adapter_id, name=None):
+    return SimpleNamespace(lora_int_id=adapter_id, lora_name=name or f"ad{adapter_id}", lora_path=f"/a/{adapter_id}",
+                           load_inplace=False)  # fmt: skip
+
+
+class Workers:
+    """TP ranks, each with a real store; `reads[(rank, id)]` decides what a rank's admission of an adapter returns
+    (an identity string, an exception to raise, or an Event to wait on first)."""
+
+    def __init__(self, ranks=2, threads=2):
+        self.stores = [AdapterStore(2**30, threads=threads) for _ in range(ranks)]
+        self.reads = {}
+        self.added, self.removed = [], []
+
+    def work(self, rank, request):
+        def read():
+            outcome = self.reads.get((rank, request.lora_int_id), "same-files")
+            if isinstance(outcome, threading.Event):
+                outcome.wait(30)
+                outcome = "same-files"
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return SimpleNamespace(identity=outcome, nbytes=0, template=SimpleNamespace(loras={}))
+
+        return read
+
+    def collective_rpc(self, method, args=()):
+        assert method == "bdlora_admission"
+        op, payload = args
+        replies = []
+        for rank, store in enumerate(self.stores):
+            if op == "begin":
+                for request in payload:
+                    store.begin(request.lora_int_id, request.lora_name, self.work(rank, request))
+                replies.append(True)
+            elif op == "status":
+                replies.append(store.status(list(payload)))
+            else:
+                replies.append([store.forget(i) for i in payload])
+        return replies
+
+    def add_lora(self, request):
+        for store in self.stores:
+            store.take_staged(request.lora_int_id, timeout=5)
+        self.added.append(request.lora_int_id)
+        return True
+
+    def remove_lora(self, adapter_id):
+        self.removed.append(adapter_id)
+        return True
+
+
+class Core:
+    """What EngineAdmissions uses of vLLM's engine core: its executor, scheduler, input queue and request entry."""
+
+    def __init__(self, workers, multiprocess=True):
+        self.model_executor = workers
+        self.scheduler = SimpleNamespace(requests={})
+        self.scheduled, self.aborted = [], []
+        if multiprocess:
+            self.input_queue = queue.Queue()
+
+    def add_request(self, request, wave=0):
+        admissions = self._bdlora_admissions
+        if admissions.hold(request, wave):
+            return
+        self.scheduled.append(request.request_id)
+        self.scheduler.requests[request.request_id] = request
+
+    def _send_abort_outputs_to_client(self, ids, client_index):
+        self.aborted += ids
+
+
+def engine(ranks=2, timeout_s=5.0, multiprocess=True, threads=2):
+    workers = Workers(ranks, threads)
+    core = Core(workers, multiprocess)
+    core._bdlora_admissions = EngineAdmissions(core, timeout_s)
+    return core, workers, core._bdlora_admissions
+
+
+def poll_until(admissions, done, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        admissions.poll()
+        time.sleep(0.01)
+    assert done()
+
+
+def test_a_load_is_answered_later_while_the_engine_goes_on():
+    core, workers, admissions = engine()
+    gate = threading.Event()
+    workers.reads[(1, 7)] = gate  # rank 1 is still reading
+    answer = admissions.admit(lora(7))
+    assert not answer.done() and workers.added == []
+    admissions.poll()  # between steps: not yet
+    assert not answer.done()
+    assert core.input_queue.get(timeout=2) == (ADMISSION_TICK, None)  # the ticker wakes the engine core's loop
+    gate.set()
+    poll_until(admissions, answer.done)
+    assert answer.result() is True and workers.added == [7] and 7 in admissions.ready
+
+
+def test_one_ranks_refusal_refuses_the_adapter_on_every_rank():
+    _, workers, admissions = engine()
+    workers.reads[(0, 3)] = AdapterRejected("ad3", ["model.layers.0.mlp.up_proj: lora_B holds NaN or Inf"])
+    answer = admissions.admit(lora(3))
+    poll_until(admissions, answer.done)
+    with pytest.raises(RuntimeError, match="LoRA adapter rejected: 'ad3'"):
+        answer.result()
+    assert workers.added == [] and all(3 not in store.ids() for store in workers.stores)
+    assert all(store.status([3]) == {3: ("unknown",)} for store in workers.stores)
+
+
+def test_ranks_that_read_different_files_refuse_the_adapter():
+    _, workers, admissions = engine()
+    workers.reads[(1, 4)] = "the-file-after-a-rewrite"
+    answer = admissions.admit(lora(4))
+    poll_until(admissions, answer.done)
+    with pytest.raises(RuntimeError, match="changed while the tensor-parallel ranks were reading them"):
+        answer.result()
+    assert workers.added == []
+
+
+def test_a_read_that_never_returns_fails_alone_at_its_deadline():
+    _, workers, admissions = engine(timeout_s=0.3, threads=1)
+    stuck = threading.Event()
+    workers.reads[(0, 5)] = stuck
+    slow = admissions.admit(lora(5, "stuck"))
+    fine = admissions.admit(lora(6, "fine"))  # queued behind the stuck read on rank 0's only thread
+    poll_until(admissions, lambda: slow.done() and fine.done())
+    with pytest.raises(RuntimeError, match=r"(?s)'stuck'.*not read on every worker within 0.3 s"):
+        slow.result()
+    assert fine.result() is True and workers.added == [6]
+    stuck.set()
+
+
+def test_a_request_waits_for_its_adapter_and_is_scheduled_once_it_is_admitted():
+    core, workers, admissions = engine()
+    gate = threading.Event()
+    workers.reads[(0, 8)] = gate
+    request = SimpleNamespace(request_id="r1", lora_request=lora(8), client_index=0)
+    core.add_request(request)
+    other = SimpleNamespace(request_id="r2", lora_request=None, client_index=0)
+    core.add_request(other)
+    assert core.scheduled == ["r2"]  # the others run meanwhile
+    gate.set()
+    poll_until(admissions, lambda: "r1" in core.scheduled)
+    assert workers.added == [8]
+    core.add_request(SimpleNamespace(request_id="r3", lora_request=lora(8), client_index=0))
+    assert core.scheduled[-1] == "r3"  # admitted: no more waiting
+
+
+def test_requests_for_a_refused_adapter_are_aborted_and_the_refusal_logged(caplog):
+    core, workers, admissions = engine()
+    workers.reads[(1, 9)] = AdapterRejected("ad9", ["adapter_config.json: lora_alpha 1e+308 ..."])
+    with caplog.at_level(logging.WARNING, logger="vllm.bdlora"):
+        core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(9), client_index=0))
+        core.add_request(SimpleNamespace(request_id="r2", lora_request=lora(9), client_index=0))
+        poll_until(admissions, lambda: core.aborted)
+    assert core.aborted == ["r1", "r2"] and core.scheduled == []
+    assert "2 request(s) for adapter 'ad9' aborted" in caplog.text
+
+
+def test_a_held_request_the_client_gave_up_is_not_scheduled():
+    core, workers, admissions = engine()
+    gate = threading.Event()
+    workers.reads[(0, 10)] = gate
+    core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(10), client_index=0))
+    admissions.drop_held(["r1"])
+    gate.set()
+    poll_until(admissions, lambda: 10 in admissions.ready)
+    assert core.scheduled == []
+
+
+def test_an_unload_waits_for_the_adapters_requests():
+    core, workers, admissions = engine()
+    answer = admissions.admit(lora(11))
+    poll_until(admissions, answer.done)
+    core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(11), client_index=0))
+    removed_now = []
+    assert admissions.remove(11, removed_now.append)
+    assert removed_now == [] and 11 not in admissions.ready
+    admissions.poll()
+    assert workers.removed == []  # r1 still runs
+    del core.scheduler.requests["r1"]
+    admissions.poll()
+    assert workers.removed == [11]
+    assert admissions.remove(12, removed_now.append) is None and removed_now == [12]  # nothing running: at once
+
+
+def test_an_unload_during_the_load_gives_the_load_up():
+    _, workers, admissions = engine()
+    gate = threading.Event()
+    workers.reads[(0, 13)] = gate
+    answer = admissions.admit(lora(13))
+    admissions.remove(13, lambda i: None)
+    with pytest.raises(RuntimeError, match="unloaded while it was being loaded"):
+        answer.result(timeout=1)
+    gate.set()
+
+
+def test_an_in_process_engine_waits_for_its_admissions():
+    _, workers, admissions = engine(multiprocess=False)
+    assert admissions.admit(lora(14)) is True and workers.added == [14]
+    workers.reads[(1, 15)] = AdapterRejected("ad15", ["x: bad"])
+    with pytest.raises(RuntimeError, match="'ad15'"):
+        admissions.admit(lora(15))

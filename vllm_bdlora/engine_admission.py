@@ -1,0 +1,241 @@
+"""The engine core's side of adapter admission: no engine step waits on an adapter's files.
+
+vLLM loads an adapter inside the engine core's loop (a load request's `add_lora`) or inside a step (a request
+naming an adapter the engine has not seen), so every running request waits for its disk read, and a read that never
+returns stops the whole engine. With BD-LoRA on, the engine core instead:
+
+* `admit` (a load request, `--lora-modules`, Ray Serve's multiplexing): asks every worker to begin admitting the
+  adapter on a thread of its own (`vllm_bdlora.admission`), and answers the call later (a future, which vLLM's
+  engine core supports for its utility calls). Between steps it polls the workers; once every rank has read the
+  same files it completes the load with vLLM's own `add_lora`, now a copy from what the workers kept, and answers.
+  A refusal on any rank, ranks that read different files, or a rank reading for longer than
+  `adapter_load_timeout_s` (time queued behind other admissions does not count) answers with the refusal, and every
+  rank forgets the adapter. The engine keeps stepping meanwhile.
+* `hold`: a request naming an adapter the engine has not admitted (the Python API's `generate(...,
+  lora_request=...)`) is held back while its adapter is admitted the same way, then handed to the scheduler; the
+  others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
+* `remove` (an unload): the adapter is removed on every rank (GPU slot, host cache, what its workers kept) once no
+  request of it is left; new requests cannot name it any more (the API server forgot the name first).
+
+Polls are driven by a ticker thread that puts a marker into the engine core's input queue while anything is in
+flight, so the engine core's own thread does every call to the workers, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("vllm.bdlora")
+
+ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
+TICK_SECONDS = 0.01
+
+
+@dataclass
+class _Pending:
+    request: object  # the LoRARequest
+    future: Future | None = None
+    held: list = field(default_factory=list)  # (engine request, wave) waiting for the adapter
+
+
+class EngineAdmissions:
+    """One engine core's admissions in flight, held requests and removals waiting for their requests to end."""
+
+    def __init__(self, core, timeout_s: float):
+        self.core = core
+        self.timeout_s = timeout_s
+        self.ready: set[int] = set()
+        self.pending: dict[int, _Pending] = {}
+        self.removals: set[int] = set()
+        self._wake = threading.Event()
+        self._tick_queued = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, core) -> EngineAdmissions | None:
+        """The core's admissions when BD-LoRA is on, else None."""
+        admissions = getattr(core, "_bdlora_admissions", None)
+        if admissions is None:
+            from vllm_bdlora.config import BdLoraSettings
+
+            settings = BdLoraSettings.from_vllm_config(getattr(core, "vllm_config", None))
+            if not settings.enabled or getattr(core.vllm_config, "lora_config", None) is None:
+                return None
+            admissions = cls(core, settings.adapter_load_timeout_s)
+            core._bdlora_admissions = admissions
+        return admissions
+
+    @property
+    def defers(self) -> bool:
+        """Whether calls can be answered later: only a multiprocess engine core has an input queue to tick through
+        (an in-process engine waits for its admissions instead)."""
+        return hasattr(self.core, "input_queue")
+
+    def _rpc(self, op: str, payload) -> list:
+        return self.core.model_executor.collective_rpc("bdlora_admission", args=(op, payload))
+
+    # -- calls ------------------------------------------------------------------------------------------------------
+    def admit(self, lora_request) -> Future | bool:
+        pending = self._begin(lora_request)
+        if pending.future is None:
+            pending.future = Future()
+        if self.defers:
+            self._start_ticking()
+            return pending.future
+        while not pending.future.done():
+            time.sleep(TICK_SECONDS)
+            self.poll()
+        return pending.future.result()
+
+    def hold(self, request, wave) -> bool:
+        """True if `request` waits for its adapter's admission (it is handed to the scheduler once admitted)."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id in self.ready or not self.defers:
+            return False
+        pending = self.pending.get(lora.lora_int_id) or self._begin(lora)
+        pending.held.append((request, wave))
+        self._start_ticking()
+        return True
+
+    def drop_held(self, request_ids) -> None:
+        ids = set(request_ids)
+        for pending in self.pending.values():
+            pending.held = [(r, w) for r, w in pending.held if r.request_id not in ids]
+
+    def remove(self, adapter_id: int, remove_now) -> bool:
+        """Remove `adapter_id` now (`remove_now`, vLLM's own removal on every rank) or once no request of it is
+        left; an admission in flight is given up."""
+        self.ready.discard(adapter_id)
+        pending = self.pending.pop(adapter_id, None)
+        if pending is not None:
+            self._rpc("forget", [adapter_id])
+            self._settle(pending, RuntimeError(f"LoRA adapter '{pending.request.lora_name}' was unloaded while it "
+                                               "was being loaded"))  # fmt: skip
+            return True
+        if self._in_use(adapter_id):
+            self.removals.add(adapter_id)
+            self._start_ticking()
+            return True
+        return remove_now(adapter_id)
+
+    # -- between steps ----------------------------------------------------------------------------------------------
+    def on_tick(self) -> None:
+        self._tick_queued = False
+        self.poll()
+
+    def poll(self) -> None:
+        if self.pending:
+            ids = list(self.pending)
+            replies = self._rpc("status", ids)
+            for adapter_id in ids:
+                pending = self.pending.get(adapter_id)
+                if pending is not None:
+                    self._advance(adapter_id, pending, [reply.get(adapter_id, ("unknown",)) for reply in replies])
+        for adapter_id in list(self.removals):
+            if not self._in_use(adapter_id):
+                self.removals.discard(adapter_id)
+                self.core.model_executor.remove_lora(adapter_id)
+
+    def _advance(self, adapter_id: int, pending: _Pending, states: list[tuple]) -> None:
+        from vllm_bdlora.admission import different_files_refusal
+
+        name = pending.request.lora_name
+        failed = next((state[1] for state in states if state[0] == "failed"), None)
+        if failed is None and any(state[0] == "unknown" for state in states):
+            failed = f"LoRA adapter '{name}': a worker lost its admission (restarted?); load it again"
+        if failed is None and all(state[0] == "ready" for state in states):
+            if len({state[1] for state in states}) > 1:
+                failed = different_files_refusal(name)
+            else:
+                self._complete(adapter_id, pending)
+                return
+        reading = max((state[1] for state in states if state[0] == "pending"), default=0.0)
+        if failed is None and reading > self.timeout_s:  # time queued behind other admissions does not count
+            failed = load_timeout_refusal(name, pending.request.lora_path, self.timeout_s)
+        if failed is not None:
+            del self.pending[adapter_id]
+            self._rpc("forget", [adapter_id])
+            self._settle(pending, RuntimeError(failed))
+
+    def _complete(self, adapter_id: int, pending: _Pending) -> None:
+        del self.pending[adapter_id]
+        try:
+            loaded = self.core.model_executor.add_lora(pending.request)
+        except Exception as e:
+            self._rpc("forget", [adapter_id])
+            self._settle(pending, e)
+            return
+        self.ready.add(adapter_id)
+        self.removals.discard(adapter_id)
+        self._settle(pending, None, loaded)
+
+    def _settle(self, pending: _Pending, error: BaseException | None, result=True) -> None:
+        if pending.future is not None and not pending.future.done():
+            if error is None:
+                pending.future.set_result(result)
+            else:
+                pending.future.set_exception(error)
+        held, pending.held = pending.held, []
+        if error is None:
+            for request, wave in held:
+                self.core.add_request(request, wave)
+            return
+        if held:
+            logger.warning("vllm-bdlora: %d request(s) for adapter '%s' aborted: %s", len(held),
+                           pending.request.lora_name, error)  # fmt: skip
+        for request, _ in held:
+            self.core._send_abort_outputs_to_client([request.request_id], request.client_index)
+
+    def _begin(self, lora_request) -> _Pending:
+        adapter_id = lora_request.lora_int_id
+        previous = self.pending.pop(adapter_id, None)
+        self._rpc("begin", [lora_request])
+        pending = _Pending(lora_request)
+        if previous is not None:  # an in-place reload supersedes the admission in flight; its waiters get this one
+            pending.future, pending.held = previous.future, previous.held
+        self.pending[adapter_id] = pending
+        self.removals.discard(adapter_id)
+        return pending
+
+    def _in_use(self, adapter_id: int) -> bool:
+        requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
+        return any(getattr(r.lora_request, "lora_int_id", None) == adapter_id for r in requests.values())
+
+    # -- the ticker -------------------------------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self.pending or self.removals)
+
+    def _start_ticking(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._tick_loop, name="bdlora-admission-ticker", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _tick_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._busy():
+                if not self._tick_queued:
+                    self._tick_queued = True
+                    self.core.input_queue.put_nowait((ADMISSION_TICK, None))
+                time.sleep(TICK_SECONDS)
+
+
+def load_timeout_refusal(adapter: str, path: str, timeout_s: float) -> str:
+    from vllm_bdlora.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+    from vllm_bdlora.adapters import AdapterRejected
+
+    return str(
+        AdapterRejected(
+            adapter,
+            [f"its files ({CONFIG_FILE}, {WEIGHTS_FILE} in {path}) were not read on every worker within "
+             f"{timeout_s:g} s"],
+            "check that the adapter's storage answers (a stalled network filesystem?) and load it again; the "
+            'deadline is "adapter_load_timeout_s" in the bdlora section of --additional-config.',
+        )
+    )  # fmt: skip

@@ -1,0 +1,171 @@
+"""Patches on the engine core and its workers: adapters admitted off the engine's step, unloads that reach the
+engine (`vllm_bdlora.engine_admission`, `vllm_bdlora.admission`)."""
+
+from __future__ import annotations
+
+from vllm_bdlora.patching import UpstreamContractError, add_method, require_parameters, wrap_method
+
+
+def patch_engine_core_admission() -> bool:
+    """With BD-LoRA on, the engine core admits adapters without waiting for their files, holds requests whose
+    adapter is being admitted, and removes an unloaded adapter once its requests are done."""
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    from vllm_bdlora.engine_admission import ADMISSION_TICK, EngineAdmissions
+
+    contracts = {"add_lora": ("lora_request",), "remove_lora": ("lora_id",),
+                 "add_request": ("request", "request_wave"), "abort_requests": ("request_ids",)}  # fmt: skip
+    for name, params in contracts.items():
+        require_parameters(getattr(EngineCore, name), params, f"EngineCore.{name}")
+    require_parameters(EngineCoreProc._handle_client_request, ("request_type", "request"),
+                       "EngineCoreProc._handle_client_request")  # fmt: skip
+    import inspect
+
+    if "self.input_queue" not in inspect.getsource(inspect.unwrap(EngineCoreProc.__init__)):
+        raise UpstreamContractError("vllm-bdlora: EngineCoreProc no longer keeps an input_queue.")
+
+    def make_add_lora(original):
+        def add_lora(self, lora_request):
+            admissions = EngineAdmissions.of(self)
+            return original(self, lora_request) if admissions is None else admissions.admit(lora_request)
+
+        return add_lora
+
+    def make_remove_lora(original):
+        def remove_lora(self, lora_id):
+            admissions = EngineAdmissions.of(self)
+            if admissions is None:
+                return original(self, lora_id)
+            return admissions.remove(lora_id, lambda adapter_id: original(self, adapter_id))
+
+        return remove_lora
+
+    def make_add_request(original):
+        def add_request(self, request, request_wave=0):
+            admissions = EngineAdmissions.of(self)
+            if admissions is not None and admissions.hold(request, request_wave):
+                return None
+            return original(self, request, request_wave)
+
+        return add_request
+
+    def make_abort_requests(original):
+        def abort_requests(self, request_ids):
+            admissions = EngineAdmissions.of(self)
+            if admissions is not None:
+                admissions.drop_held(request_ids)
+            return original(self, request_ids)
+
+        return abort_requests
+
+    def make_handle(original):
+        def _handle_client_request(self, request_type, request):
+            if request_type == ADMISSION_TICK:
+                admissions = EngineAdmissions.of(self)
+                if admissions is not None:
+                    admissions.on_tick()
+                return None
+            return original(self, request_type, request)
+
+        return _handle_client_request
+
+    changed = [
+        wrap_method(EngineCore, "add_lora", make_add_lora),
+        wrap_method(EngineCore, "remove_lora", make_remove_lora),
+        wrap_method(EngineCore, "add_request", make_add_request),
+        wrap_method(EngineCore, "abort_requests", make_abort_requests),
+        wrap_method(EngineCoreProc, "_handle_client_request", make_handle),
+    ]
+    return any(changed)
+
+
+def bdlora_admission(self, op, payload):
+    """The workers' side of the engine core's admission calls (`vllm_bdlora.loading.admission_rpc`)."""
+    from vllm_bdlora.loading import admission_rpc
+
+    return admission_rpc(self.model_runner.lora_manager, op, payload)
+
+
+def patch_worker_admission_calls() -> bool:
+    """Give vLLM's workers the method the engine core's admission calls name (collective_rpc by name, as vLLM calls
+    its own worker methods; no function is pickled)."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    return add_method(WorkerBase, "bdlora_admission", bdlora_admission)
+
+
+def bdlora_ping(self) -> bool:
+    """Answered by the engine core between steps: /health's sign that it comes back to its requests."""
+    return True
+
+
+def patch_engine_core_answers_pings() -> bool:
+    from vllm.v1.engine.core import EngineCore
+
+    return add_method(EngineCore, "bdlora_ping", bdlora_ping)
+
+
+def patch_scheduler_lora_aging() -> bool:
+    """Bound how long a request waits for a LoRA slot (`vllm_bdlora.scheduling`)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_bdlora.config import BdLoraSettings
+    from vllm_bdlora.scheduling import hold_back, put_back, starved_adapter
+
+    require_parameters(Scheduler.schedule, ("self",), "Scheduler.schedule")
+    for queue_method in ("remove_requests", "add_request"):
+        from vllm.v1.core.sched.request_queue import RequestQueue
+
+        if not hasattr(RequestQueue, queue_method):
+            raise UpstreamContractError(f"vllm-bdlora: vLLM's RequestQueue has no {queue_method}.")
+
+    def make(original):
+        def schedule(self, *args, **kwargs):
+            limit = getattr(self, "_bdlora_wait_limit", None)
+            if limit is None:
+                settings = BdLoraSettings.from_vllm_config(getattr(self, "vllm_config", None))
+                limit = self._bdlora_wait_limit = settings.lora_wait_limit_s if settings.enabled else 0.0
+            starved = starved_adapter(self, limit) if limit else None
+            if starved is None:
+                return original(self, *args, **kwargs)
+            held = hold_back(self, starved)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                put_back(held)
+
+        return schedule
+
+    return wrap_method(Scheduler, "schedule", make)
+
+
+def bdlora_adapter_stats(self) -> dict:
+    """Answered by the engine core between steps, for /metrics (`vllm_bdlora.metrics`): its step durations and what
+    its workers hold where, with their counts."""
+    from vllm_bdlora.metrics import engine_step_stats, merge_worker_snapshots
+
+    stats = {"steps": engine_step_stats(self).steps.snapshot()}
+    if getattr(self.vllm_config, "lora_config", None) is not None:
+        stats["workers"] = merge_worker_snapshots(
+            self.model_executor.collective_rpc("bdlora_admission", args=("stats", None))
+        )
+    return stats
+
+
+def patch_engine_core_adapter_stats() -> bool:
+    """The engine core times its steps and answers /metrics' poll with its workers' adapter figures."""
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    from vllm_bdlora.metrics import engine_step_stats
+
+    require_parameters(EngineCoreProc._process_engine_step, ("self",), "EngineCoreProc._process_engine_step")
+
+    def make(original):
+        def _process_engine_step(self):
+            return engine_step_stats(self).timed(lambda: original(self))
+
+        return _process_engine_step
+
+    timed = wrap_method(EngineCoreProc, "_process_engine_step", make)
+    added = add_method(EngineCore, "bdlora_adapter_stats", bdlora_adapter_stats)
+    return timed or added
