@@ -6,7 +6,8 @@ import pytest
 
 from bench.bad_adapters import BAD_ADAPTERS
 from vllm_bdlora import tiny
-from vllm_bdlora.serve.check import ModelShape, check_adapter
+from vllm_bdlora.serve.check import check_adapter
+from vllm_bdlora.sizing import ModelShape
 
 
 def check(*args):

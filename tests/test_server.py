@@ -68,17 +68,25 @@ def test_models_lists_adapters(server, assets):
     assert ids == [assets["model"], "bd64", "std16"]
 
 
-def test_startup_logs_say_how_adapters_are_sharded(server):
+def test_startup_logs_say_how_adapters_are_sharded(server, assets):
+    from vllm_bdlora.sizing import ModelShape, slot_cost
+
     _, log_path = server
     log = log_path.read_text()
     assert "BD-LoRA packed qkv (q_proj, k_proj, v_proj): 2 layer(s), TP=2, per-GPU LoRA width 32" in log
     assert "BD-LoRA merged column-parallel (e.g. gate_up_proj): 2 layer(s)" in log
     assert "BD-LoRA row-parallel (e.g. o_proj, down_proj): 4 layer(s)" in log
-    # One slot per GPU, counted from the tiny model's shapes: width 32 (rank 64 / TP 2), float32, per layer
-    # qkv A 3·32·128 + B (64+32+32)·32, gate_up A 2·32·128 + B 2·128·32, o A 32·64 + B 128·32, down A 32·128 + B 128·32.
+    # One slot per worker, counted from the tiny model's shapes: width 32 (rank 64 / TP 2), float32, per layer
+    # qkv A 3·32·128 + B (64+32+32)·32, gate_up A 2·32·128 + B 2·128·32, o A 32·64 + B 128·32, down A 32·128 + B 128·32;
+    # vLLM's embeddings and lm_head LoRA: A and B, vocabulary 512 x rank 64 and hidden 128 x rank 64 each.
     per_layer = 3 * 32 * 128 + 128 * 32 + 2 * 32 * 128 + 2 * 128 * 32 + 32 * 64 + 128 * 32 + 32 * 128 + 128 * 32
-    slot_mib = 2 * per_layer * 4 / 2**20
-    assert f"LoRA slots in BD layers: 4 (--max-loras) x {slot_mib:.2f} MiB per GPU = {4 * slot_mib:.2f} MiB" in log
+    bd_mib = 2 * per_layer * 4 / 2**20
+    slot_mib = bd_mib + 2 * (512 * 64 + 128 * 64) * 4 / 2**20
+    assert f"LoRA slots: 4 (--max-loras) x {slot_mib:.2f} MiB per worker = {4 * slot_mib:.2f} MiB" in log
+    assert f"(BD layers {bd_mib:.2f} MiB a slot" in log
+    # ... which is what `vllm-bdlora check` computes from the model's config.json for this server
+    cost = slot_cost(ModelShape.from_config(assets["model"]), 64, 2, block_diagonal=True)
+    assert round(cost.total / 2**20, 2) == round(slot_mib, 2) and round(cost.projections / 2**20, 2) == round(bd_mib, 2)
     assert "adapter 'bd64' (BD-LoRA nblocks=2, r=64): 14 module(s) sharded, 14 block-diagonal" in log
     assert "adapter 'std16' (standard LoRA, r=16): 14 module(s) sharded, 0 block-diagonal" in log
 

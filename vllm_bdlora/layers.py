@@ -455,12 +455,29 @@ def describe_sharding(layers: Sequence[object], tp_size: int) -> list[str]:
                 f"{layer.lora_width} (max_lora_rank {layer.lora_config.max_lora_rank} / {tp_size}); each GPU holds "
                 f"{_SHARDING_STORY[cls.parallelism]}."
             )
-    if bd_layers:
-        slots = bd_layers[0].lora_a_stacked[0].shape[0]
-        per_slot = sum(layer.slot_nbytes() for layer in bd_layers) / 2**20
-        # Sizing --max-loras: with more adapters than slots, vLLM runs only `slots` distinct adapters per step.
-        lines.append(
-            f"LoRA slots in BD layers: {slots} (--max-loras) x {per_slot:.2f} MiB per GPU = "
-            f"{slots * per_slot:.2f} MiB, reserved before the KV cache."
-        )
     return lines
+
+
+def lora_buffer_nbytes(layer) -> int:
+    """Device bytes of every per-slot buffer a LoRA layer holds (A, B, and a BD layer's DoRA scales), all slots."""
+    total = 0
+    for attribute in ("lora_a_stacked", "lora_b_stacked", "dora_scale"):
+        value = getattr(layer, attribute, None)
+        for tensor in (value,) if isinstance(value, torch.Tensor) else value or ():
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def describe_slots(layers: Sequence[object], max_loras: int, on_gpu: bool) -> str:
+    """The start-up log's line on what the LoRA slots cost: every LoRA layer's buffers (BD layers, and vLLM's own,
+    e.g. the embeddings and lm_head), per slot and in all, per GPU (per worker on the CPU backend)."""
+    total = sum(lora_buffer_nbytes(layer) for layer in layers)
+    bd = sum(lora_buffer_nbytes(layer) for layer in layers if isinstance(layer, BlockDiagonalLoRALayer))
+    per, where = max(1, max_loras), "GPU" if on_gpu else "worker"
+    # Sizing --max-loras: with more adapters than slots, vLLM runs only `slots` distinct adapters per step.
+    return (
+        f"LoRA slots: {max_loras} (--max-loras) x {total / per / 2**20:.2f} MiB per {where} = {total / 2**20:.2f} MiB "
+        f"(BD layers {bd / per / 2**20:.2f} MiB a slot, vLLM's other LoRA layers {(total - bd) / per / 2**20:.2f}), "
+        "reserved before the KV cache."
+    )

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.experts import refuse_lora_experts_on_cpu
 from vllm_bdlora.kernels.plans import largest_tile, mixed_batch_limit
-from vllm_bdlora.layers import describe_sharding, selecting_bd_layers, uses_fused_kernels
+from vllm_bdlora.layers import describe_sharding, describe_slots, selecting_bd_layers, uses_fused_kernels
 from vllm_bdlora.sharding import per_rank_width
 
 logger = logging.getLogger("vllm.bdlora")
@@ -57,6 +57,7 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
     lines = describe_sharding(layers, tp_size)
     if not lines:
         logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
+    lines.append(describe_slots(layers, lora_config.max_loras, current_platform.is_cuda_alike()))
     if settings.dora:
         quantized = sorted({m for layer in layers if (m := base_quantization(layer))})
         unreadable = sorted({m for layer in layers if (m := base_quantization(layer)) and unreadable_base(layer)})

@@ -33,6 +33,23 @@ ROOTS_HELP = (
     '\'{"bdlora": {"allowed_adapter_roots": ["/adapters"]}}\'.'
 )
 
+GPU_MEMORY_FLAG = "--lora-gpu-memory"
+GPU_MEMORY_HELP = (
+    "GPU memory for LoRA slots, per GPU, e.g. 4GiB (vllm-bdlora plugin): --max-loras becomes the number of slots "
+    "that fit, computed from the model's shapes, --max-lora-rank and the tensor-parallel size, and logged with what a "
+    "stock vLLM server would fit. A BD-LoRA slot holds each GPU's share of an adapter, about 1/TP of a standard one's; "
+    "vLLM's embeddings and lm_head LoRA buffers count too unless --lora-target-modules leaves them out. "
+    '`vllm-bdlora check` prints the figures. Same as --additional-config \'{"bdlora": {"lora_gpu_memory": "4GiB"}}\'.'
+)
+HOST_MEMORY_FLAG = "--adapter-host-memory"
+HOST_MEMORY_HELP = (
+    "Host memory for admitted adapters, per worker, e.g. 16GiB (vllm-bdlora plugin; default a fifth of the "
+    "machine's memory shared by its workers). Each worker keeps its own share of every adapter it admitted (pinned "
+    "for fast copies to its GPU) and serves every later load from it; past this budget the least recently used are "
+    "spilled to private files, unlinked as soon as made, and read back when asked for. Same as --additional-config "
+    '\'{"bdlora": {"adapter_host_memory": "16GiB"}}\'.'
+)
+
 DORA_FLAG = "--enable-dora"
 DORA_FLAG_HELP = (
     "Also serve DoRA adapters (PEFT use_dora), standard and block-diagonal, mixed with LoRA adapters in one "
@@ -89,22 +106,55 @@ def check_lora_modules_before_loading(args: argparse.Namespace, settings: BdLora
     engine admits the adapter."""
     import os
 
-    from vllm_bdlora.access import PATH_REFUSED, is_allowed_adapter_path
-    from vllm_bdlora.adapter_files import check_adapter_dir
+    from vllm_bdlora.access import PATH_REFUSED, adapter_name_problem, adapter_path_problem, is_allowed_adapter_path
+    from vllm_bdlora.adapter_files import AdapterPathRefused, check_adapter_dir
     from vllm_bdlora.adapters import AdapterRejected
 
     roots = settings.allowed_adapter_roots
     for module in getattr(args, "lora_modules", None) or []:
+        problem = adapter_name_problem(module.name) or adapter_path_problem(module.path)
+        if problem:
+            raise SystemExit(f"vllm-bdlora: --lora-modules: {problem}")
         name, path = module.name, os.path.expanduser(module.path)
         if not is_allowed_adapter_path(path, roots):
             raise SystemExit(f"vllm-bdlora: LoRA adapter '{name}': {PATH_REFUSED}")
         if os.path.exists(path):
             try:
-                check_adapter_dir(os.path.abspath(path), name)
+                check_adapter_dir(os.path.abspath(path), name, roots)
+            except AdapterPathRefused:
+                raise SystemExit(f"vllm-bdlora: LoRA adapter '{name}': {PATH_REFUSED}") from None
             except AdapterRejected as e:
                 raise SystemExit(f"vllm-bdlora: --lora-modules {name}={module.path}:\n{e}") from None
         elif os.path.isabs(path) or path.startswith("."):  # else a model-hub name: vLLM fetches it
             raise SystemExit(f"vllm-bdlora: --lora-modules {name}={module.path}: no such directory")
+
+
+def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> None:
+    """--max-loras from the LoRA GPU memory budget: the slots of this model, rank and TP size that fit."""
+    from vllm_bdlora.sizing import ModelShape, mib, slot_cost, slots_that_fit
+
+    model_config = engine_args.create_model_config()
+    shape = ModelShape.from_dict(model_config.hf_config.to_dict()).with_dtype(str(model_config.dtype).split(".")[-1])
+    targets = engine_args.lora_target_modules
+    vocabulary = targets is None or any(t in ("lm_head", "embed_tokens") for t in targets)
+    tp = engine_args.tensor_parallel_size
+    cost = slot_cost(shape, engine_args.max_lora_rank, tp, block_diagonal=True, vocabulary=vocabulary,
+                     dora=settings.dora)  # fmt: skip
+    stock = slot_cost(shape, engine_args.max_lora_rank, tp, block_diagonal=False, vocabulary=vocabulary)
+    slots = slots_that_fit(settings.lora_gpu_memory, cost)
+    if slots < 1:
+        raise ValueError(
+            f"{GPU_MEMORY_FLAG} {mib(settings.lora_gpu_memory)} holds no LoRA slot of this model: one takes "
+            f"{mib(cost.total)} per GPU at --max-lora-rank {engine_args.max_lora_rank}, TP={tp}."
+        )
+    if engine_args.max_cpu_loras is not None and engine_args.max_cpu_loras < slots:
+        engine_args.max_cpu_loras = slots  # vLLM requires at least as many host entries as slots
+    engine_args.max_loras = slots
+    logger.info(
+        "vllm-bdlora: %s %s per GPU: --max-loras %d (a slot takes %s per GPU at --max-lora-rank %d, TP=%d; a stock "
+        "vLLM server, --enable-lora, would fit %d).", GPU_MEMORY_FLAG, mib(settings.lora_gpu_memory), slots,
+        mib(cost.total), engine_args.max_lora_rank, tp, slots_that_fit(settings.lora_gpu_memory, stock),
+    )  # fmt: skip
 
 
 def warn_if_adapter_paths_unconfined(settings: BdLoraSettings) -> None:
@@ -140,6 +190,8 @@ def patch_enable_bdlora_flag() -> bool:
                 )  # fmt: skip
                 group.add_argument(DORA_FLAG, action="store_true", default=False, help=DORA_FLAG_HELP)
                 group.add_argument(ROOTS_FLAG, nargs="+", metavar="DIR", default=None, help=ROOTS_HELP)
+                group.add_argument(GPU_MEMORY_FLAG, metavar="SIZE", default=None, help=GPU_MEMORY_HELP)
+                group.add_argument(HOST_MEMORY_FLAG, metavar="SIZE", default=None, help=HOST_MEMORY_HELP)
             return parser
 
         return add_cli_args
@@ -149,18 +201,25 @@ def patch_enable_bdlora_flag() -> bool:
             engine_args = original(cls, args)
             dora = getattr(args, "enable_dora", False)
             roots = getattr(args, "allowed_adapter_roots", None)
+            budgets = {"lora_gpu_memory": getattr(args, "lora_gpu_memory", None),
+                       "adapter_host_memory": getattr(args, "adapter_host_memory", None)}  # fmt: skip
             if getattr(args, "block_diagonal_sharded_loras", False):
                 logger.info("vllm-bdlora: %s is read as %s.", PEFT_EXAMPLE_FLAGS[0], FLAG)
             if getattr(args, "enable_bdlora", False) or getattr(args, "block_diagonal_sharded_loras", False) or dora:
-                engine_args.additional_config = with_bdlora_enabled(engine_args.additional_config, dora, roots)
-            elif roots:
-                raise ValueError(f"{ROOTS_FLAG} needs {FLAG} (it is a vllm-bdlora setting).")
+                engine_args.additional_config = with_bdlora_enabled(engine_args.additional_config, dora, roots,
+                                                                    **budgets)  # fmt: skip
+            elif roots or any(value is not None for value in budgets.values()):
+                raise ValueError(f"{ROOTS_FLAG}, {GPU_MEMORY_FLAG} and {HOST_MEMORY_FLAG} need {FLAG} (they are "
+                                 "vllm-bdlora settings).")  # fmt: skip
             settings = BdLoraSettings.from_additional_config(engine_args.additional_config)
             if not settings.enabled:
                 return engine_args
             if not engine_args.enable_lora:
                 logger.info("vllm-bdlora: BD-LoRA requested, turning on --enable-lora.")
                 engine_args.enable_lora = True
+            # With --api-server-count above 1 each API-server process builds its engine arguments again from these
+            # parsed arguments, before it loads plugins: write the result back where vLLM's own parsing reads it.
+            args.enable_lora, args.additional_config = True, engine_args.additional_config
             check_engine_args(engine_args)
             warn_if_adapter_paths_unconfined(settings)
             check_lora_modules_before_loading(args, settings)
@@ -169,14 +228,30 @@ def patch_enable_bdlora_flag() -> bool:
             from vllm_bdlora.prefill_graphs import capture_prefills
 
             capture_prefills(engine_args, settings, current_platform.is_cuda())
-            if current_platform.is_cpu():
-                from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
-
-                apply_cpu_defaults(engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size)
             return engine_args
 
         return from_cli_args
 
+    def make_create_engine_config(original):
+        # Every engine is configured here, `vllm serve` and the Python API (LLM(...)) alike, before its processes
+        # start: the CPU backend's defaults must be in the environment by then.
+        def create_engine_config(self, *args, **kwargs):
+            settings = BdLoraSettings.from_additional_config(self.additional_config)
+            if settings.enabled:
+                from vllm.platforms import current_platform
+
+                if settings.lora_gpu_memory is not None:
+                    size_slots_from_memory(self, settings)
+                if current_platform.is_cpu():
+                    from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
+
+                    apply_cpu_defaults(self.tensor_parallel_size * self.pipeline_parallel_size,
+                                       self.gpu_memory_utilization)  # fmt: skip
+            return original(self, *args, **kwargs)
+
+        return create_engine_config
+
     added = wrap_method(EngineArgs, "add_cli_args", make_add_cli_args)
     folded = wrap_method(EngineArgs, "from_cli_args", make_from_cli_args)
-    return added or folded
+    configured = wrap_method(EngineArgs, "create_engine_config", make_create_engine_config)
+    return added or folded or configured

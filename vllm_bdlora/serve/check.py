@@ -20,42 +20,8 @@ from dataclasses import dataclass
 
 from vllm_bdlora.adapter_files import check_adapter_dir
 from vllm_bdlora.adapters import AdapterRejected, adapter_format
-from vllm_bdlora.sharding import ShardGeometry, ShardingError, foreign_model_problem, localize
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, model_dir: str) -> ModelShape:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            c = json.load(f)
-        c = c.get("text_config", c)
-        heads = c["num_attention_heads"]
-        return cls(c["hidden_size"], c["intermediate_size"], heads, c.get("num_key_value_heads", heads),
-                   c.get("head_dim") or c["hidden_size"] // heads)  # fmt: skip
-
-    def geometry(self, kind: str, tp: int, rank: int) -> ShardGeometry:
-        """The shard of projection `kind` that TP rank `rank` computes, as vLLM shards it."""
-        if kind in ROW:
-            size = self.heads * self.head_dim if kind == "o_proj" else self.intermediate
-            return ShardGeometry("row", size, self.hidden, ((rank * size // tp, (rank + 1) * size // tp),))
-        if kind in ("k_proj", "v_proj"):
-            replicas = max(1, tp // self.kv_heads)  # ranks sharing one KV head's rows
-            size = self.kv_heads * self.head_dim
-            local = size // tp * replicas
-            shard = rank // replicas
-            return ShardGeometry("column", self.hidden, size, ((shard * local, (shard + 1) * local),))
-        size = self.heads * self.head_dim if kind == "q_proj" else self.intermediate
-        return ShardGeometry("column", self.hidden, size, ((rank * size // tp, (rank + 1) * size // tp),))
+from vllm_bdlora.sharding import ShardingError, foreign_model_problem, localize
+from vllm_bdlora.sizing import COLUMN, DTYPE_BYTES, ROW, ModelShape, mib, slot_cost, slots_that_fit
 
 
 def module_tensors(path: str) -> dict[str, dict[str, object]]:
@@ -74,11 +40,16 @@ def module_tensors(path: str) -> dict[str, dict[str, object]]:
 class Verdict:
     problems: list[str]  # every problem the server would report; empty: it would be served
     summary: str = ""  # what would be served
+    widest: int = 0  # the widest module's LoRA width on one GPU
+    host_bytes: int = 0  # what each worker keeps of it (the widest rank's share), in the serving dtype
+    stock_host_bytes: int = 0  # what stock vLLM keeps in each worker's host cache: the whole adapter
 
 
 def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_rank: int, dora: bool) -> Verdict:
+    from vllm_bdlora.adapter_files import module_scaling
+    from vllm_bdlora.adapter_values import gain_problems, non_finite_problems
     from vllm_bdlora.compat import allowed_max_lora_ranks
-    from vllm_bdlora.loading import non_finite_problems, width_problem
+    from vllm_bdlora.loading import width_problem
 
     try:
         files = check_adapter_dir(path, name)
@@ -95,11 +66,18 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
     widths, unmodelled = set(), []
     modules = module_tensors(os.path.join(path, "adapter_model.safetensors"))
     problems += non_finite_problems((m, t.get("lora_A"), t.get("lora_B")) for m, t in modules.items())
+    if not problems:
+        scaled = ((m, t.get("lora_A"), t.get("lora_B"), module_scaling(files.config, m)) for m, t in modules.items())
+        problems += gain_problems(scaled, shape.dtype)
+    element = DTYPE_BYTES[shape.dtype_name]
+    kept = stock = 0
     for module, tensors in modules.items():
         a, b = tensors.get("lora_A"), tensors.get("lora_B")
+        stock += sum(t.numel() for t in tensors.values()) * element
         kind = module.rsplit(".", 1)[-1]
         if kind not in COLUMN + ROW:
             unmodelled.append(module)
+            kept += sum(t.numel() for t in tensors.values()) * element
             continue
         spec = fmt.block_diagonal
         factor = spec.factor_of(module) if spec else None
@@ -115,6 +93,7 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
             problems.append(f"{module}: {e}")
             continue
         widths.add(widest.width)
+        kept += (widest.lora_a.numel() + widest.lora_b.numel()) * element
         if widest.width > width_limit:
             parallelism = "row" if kind in ROW else "column"
             problems.append(width_problem(module, widest, a.shape[0], max_lora_rank, tp, parallelism))
@@ -125,10 +104,51 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
     summary = f"{fmt.describe()}, r={r}: per-GPU width {'/'.join(map(str, sorted(widths)))} of {width_limit}"
     if unmodelled:
         summary += f"; left to the server: {len(unmodelled)} module(s) this check does not model"
-    return Verdict([], summary)
+    return Verdict([], summary, max(widths, default=0), kept, stock)
+
+
+def smallest_max_lora_rank(widest: int, tp: int) -> int | None:
+    from vllm_bdlora.loading import smallest_max_lora_rank as fit
+
+    return fit(widest, tp)
+
+
+def sizing_lines(verdicts: list[Verdict], shape: ModelShape, tp: int, max_lora_rank: int, dora: bool,
+                 vocabulary: bool, gpu_memory: int | None, host_memory: int | None) -> list[str]:  # fmt: skip
+    """What the served adapters cost: the smallest --max-lora-rank, a slot's GPU bytes and what each worker keeps,
+    against stock vLLM's, and how many fit the given budgets."""
+    served = [v for v in verdicts if not v.problems]
+    if not served:
+        return []
+    lines = []
+    fit = smallest_max_lora_rank(max(v.widest for v in served), tp)
+    if fit is not None:
+        lines.append(f"smallest --max-lora-rank that serves them all at TP={tp}: {fit}")
+    if not shape.layers:
+        return lines + ["(the model's config.json has no num_hidden_layers: memory not estimated)"]
+    bd = slot_cost(shape, max_lora_rank, tp, block_diagonal=True, vocabulary=vocabulary, dora=dora)
+    stock = slot_cost(shape, max_lora_rank, tp, block_diagonal=False, vocabulary=vocabulary)
+    vocab_note = (f" (projections {mib(bd.projections)}, embeddings and lm_head {mib(bd.vocabulary)}: "
+                  "--lora-target-modules without them drops that)") if bd.vocabulary else ""  # fmt: skip
+    lines.append(f"GPU memory per LoRA slot (--max-loras counts slots), each of {tp} GPU(s), "
+                 f"{shape.dtype_name}, --max-lora-rank {max_lora_rank}: {mib(bd.total)}{vocab_note}; "
+                 f"stock vLLM --enable-lora: {mib(stock.total)}")  # fmt: skip
+    kept = max(v.host_bytes for v in served)
+    whole = max(v.stock_host_bytes for v in served)
+    lines.append(f"host memory per admitted adapter, each of {tp} worker(s): up to {mib(kept)} (its share); stock "
+                 f"vLLM keeps the whole adapter, {mib(whole)}, in every worker's --max-cpu-loras cache")  # fmt: skip
+    if gpu_memory is not None:
+        lines.append(f"{mib(gpu_memory)} of LoRA GPU memory per GPU holds {slots_that_fit(gpu_memory, bd)} slot(s) "
+                     f"(stock vLLM: {slots_that_fit(gpu_memory, stock)})")  # fmt: skip
+    if host_memory is not None:
+        lines.append(f"{mib(host_memory)} of host memory per worker keeps {host_memory // max(1, kept)} such "
+                     f"adapter(s) (stock vLLM: {host_memory // max(1, whole)})")  # fmt: skip
+    return lines
 
 
 def main(argv: list[str]) -> int:
+    from vllm_bdlora.config import parse_bytes
+
     parser = argparse.ArgumentParser(prog="vllm-bdlora check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("adapters", nargs="+", metavar="[NAME=]PATH")
@@ -136,12 +156,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tp")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="as given to vllm serve (vLLM's default 16)")
     parser.add_argument("--enable-dora", action="store_true")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
+                        help="the serving dtype (default: the checkpoint's, as vLLM's 'auto')")  # fmt: skip
+    parser.add_argument("--projections-only", action="store_true",
+                        help="the server leaves embeddings and lm_head out (--lora-target-modules)")  # fmt: skip
+    parser.add_argument("--gpu-memory", metavar="SIZE", default=None,
+                        help='LoRA GPU memory per GPU to size --max-loras from, e.g. "4GiB"')  # fmt: skip
+    parser.add_argument("--host-memory", metavar="SIZE", default=None,
+                        help='host memory per worker for admitted adapters, e.g. "16GiB"')  # fmt: skip
     args = parser.parse_args(argv)
     try:
         shape = ModelShape.from_config(args.model)
     except (OSError, KeyError, json.JSONDecodeError) as e:
         parser.error(f"cannot read {args.model}/config.json ({e})")
+    if args.dtype:
+        shape = shape.with_dtype(args.dtype)
+    try:
+        budgets = [parse_bytes(v, flag) if v is not None else None
+                   for v, flag in ((args.gpu_memory, "--gpu-memory"), (args.host_memory, "--host-memory"))]  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
     refused = 0
+    verdicts = []
     for item in args.adapters:
         name, _, path = item.rpartition("=")
         name = name or os.path.basename(os.path.normpath(path))
@@ -150,6 +186,7 @@ def main(argv: list[str]) -> int:
             refused += 1
             continue
         verdict = check_adapter(name, path, shape, args.tp, args.max_lora_rank, args.enable_dora)
+        verdicts.append(verdict)
         if not verdict.problems:
             print(f"{name}: OK, {verdict.summary}")
             continue
@@ -157,4 +194,7 @@ def main(argv: list[str]) -> int:
         print(f"{name}: REFUSED")
         for line in str(AdapterRejected(name, verdict.problems)).splitlines()[1:]:
             print(line)
+    for line in sizing_lines(verdicts, shape, args.tp, args.max_lora_rank, args.enable_dora,
+                             not args.projections_only, *budgets):  # fmt: skip
+        print(line)
     return 1 if refused else 0
