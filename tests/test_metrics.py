@@ -1,0 +1,182 @@
+"""Operators and routers see every adapter (`vllm_bdlora.metrics`): a real Prometheus (Debian's `prometheus`, started
+here) scrapes a TP=2 BD-LoRA server guarded by --api-key (the key as a bearer token) while requests over three
+adapters churn through two GPU slots and two host-cache entries and one adapter is unloaded; PromQL then answers with
+residency and token counts equal to what the test sent and what the server logged. The cardinality cap and counters
+across reloads are checked without an engine."""
+
+import json
+import shutil
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+import requests
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tests.conftest import cpu_engine_env
+from tests.test_server import complete, reference_words, server_env  # noqa: F401  (reference_words: a fixture)
+from vllm_bdlora.metrics import OTHER, AdapterMetrics
+from vllm_bdlora.serve.process import free_port, running_server
+
+KEY = "metrics-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SENT = {"bd64": 3, "std16": 2, "bd48": 4}  # requests per adapter
+MAX_TOKENS = 8
+
+
+def test_adapter_names_past_the_cap_share_one_label():
+    metrics = AdapterMetrics(max_adapters=2, registry=CollectorRegistry())
+    assert [metrics.label(n) for n in ("a", "b", "c", "a", None)] == ["a", "b", OTHER, "a", OTHER]
+    unnamed = AdapterMetrics(max_adapters=0, registry=CollectorRegistry())
+    assert unnamed.label("a") == OTHER
+
+
+def test_engine_counts_are_exported_as_the_workers_keep_them_across_a_reload():
+    """An adapter unloaded and loaded again under its name: its request counter goes on from where it was, and the
+    workers' cumulative counts are exported as they are (never lower than before)."""
+    registry = CollectorRegistry()
+    metrics = AdapterMetrics(max_adapters=10, registry=registry)
+    for _ in range(2):
+        stats = SimpleNamespace()
+        metrics.on_output(stats, "a", 0.05)
+        metrics.on_finished(stats, 6, 8, 0.01)
+    empty = {"counts": [0] * 16, "sum": 0.0}
+
+    def workers(gpu, lookups, hits):
+        return {"workers": {"names": {"1": "a", "2": "a"}, "gpu": gpu, "cpu": gpu, "pinned": [], "spilled": [],
+                            "slots": 2, "host_bytes": 10, "lookups": {"gpu": lookups}, "hits": {"gpu": hits},
+                            "loads": {"admission": {"counts": [1] + [0] * 15, "sum": 0.001}, "reread": empty}},
+                "steps": {"counts": [3] + [0] * 14, "sum": 0.003}}  # fmt: skip
+
+    metrics.latest = workers([1], 5, 4)
+    first = generate_latest(registry).decode()
+    metrics.latest = workers([2], 9, 7)  # reloaded under a new id
+    stats = SimpleNamespace()
+    metrics.on_output(stats, "a", 0.05)
+    metrics.on_finished(stats, 6, 8, 0.01)
+    second = generate_latest(registry).decode()
+    assert 'vllm_bdlora:adapter_requests_total{adapter_name="a"} 2.0' in first
+    assert 'vllm_bdlora:adapter_requests_total{adapter_name="a"} 3.0' in second
+    assert 'vllm:lora_cache_lookups_total{level="gpu"} 5.0' in first
+    assert 'vllm:lora_cache_lookups_total{level="gpu"} 9.0' in second
+    assert 'vllm:lora_adapter_loaded{adapter_name="a",level="gpu",pinned="false"} 1.0' in second
+    assert "vllm_bdlora:engine_step_seconds_count 3.0" in second
+
+
+def query(prometheus_url, promql):
+    answer = requests.get(f"{prometheus_url}/api/v1/query", params={"query": promql}, timeout=10).json()
+    assert answer["status"] == "success", answer
+    return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in answer["data"]["result"]}
+
+
+def values_by(results, label):
+    return {json.loads(metric).get(label): value for metric, value in results.items()}
+
+
+@pytest.mark.engine
+def test_prometheus_scrapes_residency_and_token_counts(assets, tmp_path):
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("Prometheus is not installed: `apt-get install prometheus` (Debian's package; .ci/run installs it)")
+    port, prometheus_port = free_port(), free_port()
+    command = [
+        "vllm", "serve", assets["model"], "--enable-bdlora", "--tensor-parallel-size", "2", "--max-lora-rank", "64",
+        "--max-loras", "2", "--max-cpu-loras", "2", "--dtype", "float32", "--max-model-len", "256",
+        "--enforce-eager", "--port", str(port), "--api-key", KEY,
+        "--lora-modules", *[f"{name}={assets[name]}" for name in SENT],
+    ]  # fmt: skip
+    env = {**server_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    log_path = tmp_path / "server.log"
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"- job_name: bdlora\n  static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+        f"  authorization: {{credentials: {KEY}}}\n"
+    )
+    with running_server(command, str(log_path), 2, env, 240) as (_, url):
+        prometheus = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prometheus_port}"],
+            stdout=open(tmp_path / "prometheus.log", "w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        prometheus_url = f"http://127.0.0.1:{prometheus_port}"
+        try:
+            prompt_tokens = {}
+            for name, count in SENT.items():  # interleaved: slots and host entries churn
+                for _ in range(count):
+                    body = {"model": name, "prompt": "w10 w20 w30 w40 w50", "max_tokens": MAX_TOKENS,
+                            "temperature": 0, "ignore_eos": True}  # fmt: skip
+                    answer = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
+                    prompt_tokens[name] = prompt_tokens.get(name, 0) + answer["usage"]["prompt_tokens"]
+            unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, headers=AUTH,
+                                   timeout=60)  # fmt: skip
+            assert unload.status_code == 200, unload.text
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the API server polls the engine every 2 s, Prometheus every 1 s
+                loaded = values_by(query(prometheus_url, "vllm:lora_adapter_loaded"), "adapter_name")
+                requests_by = values_by(query(prometheus_url, "vllm_bdlora:adapter_requests_total"), "adapter_name")
+                if requests_by == SENT and "bd48" not in loaded and loaded:
+                    break
+                time.sleep(1)
+            assert requests_by == SENT
+            generated = values_by(query(prometheus_url, "vllm_bdlora:adapter_generation_tokens_total"),
+                                  "adapter_name")  # fmt: skip
+            assert generated == {name: count * MAX_TOKENS for name, count in SENT.items()}
+            prompts = values_by(query(prometheus_url, "vllm_bdlora:adapter_prompt_tokens_total"), "adapter_name")
+            assert prompts == prompt_tokens
+            assert "bd48" not in loaded and set(loaded) <= {"bd64", "std16"}  # unloaded: resident nowhere
+            gpu = query(prometheus_url, "vllm:num_gpu_loaded_lora_adapters")
+            assert 1 <= max(gpu.values()) <= 2
+            lookups = values_by(query(prometheus_url, "vllm:lora_cache_lookups_total"), "level")
+            hits = values_by(query(prometheus_url, "vllm:lora_cache_hits_total"), "level")
+            assert lookups["gpu"] > 0 and hits["gpu"] <= lookups["gpu"] and lookups["cpu"] > 0
+            log = log_path.read_text()
+            admitted = sum(f"vllm-bdlora: adapter '{name}' (" in log for name in SENT)
+            loads = values_by(query(prometheus_url, "vllm_bdlora:adapter_loads_total"), "kind")
+            assert loads["admission"] == admitted == 3  # one admission per adapter, as the log says
+            assert loads["reread"] > 0  # the host cache of 2 dropped one and a later request read it back
+            steps = query(prometheus_url, "vllm_bdlora:engine_step_seconds_count")
+            assert max(steps.values()) > 0
+            top = subprocess.run(["vllm-bdlora", "top", url, "--api-key", KEY, "--once", "--interval", "1"],
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert top.returncode == 0, top.stderr
+            rows = {line.split()[0]: line.split() for line in top.stdout.splitlines()[3:] if line.strip()}
+            assert {name: int(row[2]) for name, row in rows.items()} == SENT, top.stdout
+            assert rows["bd48"][1] == "-" and "slots" in top.stdout.splitlines()[0], top.stdout
+        finally:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+
+
+@pytest.mark.engine
+def test_several_api_servers_serve_adapters_and_export_one_engines_figures(assets, reference_words, tmp_path):  # noqa: F811
+    """With --api-server-count 2 every API-server process serves the adapters as PEFT answers (each process builds
+    its engine arguments again, so --enable-bdlora must reach them), and /metrics, which vLLM then merges from the
+    processes' metric files, still has the engine's residency and the request counts of both processes."""
+    port = free_port()
+    command = [
+        "vllm", "serve", assets["model"], "--enable-bdlora", "--api-server-count", "2", "--max-lora-rank", "64",
+        "--max-loras", "2", "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--port", str(port),
+        "--lora-modules", f"bd64={assets['bd64']}", f"std16={assets['std16']}",
+    ]  # fmt: skip
+    sent = {"bd64": 4, "std16": 4}
+    with running_server(command, str(tmp_path / "server.log"), 1, cpu_engine_env(1), 240) as (_, url):
+        for name, count in sent.items():
+            for _ in range(count):  # the processes share the port: both answer some
+                response = complete(url, name)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["text"].split() == reference_words[name]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # each API server polls the engine every 2 s
+            text = requests.get(f"{url}/metrics", timeout=10).text
+            if "vllm:lora_adapter_loaded{" in text:
+                break
+            time.sleep(1)
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}  # fmt: skip
+    for name, count in sent.items():
+        assert samples[f'vllm_bdlora:adapter_requests_total{{adapter_name="{name}"}}'] == count
+        assert samples[f'vllm:lora_adapter_loaded{{adapter_name="{name}",level="gpu",pinned="false"}}'] == 1
+    assert samples["vllm:num_gpu_loaded_lora_adapters"] == 2

@@ -1,0 +1,358 @@
+"""What operators and routers see of adapters on the server's `/metrics`.
+
+vLLM exports one LoRA gauge, `vllm:lora_requests_info`, which counts requests per adapter in flight, not where
+adapters are resident. A BD-LoRA server also exports, from what its workers see (the engine core asks them between
+steps; the API server polls the engine core every `METRICS_POLL_S`):
+
+* residency, under the names of vLLM's open proposals (#54830, #45820) so that routers written for them work
+  unchanged: `vllm:lora_adapter_loaded{adapter_name,level="gpu"|"cpu",pinned}` (1 while the adapter holds a GPU
+  slot, or is kept in host memory), `vllm:num_gpu_loaded_lora_adapters`, `vllm:num_cpu_loaded_lora_adapters`,
+  `vllm:lora_cache_lookups_total{level}` / `vllm:lora_cache_hits_total{level}` (one lookup per adapter per engine step
+  at the GPU level, one per slot fill at the CPU level). A name vLLM registers itself is left to vLLM.
+* `vllm_bdlora:lora_slots{state="used"|"total"}`, `vllm_bdlora:adapters_kept{where="memory"|"spilled"}`,
+  `vllm_bdlora:adapter_host_bytes`, `vllm_bdlora:adapter_loads_total{kind}` and `vllm_bdlora:adapter_load_seconds{kind}`
+  (kind "admission": files read, checked and cut, off the engine's step; "reread": a load from what a worker kept;
+  "restore": read back from a spill file; "in_step": an adapter the engine had not admitted, read inside a step),
+  `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
+* per adapter, from the API server's own requests: `vllm_bdlora:adapter_requests_total`,
+  `vllm_bdlora:adapter_prompt_tokens_total`, `vllm_bdlora:adapter_generation_tokens_total`,
+  `vllm_bdlora:adapter_ttft_seconds` and `vllm_bdlora:adapter_tpot_seconds` (histograms), `{adapter_name}`.
+
+Cardinality is bounded: the first `metrics_max_adapters` adapter names (100 by default) get a label value of their
+own, every later one shares `adapter_name="other"`; 0 exports no adapter name at all (only the totals, under
+"other"). `/metrics` needs `--api-key` where one is set (`vllm_bdlora.access`). Counters never go backwards: the
+workers' counts only grow, and the API server adds their growth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+
+logger = logging.getLogger("vllm.bdlora")
+
+METRICS_POLL_S = 2.0
+OTHER = "other"
+# Loads of 8B-sized adapters take milliseconds from memory and seconds from slow disks.
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+LOAD_KINDS = ("admission", "reread", "restore", "in_step")
+
+
+class Histogram:
+    """Cumulative bucket counts and a sum, as worker and engine processes keep them until they are polled."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
+        self.counts[index] += 1
+        self.total += value
+
+    def snapshot(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.total}
+
+
+class WorkerAdapterStats:
+    """One worker's counts: lookups and hits per level, and loads by kind with their durations."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lookups = defaultdict(int)
+        self.hits = defaultdict(int)
+        self.loads = {kind: Histogram(LOAD_BUCKETS) for kind in LOAD_KINDS}
+
+    def record_lookups(self, manager, adapter_ids) -> None:
+        """Per step, per adapter the step needs: in a GPU slot already (a hit), else kept by vLLM's host cache."""
+        active = getattr(manager, "_active_adapters", {})
+        registered = manager.list_adapters()
+        with self.lock:
+            for adapter_id in adapter_ids:
+                self.lookups["gpu"] += 1
+                if adapter_id in active:
+                    self.hits["gpu"] += 1
+                    continue
+                self.lookups["cpu"] += 1
+                self.hits["cpu"] += adapter_id in registered
+
+    def record_load(self, kind: str, seconds: float) -> None:
+        with self.lock:
+            self.loads[kind].observe(seconds)
+
+    def snapshot(self, worker_manager, store) -> dict:
+        manager = worker_manager._adapter_manager
+        names = store.names() if store is not None else {}
+        with self.lock:
+            counts = {"lookups": dict(self.lookups), "hits": dict(self.hits),
+                      "loads": {kind: h.snapshot() for kind, h in self.loads.items()}}  # fmt: skip
+        return {
+            **counts,
+            "gpu": [i for i in manager.lora_index_to_id if i is not None],
+            "cpu": sorted(set(manager.list_adapters()) | (store.resident_ids() if store is not None else set())),
+            "pinned": sorted(getattr(getattr(manager, "_registered_adapters", None), "pinned", ()) or ()),
+            "spilled": sorted(store.spilled_ids()) if store is not None else [],
+            "slots": manager.lora_slots,
+            "host_bytes": store.resident_bytes if store is not None else 0,
+            "names": names,
+        }
+
+
+def worker_stats(worker_manager) -> WorkerAdapterStats:
+    stats = getattr(worker_manager, "_bdlora_stats", None)
+    if stats is None:
+        stats = worker_manager._bdlora_stats = WorkerAdapterStats()
+    return stats
+
+
+class EngineStepStats:
+    """The engine core's step durations (steps that ran the model)."""
+
+    def __init__(self):
+        self.steps = Histogram(STEP_BUCKETS)
+
+    def timed(self, step):
+        started = time.perf_counter()
+        result = step()
+        if result:
+            self.steps.observe(time.perf_counter() - started)
+        return result
+
+
+def engine_step_stats(core) -> EngineStepStats:
+    stats = getattr(core, "_bdlora_step_stats", None)
+    if stats is None:
+        stats = core._bdlora_step_stats = EngineStepStats()
+    return stats
+
+
+def merge_worker_snapshots(snapshots: list) -> dict:
+    """One view of the ranks: an adapter is in GPU slots or host memory only where every rank has it there (ranks
+    move together; a rank that differs is mid-move); counts are the first rank's (every rank counts the same
+    steps)."""
+    if not snapshots:
+        return {}
+    first = snapshots[0]
+    merged = dict(first)
+    for level in ("gpu", "cpu", "spilled"):
+        common = set(first[level])
+        for other in snapshots[1:]:
+            common &= set(other[level])
+        merged[level] = sorted(common)
+    merged["names"] = {int(k): v for s in snapshots for k, v in s["names"].items()}
+    return merged
+
+
+class AdapterMetrics:
+    """The API server's adapter metrics (see the module's docstring): per-adapter request metrics it observes itself,
+    and a collector that exports the engine's latest polled figures as they are (cumulative counts included)."""
+
+    def __init__(self, max_adapters: int, registry=None):
+        from prometheus_client import REGISTRY
+
+        self.registry = registry or REGISTRY
+        self.max_adapters = max_adapters
+        self.latest: dict = {}
+        self._labelled: set[str] = set()
+        self._lock = threading.Lock()
+        self.refusals = self._counter("vllm_bdlora:adapter_refusals", "Refused adapter loads by reason.", ["reason"])
+        self.requests = self._counter("vllm_bdlora:adapter_requests", "Finished requests per adapter.",
+                                      ["adapter_name"])  # fmt: skip
+        self.prompt_tokens = self._counter("vllm_bdlora:adapter_prompt_tokens", "Prompt tokens per adapter.",
+                                           ["adapter_name"])  # fmt: skip
+        self.generation_tokens = self._counter("vllm_bdlora:adapter_generation_tokens",
+                                               "Generated tokens per adapter.", ["adapter_name"])  # fmt: skip
+        self.ttft = self._histogram("vllm_bdlora:adapter_ttft_seconds", "Time to first token per adapter.",
+                                    ["adapter_name"], TTFT_BUCKETS)  # fmt: skip
+        self.tpot = self._histogram("vllm_bdlora:adapter_tpot_seconds", "Time per output token per adapter.",
+                                    ["adapter_name"], TPOT_BUCKETS)  # fmt: skip
+        self.registry.register(EngineAdapterCollector(self))
+
+    # -- registration that leaves vLLM's own metrics alone ------------------------------------------------------------
+    def taken(self, name: str) -> bool:
+        names = getattr(self.registry, "_names_to_collectors", {})
+        return any(n in names for n in (name, f"{name}_total", f"{name}_bucket"))
+
+    def _counter(self, name, documentation, labels=()):
+        from prometheus_client import Counter
+
+        return None if self.taken(name) else Counter(name, documentation, list(labels), registry=self.registry)
+
+    def _histogram(self, name, documentation, labels, buckets):
+        from prometheus_client import Histogram as PromHistogram
+
+        return None if self.taken(name) else PromHistogram(name, documentation, list(labels), buckets=buckets,
+                                                            registry=self.registry)  # fmt: skip
+
+    # -- adapter names under the cap ----------------------------------------------------------------------------------
+    def label(self, name: str | None) -> str:
+        if not name:
+            return OTHER
+        with self._lock:
+            if name in self._labelled:
+                return name
+            if len(self._labelled) < self.max_adapters:
+                self._labelled.add(name)
+                return name
+        return OTHER
+
+    # -- the API server's own requests -----------------------------------------------------------------------------
+    def on_output(self, req_stats, lora_name: str | None, first_token_latency: float | None) -> None:
+        """A request's output: its first (`first_token_latency` given) or a later one. The adapter's name rides on
+        vLLM's per-request statistics object, which the request's end hands back to `on_finished`."""
+        if lora_name is None:
+            return
+        req_stats.bdlora_adapter = lora_name
+        if first_token_latency is not None and self.ttft is not None:
+            self.ttft.labels(self.label(lora_name)).observe(first_token_latency)
+
+    def on_finished(self, req_stats, prompt_tokens: int, generation_tokens: int, tpot: float) -> None:
+        lora_name = getattr(req_stats, "bdlora_adapter", None)
+        if lora_name is None:
+            return
+        label = self.label(lora_name)
+        for metric, amount in ((self.requests, 1), (self.prompt_tokens, prompt_tokens),
+                               (self.generation_tokens, generation_tokens)):  # fmt: skip
+            if metric is not None and amount:
+                metric.labels(label).inc(amount)
+        if self.tpot is not None and generation_tokens > 1:
+            self.tpot.labels(label).observe(tpot)
+
+    def on_refusal(self, reason: str) -> None:
+        if self.refusals is not None:
+            self.refusals.labels(reason).inc()
+
+    async def poll(self, engine_client, interval_s: float = METRICS_POLL_S) -> None:
+        while True:
+            try:
+                self.latest = await engine_client.engine_core.call_utility_async("bdlora_adapter_stats")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an engine that is gone or busy: keep the last figures
+                logger.debug("vllm-bdlora: adapter metrics not refreshed: %s", e)
+            await asyncio.sleep(interval_s)
+
+
+class EngineAdapterCollector:
+    """Exports the engine's latest polled figures at each scrape: residency gauges, and the workers' and engine
+    core's cumulative counts and histograms as they are."""
+
+    def __init__(self, metrics: AdapterMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # names are only known to be free at scrape time (vLLM may register some later)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        metrics, stats = self.metrics, self.metrics.latest
+        workers = stats.get("workers") or {}
+        families = []
+
+        def add(family):
+            if not metrics.taken(family.name):
+                families.append(family)
+
+        if workers:
+            names = {int(k): v for k, v in workers["names"].items()}
+            gpu, cpu, pinned = set(workers["gpu"]), set(workers["cpu"]), set(workers["pinned"])
+            loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 while the adapter is resident at that level.",
+                                       labels=["adapter_name", "level", "pinned"])  # fmt: skip
+            for level, members in (("gpu", gpu), ("cpu", cpu)):
+                for adapter_id in sorted(members):
+                    loaded.add_metric([metrics.label(names.get(adapter_id)), level, str(adapter_id in pinned).lower()],
+                                      1)  # fmt: skip
+            add(loaded)
+            add(GaugeMetricFamily("vllm:num_gpu_loaded_lora_adapters", "Adapters holding a GPU LoRA slot.", len(gpu)))
+            add(GaugeMetricFamily("vllm:num_cpu_loaded_lora_adapters", "Adapters kept in host memory.", len(cpu)))
+            slots = GaugeMetricFamily("vllm_bdlora:lora_slots", "GPU LoRA slots, used and in total.",
+                                      labels=["state"])  # fmt: skip
+            slots.add_metric(["used"], len(gpu))
+            slots.add_metric(["total"], workers["slots"])
+            add(slots)
+            kept = GaugeMetricFamily("vllm_bdlora:adapters_kept", "Admitted adapters kept, in memory or spilled.",
+                                     labels=["where"])  # fmt: skip
+            kept.add_metric(["memory"], len(cpu))
+            kept.add_metric(["spilled"], len(workers["spilled"]))
+            add(kept)
+            host = "Bytes of adapters kept in host memory, per worker."
+            add(GaugeMetricFamily("vllm_bdlora:adapter_host_bytes", host, workers["host_bytes"]))
+            caches = (("vllm:lora_cache_lookups", "lookups", "Adapter lookups per level."),
+                      ("vllm:lora_cache_hits", "hits", "Lookups that found it at that level."))  # fmt: skip
+            for name, key, documentation in caches:
+                family = CounterMetricFamily(name, documentation, labels=["level"])
+                for level in ("gpu", "cpu"):
+                    family.add_metric([level], workers[key].get(level, 0))
+                add(family)
+            loads = CounterMetricFamily("vllm_bdlora:adapter_loads", "Adapter loads by kind.", labels=["kind"])
+            seconds = HistogramMetricFamily("vllm_bdlora:adapter_load_seconds", "Adapter load durations by kind.",
+                                            labels=["kind"])  # fmt: skip
+            for kind, snapshot in workers["loads"].items():
+                loads.add_metric([kind], sum(snapshot["counts"]))
+                seconds.add_metric([kind], cumulative_buckets(LOAD_BUCKETS, snapshot["counts"]), snapshot["sum"])
+            add(loads)
+            add(seconds)
+        if "steps" in stats:
+            steps = HistogramMetricFamily("vllm_bdlora:engine_step_seconds", "Engine steps that ran the model.")
+            steps.add_metric([], cumulative_buckets(STEP_BUCKETS, stats["steps"]["counts"]), stats["steps"]["sum"])
+            add(steps)
+        return families
+
+
+def latest_engine_figures() -> list:
+    """The engine's adapter figures as this process last polled them (none before its first poll), for registries
+    built apart from the process's own: vLLM's merged multiprocess registry."""
+    metrics = current_metrics()
+    return [] if metrics is None else EngineAdapterCollector(metrics).collect()
+
+
+def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
+    total, buckets = 0, []
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        total += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+    return buckets
+
+
+_metrics: AdapterMetrics | None = None
+
+
+def adapter_metrics(max_adapters: int) -> AdapterMetrics:
+    global _metrics
+    if _metrics is None:
+        _metrics = AdapterMetrics(max_adapters)
+    return _metrics
+
+
+def current_metrics() -> AdapterMetrics | None:
+    return _metrics
+
+
+REFUSAL_REASONS = (
+    ("is not allowed: a name is", "name"),
+    ("without control characters", "path"),
+    ("allowed adapter directories", "outside_roots"),
+    ("no room for it on this server", "no_room"),
+    ("were not read on every worker within", "timeout"),
+    ("changed while", "files_changed"),
+    ("holds NaN or Inf", "values"),
+    ("over the limit", "values"),
+    ("needs LoRA width", "width"),
+    ("adapter_config.json", "files"),
+    ("adapter_model.safetensors", "files"),
+)
+
+
+def refusal_reason(message: str, status: int) -> str:
+    """The `reason` label of a refused load, from its answer."""
+    if status == 404:
+        return "not_found"
+    return next((reason for phrase, reason in REFUSAL_REASONS if phrase in message), "invalid")
