@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_bdlora import tiny
+from vllm_bdlora.peft_reference import teacher_forced
 from vllm_bdlora.serve.process import cpu_defaults
 
 HERE = Path(__file__).parent
@@ -146,15 +147,6 @@ def engine_kwargs(model: str, tp: int, bdlora: bool, **overrides) -> dict:
         kwargs["additional_config"] = {"bdlora": {}}
     kwargs.update(overrides)
     return kwargs
-
-
-@torch.no_grad()
-def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """`model`'s log-probabilities (float32) at each step of `tokens` continuing `prompt`, the tokens given: how a
-    reference scores another engine's own continuation, so that a near-tie that went the other way is no failure."""
-    ids = torch.tensor([prompt + tokens])
-    logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-    return logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
 def reference_errors(reference, prompt: list[int], output: dict) -> tuple[float, float]:

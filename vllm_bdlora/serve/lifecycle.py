@@ -1,8 +1,14 @@
-"""What the server process tells its supervisor: an engine that died is a failure, not a clean stop.
+"""What the server process tells its supervisor: an engine that died is a failure, not a clean stop, and one that
+has stopped answering is not healthy.
 
 vLLM's API server notices a dead engine in its watchdog, stops serving and returns from `vllm serve` normally,
 so the process exits with status 0 and a supervisor that restarts failed services leaves it down. The watchdog's
 verdict is recorded here and `vllm serve` then exits with `EXIT_ENGINE_DIED`, within `EXIT_DEADLINE_S` of it.
+
+A worker that is stopped (SIGSTOP, a debugger) or hung leaves the engine core waiting inside a step, and vLLM's
+/health keeps answering 200 until its executor gives up (300 s by default). `/health` here answers 503 at once when
+an engine process is stopped, and when the engine core has not answered a ping (`EngineStallWatch`, a utility call it
+answers between steps) within `engine_stall_timeout_s`.
 """
 
 from __future__ import annotations
@@ -98,6 +104,56 @@ def engine_processes_alive() -> bool:
         except psutil.NoSuchProcess:
             return False
     return True
+
+
+def engine_processes_stopped() -> bool:
+    """True while an engine-core or worker process of this host is stopped (SIGSTOP, a tracer)."""
+    import psutil
+
+    if _engine_processes is None:
+        engine_processes_alive()
+    for process in _engine_processes or ():
+        try:
+            if process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+ENGINE_PING = "bdlora_ping"  # the engine core's utility method (vllm_bdlora.patching.engine)
+PING_WAIT_S = 1.0  # how long one health check waits for the answer before it looks at the ping's age instead
+
+
+class EngineStallWatch:
+    """Whether the engine core comes back to its requests: one ping in flight at a time; the engine is stalled once a
+    ping has waited longer than the bound. A health check itself never waits more than `PING_WAIT_S`."""
+
+    def __init__(self):
+        self._ping = None
+        self._sent = 0.0
+
+    async def check(self, engine_client, timeout_s: float, stalled: type[Exception]) -> None:
+        import asyncio
+
+        if engine_processes_stopped():
+            raise stalled("an engine process is stopped")
+        core = getattr(engine_client, "engine_core", None)
+        if not timeout_s or not hasattr(core, "call_utility_async"):
+            return
+        if self._ping is None or self._ping.done():
+            self._ping = asyncio.ensure_future(core.call_utility_async(ENGINE_PING))
+            self._sent = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ping), min(PING_WAIT_S, timeout_s))
+            return
+        except asyncio.TimeoutError:
+            pass
+        except Exception:  # answered with an error: the dead-engine checks say what it means
+            return
+        waited = time.monotonic() - self._sent
+        if waited > timeout_s:
+            raise stalled(f"the engine core has not answered for {waited:.0f} s")
 
 
 def _is_engine_process(process) -> bool:

@@ -56,7 +56,7 @@ def wait_healthy(
             pass
         if progress and time.monotonic() >= next_report:
             next_report += 10
-            progress(f"{time.monotonic() - started:.0f} s: {last_log_message(log_path)}")
+            progress(f"{time.monotonic() - started:.0f} s: {start_phase(log_path)}")
         time.sleep(1)
     raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
 
@@ -83,13 +83,25 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def last_log_message(path: str) -> str:
-    """The newest line of a vLLM log that says something, without its process and logger prefix."""
-    for line in reversed(tail(path, 40).splitlines()):
-        message = line.split("] ", 1)[-1].strip()
-        if message and "GET /health" not in line and not message.startswith(("^", "File ", "~")):
-            return message[:100]
-    return "starting"
+# What a starting server's log says it is doing, latest milestone first (a phrase of vLLM's or the plugin's log).
+START_PHASES = (
+    ("Loaded new LoRA adapter", "loading the --lora-modules adapters"),
+    ("vllm-bdlora: adapter", "loading the --lora-modules adapters"),
+    ("Starting vLLM API server", "starting the HTTP server"),
+    ("Capturing CUDA graph", "capturing CUDA graphs"),
+    ("torch.compile", "compiling the model (torch.compile; cached for later starts)"),
+    ("KV cache", "allocating the KV cache"),
+    ("LoRA slots: ", "building the LoRA layers"),
+    ("Loading weights", "loading the model's weights"),
+    ("Initializing a V1 LLM engine", "starting the engine"),
+)
+
+
+def start_phase(path: str) -> str:
+    """Where a starting server is, from its log's latest milestone (rather than whatever line came last)."""
+    text = tail(path, 400)
+    found = [(text.rfind(phrase), phase) for phrase, phase in START_PHASES if phrase in text]
+    return max(found)[1] if found else "starting"
 
 
 def tail(path: str, lines: int = 30) -> str:
