@@ -16,7 +16,7 @@ import os
 import re
 
 from bench import report
-from bench.plots import save_png
+from bench.plots import write_figure
 
 
 def natural_order(run: str) -> list:
@@ -117,11 +117,7 @@ def write_plot(results_root: str, rows: list[dict]) -> str:
         ax.set_ylabel(label)
     axes[0].legend(fontsize=7)
     fig.suptitle("BD-LoRA on the fused kernels, 1024/128 tokens, one adapter: every committed run (same-run ratios)")
-    fig.tight_layout()
-    path = os.path.join(results_root, "overview.png")
-    save_png(fig, path, dpi=110)
-    plt.close(fig)
-    return path
+    return write_figure(fig, os.path.join(results_root, "overview.png"))
 
 
 def main(argv=None) -> None:

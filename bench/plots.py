@@ -11,6 +11,16 @@ import io
 PALETTE_COLOURS = 256
 
 
+def write_figure(fig, path: str, dpi: int = 110) -> str:
+    """fig laid out, saved to path (save_png) and closed; returns path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    save_png(fig, path, dpi)
+    plt.close(fig)
+    return path
+
+
 def save_png(fig, path: str, dpi: int) -> None:
     """fig (a matplotlib figure) rendered at dpi and written to path as a 256-colour palette PNG."""
     from PIL import Image  # matplotlib's own dependency

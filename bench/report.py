@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 
 from bench.adapters import PAPER_RANK_PAIRS, bd_rank_for
-from bench.plots import save_png
+from bench.plots import write_figure
 from bench.sweep import DEFAULT_MAX_LORAS
 
 METRICS = (("median_tpot_ms", "TPOT (ms)"), ("median_ttft_ms", "TTFT (ms)"), ("output_throughput", "tokens/s"))
@@ -358,11 +358,7 @@ def write_plots(results_dir: str, table: dict) -> list[str]:
                     ax.set_title(f"concurrency {bs}")
         axes[0][0].legend()
         fig.suptitle(f"TP={tp}, {i}/{o} tokens, {n} adapter(s)")
-        fig.tight_layout()
-        path = os.path.join(results_dir, "plots", f"tp{tp}_io{i}-{o}_adapters{n}.png")
-        save_png(fig, path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(write_figure(fig, os.path.join(results_dir, "plots", f"tp{tp}_io{i}-{o}_adapters{n}.png")))
     return written
 
 

@@ -1,0 +1,98 @@
+"""The many-adapter benchmark (bench/workload.py, bench/many_adapters.py): its traffic laws, its report's arithmetic,
+equal memory turned into each mode's slots and cache entries, and one small run end to end against a real BD-LoRA
+server (tiny model, TP=2, 64 adapters, CPU) whose figures come from the server's /metrics."""
+
+import json
+import math
+import statistics
+import sys
+
+import pytest
+
+from bench.workload import Timing, plan, popularity_weights, summarise, tiers
+
+
+def test_zipf_shares_fall_with_rank_and_tiers_split_the_expected_requests():
+    weights = popularity_weights("zipf:1.0", 1024)
+    assert math.isclose(sum(weights), 1.0) and weights[0] / weights[9] == pytest.approx(10.0)
+    labels = tiers(weights)
+    head = sum(w for w, t in zip(weights, labels, strict=True) if t == "head")
+    assert 0.5 <= head < 0.5 + weights[0] and labels.count("head") < labels.count("torso") < labels.count("tail")
+    planned, _ = plan("zipf:1.0", "poisson:10", "fixed:16/8", 1024, 4000, seed=1)
+    top = sum(p.adapter == 0 for p in planned) / len(planned)
+    assert top == pytest.approx(weights[0], abs=0.02)
+
+
+def test_distinct_requests_name_every_adapter_once_before_any_twice():
+    planned, _ = plan("distinct", "concurrency:4", "fixed:16/8", 64, 100)
+    firsts = [p.adapter for p in planned[:64]]
+    assert sorted(firsts) == list(range(64)) and firsts != list(range(64))  # all of them, shuffled
+
+
+@pytest.mark.parametrize(("arrivals", "cv"), [("poisson:50", 1.0), ("gamma:50:4", 4.0)])
+def test_arrivals_have_the_asked_rate_and_burstiness(arrivals, cv):
+    planned, _ = plan("uniform", arrivals, "fixed:16/8", 8, 20000, seed=3)
+    gaps = [b.send_at - a.send_at for a, b in zip(planned, planned[1:], strict=False)]
+    assert len(planned) / planned[-1].send_at == pytest.approx(50, rel=0.1)
+    assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(cv, rel=0.15)
+
+
+def test_chat_lengths_stay_within_their_bounds():
+    planned, _ = plan("single", "concurrency:1", "chat", 4, 2000, seed=2)
+    assert all(16 <= p.input_len <= 2048 and 8 <= p.output_len <= 512 for p in planned)
+    assert 150 < statistics.median(p.input_len for p in planned) < 400
+
+
+def test_summary_counts_goodput_and_tiers():
+    timings = [Timing(i, "a", 0, "head" if i < 6 else "tail", 16, 8, ttft=0.1 * (i + 1), tpot=0.01, tokens=8,
+                      status=200) for i in range(10)]  # fmt: skip
+    timings.append(Timing(10, "b", 9, "tail", 16, 8, status=400, error="refused"))
+    out = summarise(timings, 2.0, ttft_slo_s=0.5)
+    assert (out["completed"], out["failed"]) == (10, 1) and out["goodput_per_s"] == 2.5  # 5 within 0.5 s, in 2 s
+    assert out["output_tokens_per_s"] == 40 and out["head_requests"] == 6 and out["tail_requests"] == 4
+    assert out["all_ttft_p50_ms"] == pytest.approx(550) and out["error_examples"] == ["refused"]
+
+
+def test_equal_memory_gives_bd_more_host_entries_and_records_both():
+    """BD r'=32 in 4 blocks against standard r=16 (equal parameters at TP=4): each BD worker keeps a quarter of an
+    adapter where stock vLLM keeps all of it, so the same host memory holds four times the adapters."""
+    from bench.many_adapters import budgets, parse_args
+
+    args = parse_args(["--tp", "4", "--rank", "16", "--gpu-memory", "2GiB", "--host-memory", "16GiB",
+                       "--workloads", "zipf:1.0 poisson:4 fixed:1024/128 10", "--out", "/tmp/x"])  # fmt: skip
+    bd, nfs, slora = (budgets(args, mode) for mode in ("bdlora", "nfs", "slora"))
+    assert bd["host_entries"] / nfs["host_entries"] == pytest.approx(4, rel=0.05)
+    assert bd["adapter_bytes"] == pytest.approx(nfs["adapter_bytes"], rel=0.05)
+    assert bd["max_loras"] > nfs["max_loras"] and slora["max_loras"] > nfs["max_loras"]
+    for b in (bd, nfs, slora):
+        assert b["max_loras"] * b["slot_bytes"] <= 2 * 2**30 < (b["max_loras"] + 1) * b["slot_bytes"]
+
+
+@pytest.mark.engine
+def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path):
+    from bench import many_adapters
+
+    out = tmp_path / "out"
+    status = many_adapters.main([
+        "--model-shape", "tiny", "--tp", "2", "--modes", "bdlora", "--adapters", "64", "--rank", "16",
+        "--distinct-files", "4", "--gpu-memory", "1MiB", "--host-memory", "64MiB", "--dtype", "float32",
+        "--max-model-len", "256", "--max-num-seqs", "8", "--extra-server-args=--enforce-eager",
+        "--workloads", "zipf:1.0 poisson:20 fixed:16/8 60", "distinct concurrency:4 fixed:16/8 40",
+        "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ])  # fmt: skip
+    rows = json.loads((out / "summary.json").read_text())
+    servers = json.loads((out / "servers.json").read_text())
+    assert status == 0, (rows, servers)
+    assert [r["completed"] for r in rows] == [60, 40] and all(r["failed"] == 0 for r in rows)
+    server = servers[0]
+    assert "--max-loras" in server["bd_slots_line"] and server["max_loras"] >= 1  # the plugin sized the slots
+    zipf, distinct = rows
+    assert 0 <= zipf["gpu_hit_rate"] <= 1 and zipf["steps"] > 0 and zipf["step_p99_ms"] > 0
+    # distinct through few slots: every request's adapter fills a slot (a lookup per step and adapter: the steps after
+    # its first hit), and the adapters come from what the workers kept
+    assert distinct["gpu_misses"] >= 40 and distinct["loads_reread"] + distinct.get("loads_restore", 0) > 0
+    lines = (out / "requests.csv").read_text().splitlines()
+    assert len(lines) == 1 + 100
+    summary = (out / "summary.md").read_text()
+    assert "## Servers (equal memory)" in summary and "| bdlora | 64 | 60/60 |" in summary
+    assert (out / "plots" / "ttft_cdf_zipf1.0_poisson20_fixed16-8_60.png").exists(), sys.argv
