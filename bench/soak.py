@@ -15,8 +15,8 @@ Phases:
    The server's resident memory and open files (all its processes; files a worker spills adapters to are unlinked,
    so only their descriptors show them) are sampled every second: neither may grow with the unload/reload cycles.
 3. Fault (unless `--no-fault`): one tensor-parallel worker is killed during traffic; requests before it must
-   all succeed, /health must turn 503, an adapter load or unload in flight must be answered, and the process
-   must exit non-zero.
+   all succeed, /health must stop answering 200 (503 while the server drains, or no answer once it has stopped
+   listening), an adapter load or unload in flight must be answered, and the process must exit non-zero.
 
 On GPUs vLLM's LoRA kernels take fp16/bf16 only, and a request batched with others may round differently from
 the same request sent alone: where a continuation departs from the isolated one at a step whose two tokens were
@@ -309,17 +309,25 @@ def kill_one_worker(server: Server, fault: dict) -> None:
 
 
 def watch_health(server: Server, fault: dict) -> None:
-    """From the kill on: when /health first answers 503 (polled every 0.1 s until the process exits, 60 s at most)."""
-    fault["health_503_monotonic"] = None
+    """From the kill on: when /health first stops answering 200, and how (polled every 0.1 s until the process
+    exits, 60 s at most). A server that notices the dead engine stops listening at once, so a refused connection
+    counts as much as a 503: what a load balancer sees either way is a server that is not healthy."""
+    fault["unhealthy_monotonic"], fault["unhealthy_answer"] = None, None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.proc.poll() is None:
         try:
-            if requests.get(f"{server.url}/health", timeout=2).status_code == 503:
-                fault["health_503_monotonic"] = time.monotonic()
-                return
+            status = requests.get(f"{server.url}/health", timeout=2).status_code
+            answer = None if status == 200 else str(status)
+        except requests.ConnectionError:
+            answer = "connection refused"
         except requests.RequestException:
-            pass
+            answer = None  # a slow answer says nothing yet
+        if answer is not None:
+            fault["unhealthy_monotonic"], fault["unhealthy_answer"] = time.monotonic(), answer
+            return
         time.sleep(0.1)
+    if server.proc.poll() is not None:  # exited between two polls: nothing listens any more
+        fault["unhealthy_monotonic"], fault["unhealthy_answer"] = time.monotonic(), "exited"
 
 
 def wait_for_death(server: Server, fault: dict) -> dict:
@@ -365,10 +373,10 @@ def verdict(report: dict, rss_growth_limit: float) -> list[str]:
             failures.append(f"the server's exit status after the fault was {fault['exit_status']}")
         if fault.get("adapter_call_unanswered"):
             failures.append(f"an adapter load or unload in flight got no answer in {CHURN_ANSWER_TIMEOUT_S} s")
-        if fault["health_503_monotonic"] is None:
-            failures.append("/health never answered 503 after the fault")
+        if fault["unhealthy_monotonic"] is None:
+            failures.append("/health kept answering 200 after the fault")
         else:
-            fault["health_503_after_s"] = round(fault["health_503_monotonic"] - fault["killed_monotonic"], 2)
+            fault["unhealthy_after_s"] = round(fault["unhealthy_monotonic"] - fault["killed_monotonic"], 2)
     return failures
 
 
@@ -417,8 +425,9 @@ def write_results(out: Path, report: dict, failures: list[str], argv: list[str])
     ]  # fmt: skip
     if fault:
         lines += [
-            f"| worker killed after request {fault['killed_at_request']} | /health 503 after "
-            f"{fault.get('health_503_after_s')} s; exit status {fault['exit_status']}; "
+            f"| worker killed after request {fault['killed_at_request']} | /health not 200 after "
+            f"{fault.get('unhealthy_after_s')} s ({fault.get('unhealthy_answer')}); "
+            f"exit status {fault['exit_status']}; "
             f"{fault['requests_failed_after_kill']} in-flight and later requests failed, the last "
             f"{fault['last_failure_after_kill_s']} s after the kill"
             + (

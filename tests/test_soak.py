@@ -21,14 +21,14 @@ def test_soak_answers_every_request_as_if_sent_alone(tmp_path):
     assert summary["errors"] == 0 and summary["mismatches"] == 0
     assert summary["completed_before_fault"] >= 250
     assert summary["churn"]["reloads"] > 0 and summary["churn"]["bad_loads"] > 0
-    assert summary["fault"]["exit_status"] == 1 and summary["fault"]["health_503_after_s"] < 2
+    assert summary["fault"]["exit_status"] == 1 and summary["fault"]["unhealthy_after_s"] < 2
 
 
 def test_soak_fails_a_run_whose_adapter_load_got_no_answer_after_the_fault():
     report = {
         "errors": 0, "mismatches": 0, "rss_samples": [],
         "churn": {"reload_mismatches": 0, "bad_load_wrong_answers": []},
-        "fault": {"exit_status": 1, "health_503_monotonic": 10.1, "killed_monotonic": 10.0},
+        "fault": {"exit_status": 1, "unhealthy_monotonic": 10.1, "killed_monotonic": 10.0},
     }  # fmt: skip
     assert soak.verdict(report, rss_growth_limit=0.05) == []
     report["fault"]["adapter_call_unanswered"] = True
