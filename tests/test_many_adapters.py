@@ -4,6 +4,7 @@ server (tiny model, TP=2, 64 adapters, CPU) whose figures come from the server's
 
 import json
 import math
+import re
 import statistics
 import sys
 
@@ -89,8 +90,11 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     zipf, distinct = rows
     assert 0 <= zipf["gpu_hit_rate"] <= 1 and zipf["steps"] > 0 and zipf["step_p99_ms"] > 0
     # distinct through few slots: every request's adapter fills a slot (a lookup per step and adapter: the steps after
-    # its first hit), and the adapters come from what the workers kept
-    assert distinct["gpu_misses"] >= 40 and distinct["loads_reread"] + distinct.get("loads_restore", 0) > 0
+    # its first hit), except those the zipf workload left in one, at most one per slot; the adapters come from what
+    # the workers kept
+    slots = int(re.search(r"LoRA slots: (\d+) \(--max-loras\)", server["bd_slots_line"]).group(1))
+    assert distinct["gpu_misses"] >= 40 - slots > 0
+    assert distinct["loads_reread"] + distinct.get("loads_restore", 0) > 0
     lines = (out / "requests.csv").read_text().splitlines()
     assert len(lines) == 1 + 100
     summary = (out / "summary.md").read_text()
