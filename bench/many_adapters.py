@@ -184,6 +184,28 @@ def scrape(url: str) -> dict:
         return {}
 
 
+def settled_scrape(url: str, tries: int = 5) -> dict:
+    """The server's figures once they have caught up with an idle engine. The API server refreshes the workers' counts
+    every METRICS_POLL_S, so a scrape right after a workload misses its last steps (and the next workload would count
+    them): scrape until the engine's lookup and step counts stop moving across one refresh."""
+    from vllm_bdlora.metrics import METRICS_POLL_S
+
+    def moving(figures):
+        return {
+            name: figures.get(name)
+            for name in ("vllm:lora_cache_lookups_total", "vllm_bdlora:engine_step_seconds_count")
+        }
+
+    figures = scrape(url)
+    for _ in range(tries):
+        time.sleep(METRICS_POLL_S + 0.5)
+        later = scrape(url)
+        if moving(later) == moving(figures):
+            return later
+        figures = later
+    return figures
+
+
 def server_figures(before: dict, after: dict) -> dict:
     """What the server saw during one workload, from two scrapes of its /metrics: hit rates, loads by kind (count,
     mean, p99), engine step times (p50, p99)."""
@@ -247,15 +269,17 @@ def run_mode(args, mode: str, model: str, vocab: int, writer, csv_file) -> tuple
         for line in log.splitlines():
             if "--max-loras" in line and "vllm-bdlora" in line:
                 server["bd_slots_line"] = line.split("] ", 1)[-1]
+        before = settled_scrape(url)  # each workload's figures start where the previous one's settled
         for spec in args.workload_specs:
             planned, tier_of = plan(spec["popularity"], spec["arrivals"], spec["lengths"], max(1, len(names)),
                                     spec["requests"], args.seed)  # fmt: skip
             if mode == "base":
                 planned = [p.__class__(p.index, p.send_at, -1, p.input_len, p.output_len) for p in planned]
-            before = scrape(url)
             timings, seconds = asyncio.run(run(url, names, planned, tier_of, spec["arrivals"], vocab,
                                                base_model=model, seed=args.seed))  # fmt: skip
-            figures = server_figures(before, scrape(url))
+            after = settled_scrape(url)
+            figures = server_figures(before, after)
+            before = after
             row = {"mode": mode, "adapters": len(names), "workload": spec["label"], **spec,
                    **summarise(timings, seconds, args.ttft_slo), **figures}  # fmt: skip
             rows.append(row)
