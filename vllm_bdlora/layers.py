@@ -190,13 +190,6 @@ class BlockDiagonalLoRALayer:
             # vLLM's optional side-stream LoRA path bypasses _apply_sync, where both happen.
             self._enable_aux_cuda_stream = False
 
-    def slot_nbytes(self) -> int:
-        """Device memory one LoRA slot takes in this layer: A, B (and DoRA's scale) of one adapter."""
-        per_slot = [*self.lora_a_stacked, *self.lora_b_stacked]
-        if self.dora_scale is not None:
-            per_slot.append(self.dora_scale)
-        return sum(t[0].numel() * t.element_size() for t in per_slot)
-
     def reset_lora(self, index: int) -> None:
         super().reset_lora(index)
         if self.slot_widths is not None:
