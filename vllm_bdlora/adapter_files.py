@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import re
@@ -33,7 +34,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_bdlora.adapter_values import config_scale_problems
+from vllm_bdlora.adapter_values import config_scale_problems, lora_scaling
 from vllm_bdlora.adapters import (
     EXPERTS_HINT,
     AdapterRejected,
@@ -149,20 +150,17 @@ def open_adapter(directory: str, adapter: str, roots: Sequence[str] = ()) -> Ope
     (`AdapterPathRefused` outside `roots`; FileNotFoundError where `directory` does not exist, vLLM's 404)."""
     try:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-    except NotADirectoryError:
+    except OSError as e:
+        # outside the roots, every failure gets the one uniform refusal
         if roots and not _inside_roots(os.path.realpath(directory), roots):
             raise _refused() from None
-        raise AdapterRejected(
-            adapter, [f"{directory} is a file, not an adapter directory"],
-            f"give the directory that holds {CONFIG_FILE} and {WEIGHTS_FILE}.",
-        ) from None  # fmt: skip
-    except FileNotFoundError:
-        if roots and not _inside_roots(os.path.realpath(directory), roots):
-            raise _refused() from None
-        raise
-    except OSError:
-        if roots and not _inside_roots(os.path.realpath(directory), roots):
-            raise _refused() from None
+        if isinstance(e, FileNotFoundError):
+            raise
+        if isinstance(e, NotADirectoryError):
+            raise AdapterRejected(
+                adapter, [f"{directory} is a file, not an adapter directory"],
+                f"give the directory that holds {CONFIG_FILE} and {WEIGHTS_FILE}.",
+            ) from None  # fmt: skip
         raise AdapterRejected(adapter, ["the adapter directory cannot be read by this server"], None) from None
     try:
         if roots and not _inside_roots(_opened_path(dir_fd, directory), roots):
@@ -383,16 +381,6 @@ def read_safetensors_header(fd: int, size: int, adapter: str) -> tuple[dict[str,
     return tensors, 8 + header_length, header_bytes
 
 
-def read_safetensors_shapes(path: str, adapter: str) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of a safetensors file at `path` (see `read_safetensors_header`)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        tensors, _, _ = read_safetensors_header(fd, os.fstat(fd).st_size, adapter)
-    finally:
-        os.close(fd)
-    return {name: entry.shape for name, entry in tensors.items()}
-
-
 def module_rank(config: dict, module: str) -> int:
     """The rank PEFT gives `module` (its name in the checkpoint, without `base_model.model.`): the first
     `rank_pattern` key that matches a dotted suffix of the name, else `r`."""
@@ -405,15 +393,12 @@ def module_rank(config: dict, module: str) -> int:
 def module_scaling(config: dict, module: str) -> float:
     """The scaling PEFT applies to `module`: its alpha (`alpha_pattern` matched as `rank_pattern` is) over its rank, or
     over the rank's square root with rsLoRA."""
-    import math
-
     alpha = config.get("lora_alpha", 8)
     for key, value in (config.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
             alpha = value
             break
-    rank = module_rank(config, module)
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return lora_scaling(alpha, module_rank(config, module), bool(config.get("use_rslora")))
 
 
 def pattern_problems(config: dict) -> list[str]:
@@ -451,6 +436,4 @@ def _is_positive_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    import math
-
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -33,7 +33,8 @@ GAIN_HINT = (
 )
 
 
-def _scale(alpha: float, rank: int, rslora: bool) -> float:
+def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
+    """The factor PEFT multiplies a module's B A by: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
@@ -51,7 +52,7 @@ def config_scale_problems(config: dict) -> list[str]:
               for key, a in alphas.items()]  # fmt: skip
     problems = []
     for alpha_key, a, rank_key, r in cases:
-        scale = _scale(a, r, rslora)
+        scale = lora_scaling(a, r, rslora)
         if not math.isfinite(scale) or abs(scale) > MAX_SCALING:
             problems.append(
                 f"{alpha_key} {a:g} / {divisor} ({rank_key} {r}) scales the adapter by {scale:.3g}, over the limit of "
