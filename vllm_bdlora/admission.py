@@ -336,10 +336,6 @@ class AdapterStore:
 
 def failure_message(error: BaseException) -> str:
     """What the client is told about a failed admission (the API server picks the HTTP status from it)."""
-    from vllm_bdlora.adapters import AdapterRejected
-
-    if isinstance(error, AdapterRejected):
-        return str(error)
     return str(error) or type(error).__name__
 
 

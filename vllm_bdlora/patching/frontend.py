@@ -30,6 +30,16 @@ def in_api_server() -> bool:
     return SERVING_MODELS_MODULE in sys.modules
 
 
+def serving_models_module(method: str, parameters: tuple[str, ...]):
+    """vLLM's module of OpenAIServingModels, once its `method` is checked to take `parameters`; None outside an API
+    server process."""
+    if not in_api_server():
+        return None
+    module = sys.modules[SERVING_MODELS_MODULE]
+    require_parameters(getattr(module.OpenAIServingModels, method), parameters, method)
+    return module
+
+
 ERROR_TYPES = {400: "BadRequestError", 403: "PermissionDenied", 507: "InsufficientStorage"}
 
 
@@ -48,10 +58,9 @@ def patch_load_lora_adapter_policy() -> bool:
     """Refuse adapter paths outside --allowed-adapter-roots (HTTP 403, before anything is read) and answer
     rejected adapters with 400. Every load goes through this method: /v1/load_lora_adapter, /adapters and the
     server's --lora-modules."""
-    if not in_api_server():
+    module = serving_models_module("load_lora_adapter", ("request",))
+    if module is None:
         return False
-    module = sys.modules[SERVING_MODELS_MODULE]
-    require_parameters(module.OpenAIServingModels.load_lora_adapter, ("request",), "load_lora_adapter")
 
     def make(original):
         async def load_lora_adapter(self, request, *args, **kwargs):
@@ -201,10 +210,9 @@ def patch_unload_reaches_engine() -> bool:
     """vLLM's unload (/v1/unload_lora_adapter, DELETE /adapters/{name}) forgets the name in the API server only; the
     engine keeps the adapter's GPU slot, host-cache entry and everything its workers keep. After vLLM's unload
     succeeds, remove it from the engine too (which waits for the adapter's requests in flight)."""
-    if not in_api_server():
+    module = serving_models_module("unload_lora_adapter", ("request",))
+    if module is None:
         return False
-    module = sys.modules[SERVING_MODELS_MODULE]
-    require_parameters(module.OpenAIServingModels.unload_lora_adapter, ("request",), "unload_lora_adapter")
 
     def make(original):
         async def unload_lora_adapter(self, request, *args, **kwargs):
@@ -225,10 +233,9 @@ STATIC_LOADS_AT_ONCE = 16
 def patch_static_loras_in_parallel() -> bool:
     """vLLM loads the --lora-modules adapters one after another at start-up; with BD-LoRA each load only asks the
     workers to begin reading, so start them all (a few at a time per worker, see `admission_threads`) and wait."""
-    if not in_api_server():
+    module = serving_models_module("init_static_loras", ("self",))
+    if module is None:
         return False
-    module = sys.modules[SERVING_MODELS_MODULE]
-    require_parameters(module.OpenAIServingModels.init_static_loras, ("self",), "init_static_loras")
     import inspect
 
     source = inspect.getsource(module.OpenAIServingModels.init_static_loras)

@@ -107,16 +107,12 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
     return Verdict([], summary, max(widths, default=0), kept, stock)
 
 
-def smallest_max_lora_rank(widest: int, tp: int) -> int | None:
-    from vllm_bdlora.loading import smallest_max_lora_rank as fit
-
-    return fit(widest, tp)
-
-
 def sizing_lines(verdicts: list[Verdict], shape: ModelShape, tp: int, max_lora_rank: int, dora: bool,
                  vocabulary: bool, gpu_memory: int | None, host_memory: int | None) -> list[str]:  # fmt: skip
     """What the served adapters cost: the smallest --max-lora-rank, a slot's GPU bytes and what each worker keeps,
     against stock vLLM's, and how many fit the given budgets."""
+    from vllm_bdlora.loading import smallest_max_lora_rank
+
     served = [v for v in verdicts if not v.problems]
     if not served:
         return []
