@@ -118,7 +118,7 @@ def prompt(input_len: int, rng: random.Random, vocab: int) -> str:
     return " ".join(f"w{rng.randrange(4, vocab)}" for _ in range(input_len))
 
 
-async def send(client, url: str, model: str, text: str, max_tokens: int, timing: Timing, api_key: str | None):
+async def send(http, url: str, model: str, text: str, max_tokens: int, timing: Timing, api_key: str | None):
     body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -126,7 +126,7 @@ async def send(client, url: str, model: str, text: str, max_tokens: int, timing:
     timing.sent = time.time()
     first = last = None
     try:
-        async with client.post(f"{url}/v1/completions", json=body, headers=headers) as response:
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             timing.status = response.status
             if response.status != 200:
                 timing.error = (await response.text())[:300]
@@ -167,20 +167,20 @@ async def run(url: str, names: list[str], planned: list[PlannedRequest], tier_of
     connector = aiohttp.TCPConnector(limit=0)
     client_timeout = aiohttp.ClientTimeout(total=timeout_s)
     started = time.perf_counter()
-    async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as client:
+    async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as http:
         if arrivals.startswith("concurrency:"):
             queue = iter(range(len(planned)))
 
             async def client():
                 for i in queue:
-                    await send(client, url, timings[i].adapter, texts[i], planned[i].output_len, timings[i], api_key)
+                    await send(http, url, timings[i].adapter, texts[i], planned[i].output_len, timings[i], api_key)
 
             await asyncio.gather(*(client() for _ in range(int(arrivals.split(":")[1]))))
         else:
 
             async def at(i):
                 await asyncio.sleep(max(0.0, planned[i].send_at - (time.perf_counter() - started)))
-                await send(client, url, timings[i].adapter, texts[i], planned[i].output_len, timings[i], api_key)
+                await send(http, url, timings[i].adapter, texts[i], planned[i].output_len, timings[i], api_key)
 
             await asyncio.gather(*(at(i) for i in range(len(planned))))
     return timings, time.perf_counter() - started
