@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.conftest import cpu_engine_env
 from tests.test_server import complete, reference_words, server_env  # noqa: F401  (reference_words: a fixture)
-from vllm_bdlora.metrics import OTHER, AdapterMetrics
+from vllm_bdlora.metrics import OTHER, AdapterMetrics, worker_figures
 from vllm_bdlora.serve.process import free_port, running_server
 
 KEY = "metrics-key"
@@ -62,6 +62,31 @@ def test_engine_counts_are_exported_as_the_workers_keep_them_across_a_reload():
     assert 'vllm:lora_cache_lookups_total{level="gpu"} 9.0' in second
     assert 'vllm:lora_adapter_loaded{adapter_name="a",level="gpu",pinned="false"} 1.0' in second
     assert "vllm_bdlora:engine_step_seconds_count 3.0" in second
+
+
+def test_the_workers_are_asked_again_only_after_something_else_reached_them():
+    """An idle server's poll does not wake its workers (each would spin on vLLM's queue for a second): the engine
+    core asks them again after a call of its own reached them or a model step ran, and answers from what it has
+    otherwise."""
+    snapshot = {"names": {}, "gpu": [], "cpu": [], "spilled": []}
+    asked = []
+
+    class Executor:
+        def collective_rpc(self, method, args=()):
+            asked.append((method, args))
+            return [dict(snapshot), dict(snapshot)]
+
+    executor = Executor()
+    figures = worker_figures(executor)
+    assert figures.current(steps=0)["gpu"] == [] and len(asked) == 1
+    assert figures.current(steps=0) is figures.current(steps=0) and len(asked) == 1  # idle: nothing asked
+    executor.collective_rpc("add_lora", args=(1,))  # an adapter load reached the workers
+    snapshot["gpu"] = [1]
+    assert figures.current(steps=0)["gpu"] == [1] and len(asked) == 3
+    snapshot["gpu"] = [2]
+    assert figures.current(steps=1)["gpu"] == [2] and len(asked) == 4  # a model step ran
+    assert figures.current(steps=1)["gpu"] == [2] and len(asked) == 4
+    assert worker_figures(executor) is figures
 
 
 def query(prometheus_url, promql):

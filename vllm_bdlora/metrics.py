@@ -57,6 +57,10 @@ class Histogram:
         self.counts[index] += 1
         self.total += value
 
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
     def snapshot(self) -> dict:
         return {"counts": list(self.counts), "sum": self.total}
 
@@ -131,6 +135,39 @@ def engine_step_stats(core) -> EngineStepStats:
     if stats is None:
         stats = core._bdlora_step_stats = EngineStepStats()
     return stats
+
+
+class WorkerFigures:
+    """The workers' adapter figures as the engine core last asked for them, asked again only once something else has
+    reached the workers since (a model step, an adapter load, an admission's progress, an unload): a worker that is
+    asked wakes and spins on vLLM's shared-memory queue for a second before it sleeps again, so asking at every
+    poll would keep the workers of an idle server at half a core each."""
+
+    def __init__(self, executor):
+        self.calls = 0  # the executor's calls to its workers, other than these figures'
+        self.refreshed_at: tuple[int, int] | None = None
+        self.figures: dict = {}
+        self._ask = executor.collective_rpc
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._ask(*args, **kwargs)
+
+        executor.collective_rpc = counted
+
+    def current(self, steps: int) -> dict:
+        """`steps`: the engine's model steps so far (an executor may run them without a call counted here)."""
+        if self.refreshed_at != (self.calls, steps):
+            self.figures = merge_worker_snapshots(self._ask("bdlora_admission", args=("stats", None)))
+            self.refreshed_at = (self.calls, steps)
+        return self.figures
+
+
+def worker_figures(executor) -> WorkerFigures:
+    figures = getattr(executor, "_bdlora_worker_figures", None)
+    if figures is None:
+        figures = executor._bdlora_worker_figures = WorkerFigures(executor)
+    return figures
 
 
 def merge_worker_snapshots(snapshots: list) -> dict:

@@ -142,13 +142,12 @@ def patch_scheduler_lora_aging() -> bool:
 def bdlora_adapter_stats(self) -> dict:
     """Answered by the engine core between steps, for /metrics (`vllm_bdlora.metrics`): its step durations and what
     its workers hold where, with their counts."""
-    from vllm_bdlora.metrics import engine_step_stats, merge_worker_snapshots
+    from vllm_bdlora.metrics import engine_step_stats, worker_figures
 
-    stats = {"steps": engine_step_stats(self).steps.snapshot()}
+    steps = engine_step_stats(self).steps
+    stats = {"steps": steps.snapshot()}
     if getattr(self.vllm_config, "lora_config", None) is not None:
-        stats["workers"] = merge_worker_snapshots(
-            self.model_executor.collective_rpc("bdlora_admission", args=("stats", None))
-        )
+        stats["workers"] = worker_figures(self.model_executor).current(steps.count)
     return stats
 
 

@@ -409,7 +409,8 @@ PATCHES: tuple[Patch, ...] = (
         "only the workers know where adapters are, and only the engine core can ask them between steps.",
         how="Time each engine step that ran the model; add a utility method that returns those durations and every "
         "worker's figures (GPU slots, host memory, spilled, lookups and hits, loads by kind), which the API server "
-        "polls every 2 s for /metrics (vllm_bdlora.metrics).",
+        "polls every 2 s for /metrics (vllm_bdlora.metrics); the workers are asked again only after a model step "
+        "or another call reached them (an asked worker spins for a second: an idle server would burn a core).",
         removal="vLLM's LoRA residency and cache metrics (vLLM #54830, #45820).",
         apply=patch_engine_core_adapter_stats,
     ),
