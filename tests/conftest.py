@@ -1,9 +1,13 @@
+import contextlib
 import json
 import os
 import random
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,24 +103,133 @@ def peft_reference(assets, prompts) -> dict:
     }
 
 
-def run_engine(spec: dict, workdir: Path, timeout: int = 900) -> dict:
-    """Run tests/engine_runner.py on `spec` in a fresh process; returns its result."""
+class EngineHost:
+    """A tests/engine_runner.py process, started on first use and kept for the run: it imported vLLM once and keeps
+    the engine of its last spec, so specs with equal engine arguments share one engine. One host runs engines of one
+    worker (worker, engine core and all in the host), another those of several (their workers spawned as vLLM
+    does), so that a one-worker engine's thread binding never meets another engine's workers."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.engine_log_start = 0  # where the live engine's start-up begins in the host's log
+
+    def _start(self) -> None:
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkdtemp(prefix=f"engine-host-{self.name}-")) / "host.log"
+        read_end, write_end = os.pipe()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "engine_runner.py"), str(write_end)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_end,),
+                env=cpu_engine_env(1), text=True, start_new_session=True,
+            )  # fmt: skip
+        os.close(write_end)
+        self.replies = os.fdopen(read_end)
+
+    def _log_size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
+
+    def _ask(self, request: dict, timeout: float) -> dict | None:
+        """Send one request and wait for its reply; None if the host died or did not answer within `timeout`. A
+        host that gave no answer or failed is killed, its engine's workers with it, and the next request starts
+        a new one."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.replies], [], [], timeout)
+        line = self.replies.readline() if ready else ""
+        if not line:
+            self.kill()
+            return None
+        reply = json.loads(line)
+        if not reply["ok"]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=ENGINE_CLOSE_TIMEOUT_S)  # it exits after a failure, having logged why
+            self.kill()
+        return reply
+
+    def run(self, spec_path: Path, result_path: Path, timeout: float) -> tuple[dict | None, str]:
+        """(reply, log): the host's answer to one spec (None: it died or timed out) and the log of the engine that
+        ran it, from that engine's start-up to the end of this spec."""
+        request_start = self._log_size()
+        reply = self._ask({"spec": str(spec_path), "result": str(result_path)}, timeout)
+        if reply is None or not reply["ok"] or reply["new_engine"]:
+            self.engine_log_start = request_start
+        with open(self.log_path, "rb") as f:
+            f.seek(self.engine_log_start)
+            return reply, f.read().decode(errors="replace")
+
+    def close_engine(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._ask({"close": True}, ENGINE_CLOSE_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """Let the host shut its engine down and exit at the end of its input; kill it if it does not."""
+        if self.proc is None:
+            return
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=ENGINE_CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """The host and every process it started (its session: an engine's workers) killed at once."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.replies.close()
+        self.proc = None
+
+
+ENGINE_HOSTS = {"one_worker": EngineHost("one-worker"), "workers": EngineHost("workers")}
+
+
+# Bounds on waiting for an engine host (tests/engine_runner.py): a spec (start-up included) and an engine's shutdown.
+ENGINE_RUN_TIMEOUT_S = 900
+ENGINE_CLOSE_TIMEOUT_S = 120
+
+
+def run_engine(spec: dict, workdir: Path, timeout: float = ENGINE_RUN_TIMEOUT_S) -> dict:
+    """Run `spec` on an engine host (see EngineHost) and return its result; the engine's log goes to
+    `workdir/engine.log`. An engine that fails to start, a spec that raises or one that runs past `timeout` fails
+    the test with the log's tail."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = workdir / "spec.json", workdir / "result.json"
-    spec_path.write_text(json.dumps(spec))
     engine = spec["engine"]
     workers = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_runner.py"), str(spec_path), str(result_path)],
-        env=cpu_engine_env(workers),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    (workdir / "engine.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not result_path.exists():
-        pytest.fail(f"engine run failed (rc={proc.returncode}); log tail:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    environment = {name: os.environ.get(name, value) for name, value in cpu_defaults(workers).items()}
+    spec_path.write_text(json.dumps({**spec, "env": environment}))
+    host = ENGINE_HOSTS["one_worker" if workers == 1 else "workers"]
+    reply, log = host.run(spec_path, result_path, timeout)
+    (workdir / "engine.log").write_text(log)
+    if reply is None:
+        pytest.fail(f"engine host died or gave no answer within {timeout:.0f} s; log tail:\n{log[-6000:]}")
+    if not reply["ok"]:
+        pytest.fail(f"engine run failed: {reply['error']}\nlog tail:\n{log[-6000:]}")
     return json.loads(result_path.read_text())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_engines_after_each_module():
+    """A module's engines are shut down after it (their memory goes back to the servers the next module may
+    start); the hosts, with vLLM imported, stay for the next module's engines."""
+    yield
+    for host in ENGINE_HOSTS.values():
+        host.close_engine()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_engine_hosts():
+    yield
+    for host in ENGINE_HOSTS.values():
+        host.stop()
 
 
 def batch_spec(engine: dict, adapters: dict, prompts: dict, **extra) -> dict:

@@ -1,22 +1,36 @@
-"""Runs one vLLM engine (`vllm.LLM`) in its own process, as tests/conftest.py's `run_engine` asks:
+"""Runs vLLM engines (`vllm.LLM`) for the tests, one spec after another, in a long-lived process that imported vLLM
+once (tests/conftest.py's `run_engine` and `EngineHost` drive it):
 
-    python tests/engine_runner.py SPEC.json RESULT.json
+    python tests/engine_runner.py REPLY_FD        # reads one request a line on stdin: {"spec": path, "result": path}
 
-SPEC: {"engine": {LLM kwargs}, "adapters": {name: path}, "requests": [{"adapter": name|null,
-"prompt_token_ids": [...]}], "max_tokens": N, "top_logprobs": K (default 1),
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); an engine of one worker runs that worker
+here too (the "uni" executor), a larger one spawns its workers as `vllm serve` does. A spec whose engine arguments
+equal the live engine's runs on it; any other spec first shuts the live engine down. So a test pays vLLM's imports
+once per run and an engine start once per distinct configuration. For each request a line goes to REPLY_FD:
+{"ok": true, "new_engine": bool} or {"ok": false, "error": text}; after a failure the process exits, so that no
+half-built engine can touch the next spec.
+
+SPEC: {"engine": {LLM kwargs}, "env": {variable: value} (set before the engine starts), "adapters": {name: path},
+"requests": [{"adapter": name|null, "prompt_token_ids": [...]}], "max_tokens": N, "top_logprobs": K (default 1),
 "count_collectives": [adapter name|null, ...], "expect_errors": [adapter name, ...], "poison": adapter name,
 "after": [requests, each run alone after the batch]}
 
 RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...], "top_logprobs": [{token: logprob}]}],
 "collectives": {probe: [per-worker {op: count}]}, "errors": {adapter name: message or null},
 "after": [outputs], "kv_non_finite": [per-worker count]}. "poison" admits that adapter, then sets every weight
-of its LoRA slot to NaN on every worker (what admission refuses, written past it) before the batch runs. Each engine
-gets a fresh process so that one test's engine (and its worker processes and memory) cannot leak into the next.
+of its LoRA slot to NaN on every worker (what admission refuses, written past it) before the batch runs; the engine
+is shut down after that spec, so no other spec meets the poisoned slot.
 """
 
+import gc
 import json
 import os
 import sys
+import traceback
+
+# The engine core in this process: one process fewer to start (and to import vLLM in) per engine.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
 
 
 def _install_counters(worker):
@@ -24,6 +38,8 @@ def _install_counters(worker):
 
     from vllm.distributed.parallel_state import get_tp_group
 
+    if hasattr(worker, "_bdlora_collectives"):  # the engine served an earlier spec's probe
+        return True
     comm = get_tp_group().device_communicator
     counts = Counter()
     worker._bdlora_collectives = counts
@@ -89,18 +105,50 @@ def _output(o):
     }
 
 
-def main(spec_path: str, result_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
+class Engine:
+    """One live `LLM` and the adapter ids it has given out: an id names one (name, path) for the engine's life, as
+    vLLM's caches expect, and a name another spec gave a different path is served under a name of its own."""
 
-    llm = LLM(**spec["engine"])
-    ids = {name: i + 1 for i, name in enumerate(spec.get("adapters", {}))}
+    def __init__(self, engine_args: dict):
+        from vllm import LLM
+
+        workers = engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
+        args = dict(engine_args)
+        if workers == 1:
+            args.setdefault("distributed_executor_backend", "uni")
+        self.key = json.dumps(engine_args, sort_keys=True)
+        self.llm = LLM(**args)
+        self.ids: dict[tuple[str, str], int] = {}
+        self.names: dict[str, str] = {}  # served name -> path
+
+    def lora(self, name, path):
+        from vllm.lora.request import LoRARequest
+
+        if name is None:
+            return None
+        if (name, path) not in self.ids:
+            self.ids[(name, path)] = len(self.ids) + 1
+        served = name if self.names.setdefault(name, path) == path else f"{name}-{self.ids[(name, path)]}"
+        self.names[served] = path
+        return LoRARequest(served, self.ids[(name, path)], path)
+
+    def close(self):
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def run_spec(engine: Engine, spec: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, adapters = engine.llm, spec.get("adapters", {})
 
     def lora(name):
-        return None if name is None else LoRARequest(name, ids[name], spec["adapters"][name])
+        return engine.lora(name, adapters[name] if name is not None else None)
 
     def generate(requests, max_tokens):
         top = spec.get("top_logprobs", 1)
@@ -120,8 +168,9 @@ def main(spec_path: str, result_path: str) -> None:
             except Exception as e:  # the message is what the test checks
                 result["errors"][name] = f"{type(e).__name__}: {e}"
     if spec.get("poison"):
-        llm.llm_engine.add_lora(lora(spec["poison"]))
-        assert all(llm.collective_rpc(_poison_slot, args=(ids[spec["poison"]],)))
+        poisoned = lora(spec["poison"])
+        llm.llm_engine.add_lora(poisoned)
+        assert all(llm.collective_rpc(_poison_slot, args=(poisoned.lora_int_id,)))
     if spec.get("requests"):
         outputs = generate(spec["requests"], spec["max_tokens"])
         result["outputs"] = [_output(o) for o in outputs]
@@ -135,10 +184,54 @@ def main(spec_path: str, result_path: str) -> None:
             llm.collective_rpc(_reset_counters)
             generate([{"adapter": probe, "prompt_token_ids": [5, 6, 7, 8]}], 4)
             result["collectives"][str(probe)] = llm.collective_rpc(_read_counters)
-    with open(result_path, "w") as f:
-        json.dump(result, f)
+    return result
+
+
+def main(reply_fd: int) -> None:
+    replies = os.fdopen(reply_fd, "w", buffering=1)
+    environment, cpus = dict(os.environ), os.sched_getaffinity(0)
+    engine = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("close"):  # the caller is done with the live engine (it keeps this process)
+            if engine is not None:
+                engine.close()
+                engine = None
+            replies.write(json.dumps({"ok": True}) + "\n")
+            continue
+        try:
+            with open(request["spec"]) as f:
+                spec = json.load(f)
+            key = json.dumps(spec["engine"], sort_keys=True)
+            new_engine = engine is None or engine.key != key
+            if new_engine:
+                if engine is not None:
+                    engine.close()
+                    engine = None
+                # Each engine sees this process's environment and cores as it started, plus its spec's variables
+                # (a worker run here binds this thread to its cores).
+                os.environ.clear()
+                os.environ.update(environment | spec.get("env", {}))
+                os.sched_setaffinity(0, cpus)
+                engine = Engine(spec["engine"])
+            result = run_spec(engine, spec)
+            with open(request["result"], "w") as f:
+                json.dump(result, f)
+            if spec.get("poison"):
+                engine.close()
+                engine = None
+        except BaseException:
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            replies.write(json.dumps({"ok": False, "error": traceback.format_exc(limit=3)}) + "\n")
+            os._exit(1)  # a half-built or failed engine must not serve the next spec
+        sys.stdout.flush()
+        sys.stderr.flush()
+        replies.write(json.dumps({"ok": True, "new_engine": new_engine}) + "\n")
+    if engine is not None:
+        engine.close()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
-    main(sys.argv[1], sys.argv[2])
+    main(int(sys.argv[1]))
