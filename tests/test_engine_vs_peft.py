@@ -18,8 +18,6 @@ from tests.conftest import (
     run_engine,
 )
 
-pytestmark = pytest.mark.engine
-
 _cache: dict = {}
 
 
@@ -65,6 +63,7 @@ def error_adapters(assets, tmp_path_factory):
     return bad
 
 
+@pytest.mark.engine
 def test_bd_tp2_matches_peft_and_rejects_bad_adapters(
     assets, prompts, peft_reference, tmp_path_factory, error_adapters
 ):
@@ -82,11 +81,13 @@ def test_bd_tp2_matches_peft_and_rejects_bad_adapters(
     assert_matches_reference(result, peft_reference)
 
 
+@pytest.mark.engine
 def test_bd_tp1_matches_peft(assets, prompts, peft_reference, tmp_path_factory):
     """TP=1 serves any BD adapter (nblocks 2 and 4 here), densified per rank."""
     assert_matches_reference(bd_engine_run(1, assets, prompts, tmp_path_factory), peft_reference)
 
 
+@pytest.mark.engine
 def test_more_adapters_than_gpu_slots_still_match_peft(assets, prompts, peft_reference, tmp_path_factory):
     """Six adapters through two GPU slots (--max-loras 2, the sweep's many-adapter setting in small): vLLM's
     scheduler runs at most two adapters at a time, so slots are refilled by adapters of other ranks and other
@@ -107,6 +108,7 @@ def stock_run(mode, assets, prompts, tmp_path_factory):
     return _cache[mode]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", ["default", "fully_sharded"])
 def test_densified_adapters_on_stock_vllm_give_the_same_tokens(mode, assets, prompts, tmp_path_factory, error_adapters):
     bd = bd_engine_run(2, assets, prompts, tmp_path_factory, error_adapters)
@@ -115,6 +117,7 @@ def test_densified_adapters_on_stock_vllm_give_the_same_tokens(mode, assets, pro
         assert ours["token_ids"] == theirs["token_ids"], f"{name}: BD path differs from stock vLLM ({mode})"
 
 
+@pytest.mark.engine
 def test_bd_adds_no_collectives(assets, prompts, tmp_path_factory, error_adapters):
     """Per-worker collective calls over one 4-token request: a BD adapter costs exactly what the base
     model and stock vLLM's default LoRA path cost; fully sharded LoRA (S-LoRA) costs more."""
@@ -127,6 +130,7 @@ def test_bd_adds_no_collectives(assets, prompts, tmp_path_factory, error_adapter
     assert sum(extra.values()) > 0 and all(n >= 0 for n in extra.values()), (sharded, bd)
 
 
+@pytest.mark.engine
 def test_bd_adapter_on_server_without_bdlora_is_rejected(assets, tmp_path_factory):
     spec = {
         "engine": engine_kwargs(assets["model"], 1, bdlora=False),
@@ -137,6 +141,7 @@ def test_bd_adapter_on_server_without_bdlora_is_rejected(assets, tmp_path_factor
     assert "BD-LoRA adapter" in error and "--enable-bdlora" in error
 
 
+@pytest.mark.engine
 def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_path_factory):
     """lora_kernels: fused without DoRA: BD adapters of ranks 64/48/32 and a standard one share the batch,
     so the per-slot widths (heterogeneous ranks) matter."""
@@ -145,6 +150,7 @@ def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_
     assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("fused_tp1")), peft_reference)
 
 
+@pytest.mark.engine
 def test_projections_only_deployment_matches_peft_and_names_what_it_leaves_out(
     assets, prompts, peft_reference, tmp_path_factory
 ):
@@ -172,6 +178,7 @@ def test_projections_only_deployment_matches_peft_and_names_what_it_leaves_out(
     assert "'bd64' is served without" not in log
 
 
+@pytest.mark.engine
 def test_bd_pipeline_and_tensor_parallel_match_peft_without_added_collectives(
     assets, prompts, peft_reference, tmp_path_factory
 ):

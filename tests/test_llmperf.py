@@ -14,8 +14,6 @@ import pytest
 
 from bench import llmperf
 
-pytestmark = pytest.mark.engine
-
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT_TOKENS = 16
 
@@ -39,6 +37,7 @@ def llmperf_python() -> str:
     return llmperf.venv_python(str(venv))
 
 
+@pytest.mark.engine
 def test_llmperf_and_vllm_bench_measure_one_bd_server_with_its_token_counts(llmperf_checkout, llmperf_python, tmp_path):
     from bench.sweep import main
 

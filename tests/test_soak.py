@@ -8,9 +8,8 @@ import pytest
 
 from bench import soak
 
-pytestmark = pytest.mark.engine
 
-
+@pytest.mark.engine
 def test_soak_answers_every_request_as_if_sent_alone(tmp_path):
     out = tmp_path / "out"
     status = soak.main(["--requests", "300", "--adapters", "24", "--churn-adapters", "2", "--concurrency", "8",
