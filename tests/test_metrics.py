@@ -15,7 +15,7 @@ import requests
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.conftest import cpu_engine_env
-from tests.test_server import complete, reference_words, server_env  # noqa: F401  (reference_words: a fixture)
+from tests.test_server import asset_words, complete, server_env  # noqa: F401  (asset_words: a fixture)
 from vllm_bdlora.metrics import OTHER, AdapterMetrics, worker_figures
 from vllm_bdlora.serve.process import free_port, running_server
 
@@ -176,7 +176,7 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, tmp_path):
 
 
 @pytest.mark.engine
-def test_several_api_servers_serve_adapters_and_export_one_engines_figures(assets, reference_words, tmp_path):  # noqa: F811
+def test_several_api_servers_serve_adapters_and_export_one_engines_figures(assets, asset_words, tmp_path):  # noqa: F811
     """With --api-server-count 2 every API-server process serves the adapters as PEFT answers (each process builds
     its engine arguments again, so --enable-bdlora must reach them), and /metrics, which vLLM then merges from the
     processes' metric files, still has the engine's residency and the request counts of both processes."""
@@ -192,7 +192,7 @@ def test_several_api_servers_serve_adapters_and_export_one_engines_figures(asset
             for _ in range(count):  # the processes share the port: both answer some
                 response = complete(url, name)
                 assert response.status_code == 200, response.text
-                assert response.json()["choices"][0]["text"].split() == reference_words[name]
+                assert response.json()["choices"][0]["text"].split() == asset_words[name]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # each API server polls the engine every 2 s
             text = requests.get(f"{url}/metrics", timeout=10).text

@@ -1,8 +1,13 @@
-"""The OpenAI-compatible server, started as users start it: `vllm serve ... --enable-bdlora`, TP=2."""
+"""The OpenAI-compatible server, started as users start it, TP=2: the README's hand-serving command run as written
+(`vllm serve ... --enable-bdlora` over the demo's model and adapters) serves the module's requests; PEFT's example
+flags and a bad --lora-modules entry get servers of their own."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,14 +16,16 @@ import requests
 from tests.conftest import cpu_engine_env, readme_block_after
 from vllm_bdlora import tiny
 from vllm_bdlora.peft_reference import greedy, load_reference
+from vllm_bdlora.serve import demo
 from vllm_bdlora.serve.process import free_port, running_server, wait_healthy
-
-pytestmark = pytest.mark.engine
 
 PROMPT = [10, 20, 30, 40, 50, 60]
 PROMPT_TEXT = " ".join(f"w{i}" for i in PROMPT)
 MAX_TOKENS = 16
 START_TIMEOUT = 240
+# Where the README's command finds the demo's model and adapters, and where it listens.
+DEMO_DIR = os.path.join(tempfile.gettempdir(), "vllm-bdlora-demo")
+README_URL = "http://127.0.0.1:8000"
 
 
 def serve_command(assets, port, lora_modules):
@@ -36,21 +43,54 @@ def server_env():
     return env
 
 
+def peft_words(model, adapter, prompt=PROMPT, max_tokens=MAX_TOKENS):
+    """PEFT's greedy answer on `model` with `adapter` (None: the base model), in the tiny vocabulary's words."""
+    tokens, _ = greedy(load_reference(model, adapter), prompt, max_tokens)
+    return [tiny.word(t) for t in tokens]
+
+
 @pytest.fixture(scope="module")
-def server(assets, tmp_path_factory):
+def demo_assets():
+    return demo.make_assets(DEMO_DIR)
+
+
+@pytest.fixture(scope="module")
+def server(demo_assets, tmp_path_factory):
+    """The README's hand-serving command, as written (port 8000), with none of vLLM's CPU variables set (the plugin
+    picks thread binding and KV cache size where vLLM's defaults would stop the server) and runtime adapter loading
+    on for the load tests."""
+    command = readme_block_after("**Serving by hand on CPU.**")
+    assert DEMO_DIR in command and "--port" not in command
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    command = serve_command(assets, free_port(), {"bd64": assets["bd64"], "std16": assets["std16"]})
-    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (_, url):
-        yield url, log_path
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=Path(__file__).parents[1], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        wait_healthy(proc, README_URL, str(log_path), START_TIMEOUT)
+        yield README_URL, log_path
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
-def reference_words(assets):
-    def words(adapter):
-        tokens, _ = greedy(load_reference(assets["model"], assets[adapter] if adapter else None), PROMPT, MAX_TOKENS)
-        return [f"w{t}" for t in tokens]
+def reference_words(demo_assets, assets):
+    """PEFT's answers for the README server's base model, its two adapters and the test assets' bd48 it loads."""
+    adapters = {
+        None: None,
+        "bd-r64": demo_assets["bd-r64"],
+        "lora-r16": demo_assets["lora-r16"],
+        "bd48": assets["bd48"],
+    }
+    return {name: peft_words(demo_assets["model"], path) for name, path in adapters.items()}
 
-    return {name: words(name) for name in (None, "bd64", "std16", "bd48")}
+
+@pytest.fixture(scope="module")
+def asset_words(assets):
+    """PEFT's answers for the test assets' model with bd64 and std16, which the other servers serve."""
+    return {name: peft_words(assets["model"], assets[name]) for name in ("bd64", "std16")}
 
 
 def complete(url, model, **extra):
@@ -62,13 +102,22 @@ def load(url, name, path):
     return requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=120)
 
 
-def test_models_lists_adapters(server, assets):
+@pytest.mark.engine
+def test_models_lists_adapters(server, demo_assets):
     url, _ = server
     ids = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
-    assert ids == [assets["model"], "bd64", "std16"]
+    assert ids == [demo_assets["model"], "bd-r64", "lora-r16"]
 
 
-def test_startup_logs_say_how_adapters_are_sharded(server, assets):
+@pytest.mark.engine
+def test_the_plugin_picks_the_cpu_settings_the_readme_command_leaves_out(server):
+    _, log_path = server
+    log = log_path.read_text()
+    assert "VLLM_CPU_OMP_THREADS_BIND=" in log and "VLLM_CPU_KVCACHE_SPACE=" in log
+
+
+@pytest.mark.engine
+def test_startup_logs_say_how_adapters_are_sharded(server, demo_assets):
     from vllm_bdlora.sizing import ModelShape, slot_cost
 
     _, log_path = server
@@ -85,17 +134,18 @@ def test_startup_logs_say_how_adapters_are_sharded(server, assets):
     assert f"LoRA slots: 4 (--max-loras) x {slot_mib:.2f} MiB per worker = {4 * slot_mib:.2f} MiB" in log
     assert f"(BD layers {bd_mib:.2f} MiB a slot" in log
     # ... which is what `vllm-bdlora check` computes from the model's config.json for this server
-    cost = slot_cost(ModelShape.from_config(assets["model"]), 64, 2, block_diagonal=True)
+    cost = slot_cost(ModelShape.from_config(demo_assets["model"]), 64, 2, block_diagonal=True)
     assert round(cost.total / 2**20, 2) == round(slot_mib, 2) and round(cost.projections / 2**20, 2) == round(bd_mib, 2)
-    assert "adapter 'bd64' (BD-LoRA nblocks=2, r=64): 14 module(s) sharded, 14 block-diagonal" in log
-    assert "adapter 'std16' (standard LoRA, r=16): 14 module(s) sharded, 0 block-diagonal" in log
+    assert "adapter 'bd-r64' (BD-LoRA nblocks=2, r=64): 14 module(s) sharded, 14 block-diagonal" in log
+    assert "adapter 'lora-r16' (standard LoRA, r=16): 14 module(s) sharded, 0 block-diagonal" in log
 
 
-@pytest.mark.parametrize("model", ["base", "bd64", "std16"])
-def test_completion_chat_and_stream_match_peft(server, assets, reference_words, model):
+@pytest.mark.engine
+@pytest.mark.parametrize("model", ["base", "bd-r64", "lora-r16"])
+def test_completion_chat_and_stream_match_peft(server, demo_assets, reference_words, model):
     url, _ = server
     name = None if model == "base" else model
-    served = assets["model"] if name is None else name
+    served = demo_assets["model"] if name is None else name
     expected = reference_words[name]
     completion = complete(url, served).json()["choices"][0]["text"]
     assert completion.split() == expected
@@ -115,6 +165,7 @@ def test_completion_chat_and_stream_match_peft(server, assets, reference_words, 
     assert len(chunks) > 1 and "".join(chunks).split() == expected
 
 
+@pytest.mark.engine
 def test_dynamic_load_and_unload(server, assets, reference_words):
     url, _ = server
     assert load(url, "bd48", assets["bd48"]).status_code == 200
@@ -133,6 +184,7 @@ def broken_copy(source, destination, edit_config=None):
     return destination
 
 
+@pytest.mark.engine
 def test_bad_adapters_get_400_and_the_server_keeps_serving(server, assets, reference_words, tmp_path):
     url, _ = server
     cases = {
@@ -168,11 +220,12 @@ def test_bad_adapters_get_400_and_the_server_keeps_serving(server, assets, refer
     missing = load(url, "missing", tmp_path / "does-not-exist")
     assert missing.status_code == 404
     # Every other adapter still serves, and serves the same tokens.
-    for model in ("bd64", "std16"):
+    for model in ("bd-r64", "lora-r16"):
         assert complete(url, model).json()["choices"][0]["text"].split() == reference_words[model]
-    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]][1:] == ["bd64", "std16"]
+    assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]][1:] == ["bd-r64", "lora-r16"]
 
 
+@pytest.mark.engine
 def test_bad_adapter_at_startup_stops_the_server_with_a_clear_message(assets):
     proc = subprocess.run(
         serve_command(assets, free_port(), {"bd64": assets["bd64"], "wide": assets["std64"]}),
@@ -184,38 +237,8 @@ def test_bad_adapter_at_startup_stops_the_server_with_a_clear_message(assets):
     assert "start the server with --max-lora-rank 128" in output
 
 
-def test_the_readmes_cpu_serving_command_starts_as_written_and_matches_peft():
-    """The README's hand-serving command, run as written (port 8000), with none of vLLM's CPU variables set: the
-    plugin picks thread binding and KV cache size where vLLM's defaults would stop the server."""
-    import os
-    import signal
-    import tempfile
-
-    from vllm_bdlora.serve import demo
-
-    command = readme_block_after("**Serving by hand on CPU.**")
-    workdir = os.path.join(tempfile.gettempdir(), "vllm-bdlora-demo")
-    assert workdir in command
-    paths = demo.make_assets(workdir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
-    log_path = Path(tempfile.mkdtemp()) / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", "-c", command], cwd=Path(__file__).parents[1], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        wait_healthy(proc, "http://127.0.0.1:8000", str(log_path), START_TIMEOUT)
-        body = {"model": "bd-r64", "prompt": " ".join(f"w{i}" for i in demo.PROMPT_IDS), "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
-        answer = requests.post("http://127.0.0.1:8000/v1/completions", json=body, timeout=120).json()
-        assert answer["choices"][0]["text"].split() == demo.reference_words(paths, "bd-r64", 8)
-        log = log_path.read_text()
-        assert "VLLM_CPU_OMP_THREADS_BIND=" in log and "VLLM_CPU_KVCACHE_SPACE=" in log
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-
-
-def test_peft_bdlora_example_flags_serve_concurrent_and_streaming_clients(assets, reference_words, tmp_path):
+@pytest.mark.engine
+def test_peft_bdlora_example_flags_serve_concurrent_and_streaming_clients(assets, asset_words, tmp_path):
     """PEFT's examples/bdlora_finetuning/vllm_server.bash passes --block_diagonal_sharded_loras (the flag of vLLM's
     BD-LoRA pull request) to `python -m vllm.entrypoints.openai.api_server`; its chat.py sends 32 concurrent
     deterministic completions. Served here with those flags (plus float32 and a short context for CPU)."""
@@ -237,8 +260,8 @@ def test_peft_bdlora_example_flags_serve_concurrent_and_streaming_clients(assets
         with ThreadPoolExecutor(32) as pool:
             answers = list(pool.map(lambda job: complete(url, job[0], **deterministic).json(), jobs))
         for (_, adapter), answer in zip(jobs, answers, strict=True):
-            assert answer["choices"][0]["text"].split() == reference_words[adapter]
+            assert answer["choices"][0]["text"].split() == asset_words[adapter]
         with complete(url, "lora1", stream=True, **deterministic) as response:
             chunks = [json.loads(line[len(b"data: "):])["choices"][0]["text"] for line in response.iter_lines()
                       if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
-        assert len(chunks) > 1 and "".join(chunks).split() == reference_words["bd64"]
+        assert len(chunks) > 1 and "".join(chunks).split() == asset_words["bd64"]
