@@ -359,6 +359,26 @@ def test_cpu_defaults_only_where_vllms_own_would_stop_the_server():
     assert cpu_defaults(2, users, [0, 1], nodes=1, free_gib=20) == {}
 
 
+def test_cpu_defaults_measure_the_numa_node_as_vllm_does(monkeypatch):
+    """A machine whose free memory looks ample while its NUMA node's (clamped to the container's limit) falls short
+    of vLLM's 0.92: vLLM's own measure says so, and the KV cache gets sized instead of vLLM stopping the server."""
+    import os
+
+    from vllm.utils import cpu_resource_utils
+
+    from vllm_bdlora.serve import cpu_defaults
+
+    gib = 2**30
+    node = cpu_resource_utils.MemoryNodeInfo(total_memory=int(17.34 * gib), available_memory=int(15.73 * gib))
+    monkeypatch.setattr(cpu_resource_utils, "get_memory_node_info", lambda node_id=0: node)
+    monkeypatch.setattr(cpu_defaults, "numa_nodes", lambda: 1)
+    monkeypatch.setattr(os, "environ", {})
+    assert cpu_defaults.apply_cpu_defaults(1, utilization=0.92) == {"VLLM_CPU_KVCACHE_SPACE": "3"}
+    node = cpu_resource_utils.MemoryNodeInfo(total_memory=int(17.34 * gib), available_memory=int(17.0 * gib))
+    monkeypatch.setattr(os, "environ", {})
+    assert cpu_defaults.apply_cpu_defaults(1, utilization=0.92) == {}
+
+
 @pytest.mark.parametrize(
     ("runtime_loading", "config", "warns"),
     [

@@ -57,6 +57,25 @@ def allowed_max_lora_ranks() -> tuple[int, ...]:
     return tuple(sorted(typing.get_args(MaxLoRARanks)))
 
 
+def cpu_node_memory_gib(node: int = 0) -> tuple[float, float]:
+    """(available, total) GiB of a NUMA node as vLLM's CPU worker measures them before it reserves its share (node
+    meminfo, clamped to the cgroup's limit), or the machine's from /proc/meminfo where vLLM lacks that helper."""
+    try:
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+    except ImportError:
+        return _meminfo_gib("MemAvailable"), _meminfo_gib("MemTotal")
+    info = get_memory_node_info(node)
+    return info.available_memory / 2**30, info.total_memory / 2**30
+
+
+def _meminfo_gib(field: str) -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
 # Where the API server keeps what the frontend patches wrap: 0.32's layout first, then older ones.
 # (0.26: vllm.entrypoints.serve.utils.server_utils and vllm.entrypoints.launcher, checked on vLLM 0.26.0.)
 AUTH_MIDDLEWARE_MODULES = (

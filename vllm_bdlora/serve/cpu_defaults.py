@@ -3,11 +3,12 @@
 vLLM's CPU backend binds each worker (TP x PP of them) to a NUMA node of its own and reserves 90% of that node's
 memory per worker (`--gpu-memory-utilization`); on a machine with fewer NUMA nodes than workers (a laptop, a CI
 runner, most VMs) `vllm serve --tensor-parallel-size 2` stops with "Not enough allowed NUMA nodes", and any
-server whose machine has less than that fraction of its memory free stops with "Available memory on node 0 ... is
-less than desired". For a BD-LoRA engine (`vllm serve` and the Python API alike) the plugin then splits the allowed
-cores between the workers (round-robin where there are more workers than cores) and gives each a KV cache of a
-quarter of the available memory divided among them, and logs both with the variable that overrides it. Nothing is
-changed where the user set the variable or vLLM's own choice would work.
+server whose NUMA node has less than that fraction of its memory available stops with "Available memory on node 0
+... is less than desired" (the node's memory as vLLM measures it, clamped to a container's limit: the machine's
+free memory can look ample where the node's is not). For a BD-LoRA engine (`vllm serve` and the Python API alike)
+the plugin then splits the allowed cores between the workers (round-robin where there are more workers than cores)
+and gives each a KV cache of a quarter of the available memory divided among them, and logs both with the variable
+that overrides it. Nothing is changed where the user set the variable or vLLM's own choice would work.
 """
 
 from __future__ import annotations
@@ -26,26 +27,11 @@ def numa_nodes() -> int:
     return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
 
 
-def _meminfo_gib(field: str) -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def available_gib() -> float:
-    return _meminfo_gib("MemAvailable")
-
-
-def total_gib() -> float:
-    return _meminfo_gib("MemTotal")
-
-
 def cpu_defaults(workers: int, environ: dict, cpus: list[int], nodes: int, free_gib: float,
                  total: float = 0.0, utilization: float = 0.9) -> dict[str, str]:  # fmt: skip
-    """The settings to add to `environ` (empty where vLLM's own work or the user chose). `total`: the machine's
-    memory in GiB, of which vLLM wants `utilization` free (0: not checked)."""
+    """The settings to add to `environ` (empty where vLLM's own work or the user chose). `free_gib` and `total`: the
+    available and whole memory in GiB of the NUMA node vLLM checks, of which it wants `utilization` available (total
+    0: not checked)."""
     short_of_memory = total > 0 and free_gib < utilization * total
     if workers <= nodes and not short_of_memory:
         return {}
@@ -66,8 +52,11 @@ def cpu_defaults(workers: int, environ: dict, cpus: list[int], nodes: int, free_
 def apply_cpu_defaults(workers: int, utilization: float = 0.9) -> dict[str, str]:
     """`workers`: the engine's worker processes on this machine (TP x PP); `utilization`: its
     --gpu-memory-utilization (on the CPU backend the fraction of memory vLLM reserves)."""
-    chosen = cpu_defaults(workers, dict(os.environ), sorted(os.sched_getaffinity(0)), numa_nodes(), available_gib(),
-                          total_gib(), utilization)  # fmt: skip
+    from vllm_bdlora.compat import cpu_node_memory_gib
+
+    available, total = cpu_node_memory_gib()
+    chosen = cpu_defaults(workers, dict(os.environ), sorted(os.sched_getaffinity(0)), numa_nodes(), available, total,
+                          utilization)  # fmt: skip
     for name, value in chosen.items():
         os.environ[name] = value
         what = "cores per worker" if name == THREADS_BIND else "GiB of KV cache per worker"
