@@ -292,6 +292,25 @@ def test_lora_modules_outside_the_roots_stop_startup_naming_the_entry(assets, tm
     assert f"LoRA adapter 'outside': {PATH_REFUSED}" in output and "EngineCore" not in output
 
 
+@pytest.mark.parametrize(
+    ("adapter", "flags", "fix"),
+    [("bd64", ["--enable-lora"], "--enable-bdlora"), ("dora16", ["--enable-bdlora"], "--enable-dora")],
+    ids=["bd-without-enable-bdlora", "dora-without-enable-dora"],
+)
+def test_adapters_the_flags_do_not_serve_stop_startup_naming_the_flag(assets, adapter, flags, fix):
+    """At TP=2 on a CPU without vLLM's CPU variables, vLLM's own thread-binding check would stop the server first,
+    in a long traceback that never names the adapter: the plugin stops it before, in a few lines naming the flag."""
+    command = ["vllm", "serve", assets["model"], *flags, "--tensor-parallel-size", "2", "--max-lora-rank", "64",
+               "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--port", str(free_port()),
+               "--lora-modules", f"{adapter}={assets[adapter]}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=START_TIMEOUT)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert f"LoRA adapter rejected: '{adapter}'" in output and f"start the server with {fix}" in output, output
+    assert "EngineCore" not in output and "NUMA" not in output and "Traceback" not in output, output
+
+
 def test_a_stopped_worker_turns_health_to_503_and_back(server, reference_words):
     """A worker stopped (SIGSTOP) leaves vLLM's /health at 200 for the executor's 300 s while nothing progresses:
     here it answers 503 within seconds, and 200 again once the worker runs."""

@@ -14,7 +14,10 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from vllm_bdlora.config import BdLoraSettings
 
 BlockDiagonalFactor = Literal["a", "b"]
 
@@ -209,3 +212,24 @@ class AdapterLoadFailure:
     """
 
     message: str
+
+
+ENABLE_HINT = (
+    'start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, additional_config={"bdlora": {}}))'
+)
+DORA_HINT = (
+    "start the server with --enable-dora (Python API: LLM(..., enable_lora=True, "
+    'additional_config={"bdlora": {"dora": True}}))'
+)
+
+
+def refuse_unserved_kinds(fmt: AdapterFormat, settings: BdLoraSettings, adapter: str) -> None:
+    """A BD adapter on a server without BD-LoRA would be served as dense (wrong output); a DoRA adapter
+    without DoRA serving would lose its magnitudes. Both are refused with the flag that serves them."""
+    spec = fmt.block_diagonal
+    if spec is not None and not settings.enabled:
+        problem = f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"
+        raise AdapterRejected(adapter, [problem], ENABLE_HINT)
+    if fmt.dora and not settings.dora:
+        problem = f"it is a {fmt.describe()} adapter (use_dora) and DoRA serving is off"
+        raise AdapterRejected(adapter, [problem], DORA_HINT)

@@ -34,7 +34,13 @@ from vllm_bdlora.adapter_values import (
     gain_problems,
     non_finite_problems,
 )
-from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, adapter_format, read_adapter_format
+from vllm_bdlora.adapters import (
+    AdapterFormat,
+    AdapterRejected,
+    adapter_format,
+    read_adapter_format,
+    refuse_unserved_kinds,
+)
 from vllm_bdlora.admission import AdapterStore, host_budget_bytes, is_admitting
 from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks
 from vllm_bdlora.config import BdLoraSettings
@@ -51,13 +57,6 @@ from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_prob
 
 logger = logging.getLogger("vllm.bdlora")
 
-ENABLE_HINT = (
-    'start the server with --enable-bdlora (Python API: LLM(..., enable_lora=True, additional_config={"bdlora": {}}))'
-)
-DORA_HINT = (
-    "start the server with --enable-dora (Python API: LLM(..., enable_lora=True, "
-    'additional_config={"bdlora": {"dora": True}}))'
-)
 CHANGED_HINT = "load it again once its files are completely written (write elsewhere, then rename into place)."
 
 
@@ -395,18 +394,6 @@ def unreadable_base(layer) -> str | None:
 def is_first_tp_rank(manager) -> bool:
     """True on the first tensor-parallel rank only, so each log line appears once per engine."""
     return all(getattr(layer, "tp_rank", 0) == 0 for layer in manager.modules.values())
-
-
-def refuse_unserved_kinds(fmt: AdapterFormat, settings: BdLoraSettings, adapter: str) -> None:
-    """A BD adapter on a server without BD-LoRA would be served as dense (wrong output); a DoRA adapter
-    without DoRA serving would lose its magnitudes. Both are refused with the flag that serves them."""
-    spec = fmt.block_diagonal
-    if spec is not None and not settings.enabled:
-        problem = f"it is a BD-LoRA adapter (use_bdlora, nblocks={spec.nblocks}) and BD-LoRA is off"
-        raise AdapterRejected(adapter, [problem], ENABLE_HINT)
-    if fmt.dora and not settings.dora:
-        problem = f"it is a {fmt.describe()} adapter (use_dora) and DoRA serving is off"
-        raise AdapterRejected(adapter, [problem], DORA_HINT)
 
 
 def adapter_store(worker_manager, settings: BdLoraSettings) -> AdapterStore:

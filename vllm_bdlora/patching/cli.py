@@ -108,7 +108,7 @@ def check_lora_modules_before_loading(args: argparse.Namespace, settings: BdLora
 
     from vllm_bdlora.access import PATH_REFUSED, adapter_name_problem, adapter_path_problem, is_allowed_adapter_path
     from vllm_bdlora.adapter_files import AdapterPathRefused, check_adapter_dir
-    from vllm_bdlora.adapters import AdapterRejected
+    from vllm_bdlora.adapters import AdapterRejected, adapter_format, refuse_unserved_kinds
 
     roots = settings.allowed_adapter_roots
     for module in getattr(args, "lora_modules", None) or []:
@@ -120,13 +120,34 @@ def check_lora_modules_before_loading(args: argparse.Namespace, settings: BdLora
             raise SystemExit(f"vllm-bdlora: LoRA adapter '{name}': {PATH_REFUSED}")
         if os.path.exists(path):
             try:
-                check_adapter_dir(os.path.abspath(path), name, roots)
+                files = check_adapter_dir(os.path.abspath(path), name, roots)
+                refuse_unserved_kinds(adapter_format(files.config, name), settings, name)
             except AdapterPathRefused:
                 raise SystemExit(f"vllm-bdlora: LoRA adapter '{name}': {PATH_REFUSED}") from None
             except AdapterRejected as e:
                 raise SystemExit(f"vllm-bdlora: --lora-modules {name}={module.path}:\n{e}") from None
         elif os.path.isabs(path) or path.startswith("."):  # else a model-hub name: vLLM fetches it
             raise SystemExit(f"vllm-bdlora: --lora-modules {name}={module.path}: no such directory")
+
+
+def refuse_lora_modules_the_flags_do_not_serve(args: argparse.Namespace, settings: BdLoraSettings) -> None:
+    """A BD-LoRA or DoRA adapter in --lora-modules of a server started without the flag that serves it stops the
+    server here, naming the flag, before vLLM starts an engine (which on the CPU backend at TP >= 2 would first stop
+    on its own thread-binding check, without a word about the adapter)."""
+    import os
+
+    from vllm_bdlora.adapters import AdapterRejected, read_adapter_format, refuse_unserved_kinds
+
+    for module in getattr(args, "lora_modules", None) or []:
+        path = os.path.expanduser(module.path)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            continue  # a model-hub name or a missing directory: vLLM says so
+        try:
+            refuse_unserved_kinds(read_adapter_format(path, module.name), settings, module.name)
+        except AdapterRejected as e:
+            raise SystemExit(f"vllm-bdlora: --lora-modules {module.name}={module.path}:\n{e}") from None
+        except (OSError, ValueError):
+            continue  # unreadable or malformed: vLLM's own reader reports it
 
 
 def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> None:
@@ -213,6 +234,7 @@ def patch_enable_bdlora_flag() -> bool:
                                  "vllm-bdlora settings).")  # fmt: skip
             settings = BdLoraSettings.from_additional_config(engine_args.additional_config)
             if not settings.enabled:
+                refuse_lora_modules_the_flags_do_not_serve(args, settings)
                 return engine_args
             if not engine_args.enable_lora:
                 logger.info("vllm-bdlora: BD-LoRA requested, turning on --enable-lora.")
