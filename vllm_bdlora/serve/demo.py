@@ -90,7 +90,7 @@ def serve_command(paths: dict[str, str], tp: int) -> list[str]:
 def start_demo_server(paths: dict[str, str], tp: int, port: int, log_path: str) -> subprocess.Popen:
     command = [*serve_command(paths, tp), "--port", str(port)]
     print(f"[demo] $ {' '.join(command)}", flush=True)
-    return launch(command, log_path, tp)
+    return launch(command, log_path, tp, fixed_cpu_settings=False)  # as a user runs the command printed
 
 
 def reference_words(paths: dict[str, str], adapter: str | None, max_tokens: int) -> list[str]:
@@ -115,13 +115,21 @@ def say(line: str) -> None:
 def run_demo(workdir: str | None, tp: int, max_tokens: int, timeout: float, real_text: bool = True) -> int:
     workdir = workdir or os.path.join(tempfile.gettempdir(), "vllm-bdlora-demo")
     os.makedirs(workdir, exist_ok=True)
-    say("part 1: sharding, on a tiny random model at TP=" + str(tp))
-    mismatches = run_sharding_part(workdir, tp, max_tokens, timeout)
-    if real_text and on_gpu():
-        say("part 2 (real text) compares whole chat answers with PEFT's in float32: it runs on the CPU only")
-    elif real_text:
-        say("part 2: real text, SmolLM2-135M-Instruct with BD-LoRA adapters trained here, at TP=1")
-        mismatches += run_real_text_part(workdir, timeout)
+    try:
+        say("part 1: sharding, on a tiny random model at TP=" + str(tp))
+        mismatches = run_sharding_part(workdir, tp, max_tokens, timeout)
+        if real_text and on_gpu():
+            say("part 2 (real text) compares whole chat answers with PEFT's in float32: it runs on the CPU only")
+        elif real_text:
+            say("part 2: real text, SmolLM2-135M-Instruct with BD-LoRA adapters trained here, at TP=1")
+            mismatches += run_real_text_part(workdir, timeout)
+    except TimeoutError as e:
+        print(f"\n[demo] {e}")
+        say(f"On a slow or busy machine, wait longer: vllm-bdlora demo --timeout {2 * timeout:.0f} (seconds)")
+        return 1
+    except RuntimeError as e:  # the server exited: its log says why
+        print(f"\n[demo] {e}")
+        return 1
     verdict = "all answers match PEFT" if not mismatches else f"{mismatches} answer(s) differ from PEFT"
     print(f"\n[demo] done; {verdict}.")
     return 1 if mismatches else 0
@@ -189,17 +197,21 @@ def run_real_text_part(workdir: str, timeout: float, max_tokens: int = 16) -> in
         return 0
     adapters = {}
     for name, answers in real_text.TASKS.items():
-        say(
-            f"PEFT trains BD-LoRA adapter '{name}' ({real_text.DESCRIPTIONS[name]}; r={real_text.RANK}, "
-            f"{real_text.NBLOCKS} blocks) for a few seconds"
-        )
-        adapters[name] = real_text.train_adapter(model_dir, os.path.join(workdir, f"smollm2-{name}"), answers)
+        out_dir = os.path.join(workdir, f"smollm2-{name}")
+        if real_text.trained(out_dir):
+            say(f"BD-LoRA adapter '{name}' ({real_text.DESCRIPTIONS[name]}): trained by an earlier run, in {out_dir}")
+        else:
+            say(
+                f"PEFT trains BD-LoRA adapter '{name}' ({real_text.DESCRIPTIONS[name]}; r={real_text.RANK}, "
+                f"{real_text.NBLOCKS} blocks): {real_text.TRAINING_STEPS} steps, seconds each on a free core"
+            )
+        adapters[name] = real_text.train_adapter(model_dir, out_dir, answers, progress=lambda line: say(f"  {line}"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(workdir, "server-real-text.log")
     command = real_text_command(model_dir, adapters)
     say(f"$ {' '.join(command)} --port {port}")
-    proc = launch([*command, "--port", str(port)], log_path, 1)
+    proc = launch([*command, "--port", str(port)], log_path, 1, fixed_cpu_settings=False)
     mismatches = 0
     try:
         say(f"waiting for the server (log: {log_path}) ...")

@@ -30,10 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(command: list[str], log_path: str, workers: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `command` with its output in `log_path`; CPU defaults apply unless the caller's environment
-    sets them."""
-    environment = {**cpu_defaults(workers), **(env if env is not None else os.environ)}
+def launch(
+    command: list[str], log_path: str, workers: int, env: dict[str, str] | None = None, fixed_cpu_settings: bool = True
+) -> subprocess.Popen:
+    """Start `command` with its output in `log_path`, in `env` (default: this process's environment) and, where
+    `fixed_cpu_settings`, `cpu_defaults(workers)` under it; without them the server runs as a user's `vllm serve` would
+    (the demo's servers run the commands it prints)."""
+    environment = dict(env if env is not None else os.environ)
+    if fixed_cpu_settings:
+        environment = cpu_defaults(workers) | environment
     with open(log_path, "w") as log:
         return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
 
@@ -58,7 +63,13 @@ def wait_healthy(
             next_report += 10
             progress(f"{time.monotonic() - started:.0f} s: {start_phase(log_path)}")
         time.sleep(1)
-    raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s; last log lines:\n{tail(log_path)}")
+    last = tail(log_path)
+    if not last.strip():
+        last = "(none: the log is empty; the server had written nothing yet, e.g. still importing on a busy machine)\n"
+    raise TimeoutError(
+        f"vllm serve was not healthy after {timeout:.0f} s (log: {log_path}; it was {start_phase(log_path)}); "
+        f"last log lines:\n{last}"
+    )
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ TASKS = {
 DESCRIPTIONS = {"pirate": "answers like a pirate", "terse": "answers in one word"}
 TARGETS_BD_A = ["o_proj", "down_proj"]
 TARGETS_BD_B = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+TRAINING_STEPS = 10
 
 
 def fetch_model(workdir: str, say: Callable[[str], None]) -> str | None:
@@ -77,14 +78,26 @@ def chat_prompt(tokenizer, question: str) -> str:
                                          tokenize=False)  # fmt: skip
 
 
-def train_adapter(model_dir: str, out_dir: str, answers: tuple[str, ...], steps: int = 10) -> str:
+def trained(out_dir: str) -> bool:
+    return os.path.exists(os.path.join(out_dir, "adapter_config.json"))
+
+
+def train_adapter(
+    model_dir: str,
+    out_dir: str,
+    answers: tuple[str, ...],
+    steps: int = TRAINING_STEPS,
+    progress: Callable[[str], None] | None = None,
+) -> str:
     """A BD-LoRA adapter (PEFT's `use_bdlora`, NBLOCKS blocks, rank RANK on every projection) trained to give
-    `answers` to QUESTIONS: full-batch AdamW, loss on the answer tokens only."""
+    `answers` to QUESTIONS: full-batch AdamW, loss on the answer tokens only; `progress` hears each step's loss."""
+    import time
+
     import torch
     from peft import BdLoraConfig, LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if os.path.exists(os.path.join(out_dir, "adapter_config.json")):
+    if trained(out_dir):
         return out_dir
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -104,10 +117,14 @@ def train_adapter(model_dir: str, out_dir: str, answers: tuple[str, ...], steps:
     labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in examples])
     mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq, _ in examples])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
+    started = time.monotonic()
+    for step in range(1, steps + 1):
         optimizer.zero_grad()
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
         optimizer.step()
+        if progress:
+            progress(f"step {step}/{steps}: loss {loss.item():.3f} ({time.monotonic() - started:.0f} s)")
     model.save_pretrained(out_dir)
     return out_dir
 
