@@ -26,6 +26,22 @@ def test_served_adapters_pass_and_say_how_they_are_sharded(assets):
     assert "dora: OK, BD-DoRA nblocks=2" in out
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_what_a_worker_keeps_compares_with_the_dense_adapter_and_its_files(assets, tp):
+    """A BD adapter's files hold its factors without their zeros; a worker keeps its shard's blocks (at TP=1 the
+    whole adapter as one dense block), stock vLLM the dense adapter in every worker: all three in one unit."""
+    shape = ModelShape.from_config(assets["model"])
+    verdict = check_adapter("bd64", assets["bd64"], shape, tp, 64, dora=False)
+    assert verdict.file_bytes < verdict.dense_bytes  # nblocks=2: the BD factors are half their dense size
+    if tp == 1:
+        assert verdict.host_bytes == verdict.dense_bytes
+    else:
+        assert verdict.host_bytes < verdict.dense_bytes
+    code, out = check(f"bd64={assets['bd64']}", "--model", assets["model"], "--tp", tp, "--max-lora-rank", 64)
+    line = next(line for line in out.splitlines() if line.startswith("host memory per admitted adapter"))
+    assert line.count(" MiB") == 3 and "dense" in line and "without their zeros" in line, line
+
+
 def test_refusals_name_the_fix_the_server_names(assets, tmp_path):
     other = tiny.make_tiny_llama(str(tmp_path / "wider"), hidden_size=256)
     code, out = check(f"wide={assets['std64']}", f"dora={assets['dora16']}",

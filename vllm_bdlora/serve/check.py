@@ -42,7 +42,8 @@ class Verdict:
     summary: str = ""  # what would be served
     widest: int = 0  # the widest module's LoRA width on one GPU
     host_bytes: int = 0  # what each worker keeps of it (the widest rank's share), in the serving dtype
-    stock_host_bytes: int = 0  # what stock vLLM keeps in each worker's host cache: the whole adapter
+    dense_bytes: int = 0  # the whole adapter with its BD blocks' zeros: what stock vLLM keeps in each worker's cache
+    file_bytes: int = 0  # its tensors as PEFT stores them (BD factors without their zeros), in the serving dtype
 
 
 def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_rank: int, dora: bool) -> Verdict:
@@ -70,18 +71,21 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
         scaled = ((m, t.get("lora_A"), t.get("lora_B"), module_scaling(files.config, m)) for m, t in modules.items())
         problems += gain_problems(scaled, shape.dtype)
     element = DTYPE_BYTES[shape.dtype_name]
-    kept = stock = 0
+    kept = dense = stored = 0
     for module, tensors in modules.items():
         a, b = tensors.get("lora_A"), tensors.get("lora_B")
-        stock += sum(t.numel() for t in tensors.values()) * element
+        spec = fmt.block_diagonal
+        factor = spec.factor_of(module) if spec else None
+        nblocks = spec.nblocks if factor else 1
+        for part, tensor in tensors.items():
+            stored += tensor.numel() * element
+            # PEFT stores a BD factor without its zeros: dense, it is nblocks times that
+            dense += tensor.numel() * element * (nblocks if factor and part == f"lora_{factor.upper()}" else 1)
         kind = module.rsplit(".", 1)[-1]
         if kind not in COLUMN + ROW:
             unmodelled.append(module)
             kept += sum(t.numel() for t in tensors.values()) * element
             continue
-        spec = fmt.block_diagonal
-        factor = spec.factor_of(module) if spec else None
-        nblocks = spec.nblocks if factor else 1
         foreign = foreign_model_problem(a, shape.geometry(kind, tp, 0), factor)
         if foreign:
             problems.append(f"{module}: {foreign}")
@@ -104,7 +108,7 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
     summary = f"{fmt.describe()}, r={r}: per-GPU width {'/'.join(map(str, sorted(widths)))} of {width_limit}"
     if unmodelled:
         summary += f"; left to the server: {len(unmodelled)} module(s) this check does not model"
-    return Verdict([], summary, max(widths, default=0), kept, stock)
+    return Verdict([], summary, max(widths, default=0), kept, dense, stored)
 
 
 def sizing_lines(verdicts: list[Verdict], shape: ModelShape, tp: int, max_lora_rank: int, dora: bool,
@@ -130,9 +134,13 @@ def sizing_lines(verdicts: list[Verdict], shape: ModelShape, tp: int, max_lora_r
                  f"{shape.dtype_name}, --max-lora-rank {max_lora_rank}: {mib(bd.total)}{vocab_note}; "
                  f"stock vLLM --enable-lora: {mib(stock.total)}")  # fmt: skip
     kept = max(v.host_bytes for v in served)
-    whole = max(v.stock_host_bytes for v in served)
-    lines.append(f"host memory per admitted adapter, each of {tp} worker(s): up to {mib(kept)} (its share); stock "
-                 f"vLLM keeps the whole adapter, {mib(whole)}, in every worker's --max-cpu-loras cache")  # fmt: skip
+    whole = max(v.dense_bytes for v in served)
+    stored = max(v.file_bytes for v in served)
+    share = "its shard's blocks" if tp > 1 else "at TP=1 the whole adapter, a BD one as one dense block"
+    lines.append(f"host memory per admitted adapter, on each of {tp} worker(s): up to {mib(kept)} ({share}); stock "
+                 f"vLLM keeps the whole adapter, dense, {mib(whole)}, in every worker's --max-cpu-loras cache; the "
+                 f"largest adapter's files hold {mib(stored)} ({shape.dtype_name}, BD factors without their "
+                 "zeros)")  # fmt: skip
     if gpu_memory is not None:
         lines.append(f"{mib(gpu_memory)} of LoRA GPU memory per GPU holds {slots_that_fit(gpu_memory, bd)} slot(s) "
                      f"(stock vLLM: {slots_that_fit(gpu_memory, stock)})")  # fmt: skip
