@@ -103,6 +103,50 @@ def peft_reference(assets, prompts) -> dict:
     }
 
 
+# What the server tests send (in the tiny vocabulary's words) and how many tokens they ask for.
+SERVER_PROMPT = [10, 20, 30, 40, 50, 60]
+SERVER_MAX_TOKENS = 16
+
+
+def peft_words(model: str, adapter: str | None, prompt=SERVER_PROMPT, max_tokens=SERVER_MAX_TOKENS) -> list[str]:
+    """PEFT's greedy answer on `model` with `adapter` (None: the base model), in the tiny vocabulary's words."""
+    from vllm_bdlora.peft_reference import greedy, load_reference
+
+    tokens, _ = greedy(load_reference(model, adapter), prompt, max_tokens)
+    return [tiny.word(t) for t in tokens]
+
+
+@pytest.fixture(scope="package")
+def asset_words(assets) -> dict:
+    """PEFT's answers for the test assets' model with bd64 and std16, as the servers serve them."""
+    return {name: peft_words(assets["model"], assets[name]) for name in ("bd64", "std16")}
+
+
+@pytest.fixture(scope="session")
+def prometheus() -> str:
+    """A Prometheus server binary for the metrics test: the one on PATH, else Debian's (or Ubuntu's) package
+    unpacked into the user's cache without root (`apt-get download`, `dpkg-deb -x`), which is how the README's test
+    command gets one on a fresh machine."""
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-bdlora" / "prometheus"
+    binary = cache / "usr" / "bin" / "prometheus"
+    if not binary.exists() and shutil.which("apt-get") and shutil.which("dpkg-deb"):
+        with tempfile.TemporaryDirectory() as download:
+            fetched = subprocess.run(["apt-get", "download", "prometheus"], cwd=download, capture_output=True,
+                                     text=True, timeout=300)  # fmt: skip
+            packages = list(Path(download).glob("prometheus_*.deb"))
+            if fetched.returncode == 0 and packages:
+                cache.mkdir(parents=True, exist_ok=True)
+                subprocess.run(["dpkg-deb", "-x", str(packages[0]), str(cache)], check=True, timeout=300)
+    if not binary.exists():
+        pytest.fail("The metrics test needs Prometheus, which is not installed and whose Debian package could not be "
+                    "fetched (apt-get download prometheus): install it (sudo apt-get install prometheus) or put a "
+                    "prometheus binary on PATH")  # fmt: skip
+    return str(binary)
+
+
 class EngineHost:
     """A tests/engine_runner.py process, started on first use and kept for the run: it imported vLLM once and keeps
     the engine of its last spec, so specs with equal engine arguments share one engine. One host runs engines of one

@@ -5,7 +5,6 @@ residency and token counts equal to what the test sent and what the server logge
 across reloads are checked without an engine."""
 
 import json
-import shutil
 import subprocess
 import time
 from types import SimpleNamespace
@@ -15,7 +14,7 @@ import requests
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.conftest import cpu_engine_env
-from tests.test_server import asset_words, complete, server_env  # noqa: F401  (asset_words: a fixture)
+from tests.test_server import complete, server_env
 from vllm_bdlora.metrics import OTHER, AdapterMetrics, worker_figures
 from vllm_bdlora.serve.process import free_port, running_server
 
@@ -100,10 +99,7 @@ def values_by(results, label):
 
 
 @pytest.mark.engine
-def test_prometheus_scrapes_residency_and_token_counts(assets, tmp_path):
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("Prometheus is not installed: `apt-get install prometheus` (Debian's package; .ci/run installs it)")
+def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_path):
     port, prometheus_port = free_port(), free_port()
     command = [
         "vllm", "serve", assets["model"], "--enable-bdlora", "--tensor-parallel-size", "2", "--max-lora-rank", "64",
@@ -121,8 +117,8 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, tmp_path):
         f"  authorization: {{credentials: {KEY}}}\n"
     )
     with running_server(command, str(log_path), 2, env, 240) as (_, url):
-        prometheus = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        scraper = subprocess.Popen(
+            [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{prometheus_port}"],
             stdout=open(tmp_path / "prometheus.log", "w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -171,37 +167,58 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, tmp_path):
             assert {name: int(row[2]) for name, row in rows.items()} == SENT, top.stdout
             assert rows["bd48"][1] == "-" and "slots" in top.stdout.splitlines()[0], top.stdout
         finally:
-            prometheus.terminate()
-            prometheus.wait(timeout=30)
+            scraper.terminate()
+            scraper.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(assets, tmp_path_factory):
+    """`vllm serve --api-server-count 2` over bd64 and std16, without runtime adapter loading (which vLLM refuses
+    with several API servers)."""
+    command = [
+        "vllm", "serve", assets["model"], "--enable-bdlora", "--api-server-count", "2", "--max-lora-rank", "64",
+        "--max-loras", "2", "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--port",
+        str(free_port()), "--lora-modules", f"bd64={assets['bd64']}", f"std16={assets['std16']}",
+    ]  # fmt: skip
+    log_path = tmp_path_factory.mktemp("two_api_servers") / "server.log"
+    with running_server(command, str(log_path), 1, cpu_engine_env(1), 240) as (_, url):
+        yield url
 
 
 @pytest.mark.engine
-def test_several_api_servers_serve_adapters_and_export_one_engines_figures(assets, asset_words, tmp_path):  # noqa: F811
+def test_several_api_servers_serve_adapters_and_export_one_engines_figures(two_api_servers, asset_words):
     """With --api-server-count 2 every API-server process serves the adapters as PEFT answers (each process builds
     its engine arguments again, so --enable-bdlora must reach them), and /metrics, which vLLM then merges from the
     processes' metric files, still has the engine's residency and the request counts of both processes."""
-    port = free_port()
-    command = [
-        "vllm", "serve", assets["model"], "--enable-bdlora", "--api-server-count", "2", "--max-lora-rank", "64",
-        "--max-loras", "2", "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--port", str(port),
-        "--lora-modules", f"bd64={assets['bd64']}", f"std16={assets['std16']}",
-    ]  # fmt: skip
+    url = two_api_servers
     sent = {"bd64": 4, "std16": 4}
-    with running_server(command, str(tmp_path / "server.log"), 1, cpu_engine_env(1), 240) as (_, url):
-        for name, count in sent.items():
-            for _ in range(count):  # the processes share the port: both answer some
-                response = complete(url, name)
-                assert response.status_code == 200, response.text
-                assert response.json()["choices"][0]["text"].split() == asset_words[name]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # each API server polls the engine every 2 s
-            text = requests.get(f"{url}/metrics", timeout=10).text
-            if "vllm:lora_adapter_loaded{" in text:
-                break
-            time.sleep(1)
+    for name, count in sent.items():
+        for _ in range(count):  # the processes share the port: both answer some
+            response = complete(url, name)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"].split() == asset_words[name]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # each API server polls the engine every 2 s
+        text = requests.get(f"{url}/metrics", timeout=10).text
+        if "vllm:lora_adapter_loaded{" in text:
+            break
+        time.sleep(1)
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line and not line.startswith("#")}  # fmt: skip
     for name, count in sent.items():
         assert samples[f'vllm_bdlora:adapter_requests_total{{adapter_name="{name}"}}'] == count
         assert samples[f'vllm:lora_adapter_loaded{{adapter_name="{name}",level="gpu",pinned="false"}}'] == 1
     assert samples["vllm:num_gpu_loaded_lora_adapters"] == 2
+
+
+@pytest.mark.engine
+def test_a_server_without_runtime_loading_says_how_to_turn_it_on(two_api_servers):
+    """Every adapter load and unload route answers 404 with how to turn runtime loading on, not a bare Not Found."""
+    from vllm_bdlora.answers import RUNTIME_LOADING_ROUTES
+
+    for path, method in RUNTIME_LOADING_ROUTES:
+        body = {"lora_name": "x", "lora_path": "/nowhere", "name": "x", "src": "/nowhere"}
+        answer = requests.request(method, f"{two_api_servers}{path.replace('{adapter_name}', 'x')}", json=body,
+                                  timeout=30)  # fmt: skip
+        assert answer.status_code == 404, (path, answer.text)
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in answer.json()["error"]["message"], (path, answer.text)

@@ -69,6 +69,11 @@ PATCH_TESTS = {
         "test_server_guards.py::test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it"
     ],
     "static_loras_in_parallel": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
+    "startup_notes_at_debug": ["test_server.py::test_start_up_warnings_that_ask_nothing_are_left_out"],
+    "unknown_model_lists_served_models": ["test_server.py::test_an_unknown_model_is_answered_with_what_is_served"],
+    "runtime_loading_routes_say_how_to_enable": [
+        "test_metrics.py::test_a_server_without_runtime_loading_says_how_to_turn_it_on"
+    ],
     "lora_info_gauge_keeps_one_series": ["test_server_guards.py::test_metrics_need_the_key_and_keep_one_lora_series"],
     "engine_core_adapter_stats": ["test_metrics.py::test_prometheus_scrapes_residency_and_token_counts"],
     "adapter_request_metrics": ["test_metrics.py::test_prometheus_scrapes_residency_and_token_counts"],
@@ -137,6 +142,19 @@ def test_adapter_refusal_logs_one_warning_line(caplog):
     assert other.levelname == "ERROR" and other.exc_info is not None  # other failures unchanged
 
 
+def test_startup_notes_go_to_debug_and_other_warnings_stay(caplog):
+    import logging
+
+    from vllm_bdlora.serve.quiet_logs import NOTES
+
+    caplog.set_level(logging.DEBUG)
+    for name, start in NOTES:
+        logging.getLogger(name).warning("%s (as vLLM says it)", start)
+    logging.getLogger(NOTES[0][0]).warning("a warning that asks something")
+    levels = [(record.levelname, record.getMessage()) for record in caplog.records[-len(NOTES) - 1 :]]
+    assert [level for level, _ in levels] == ["DEBUG"] * len(NOTES) + ["WARNING"], levels
+
+
 def test_the_cli_lists_every_patch_readably_and_writes_the_table():
     import subprocess
 
@@ -188,6 +206,8 @@ def test_targets_are_patched(patch):
         pytest.skip(reason)
     if patch.name == "adapter_refusals_as_warnings":
         pytest.skip("a logging filter, not a function: see test_adapter_refusal_logs_one_warning_line")
+    if patch.name == "startup_notes_at_debug":
+        pytest.skip("logging filters, not functions: see test_startup_notes_go_to_debug_and_other_warnings_stay")
     resolved, patched = 0, 0
     for target in patch.targets:
         try:

@@ -13,15 +13,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import cpu_engine_env, readme_block_after
+from tests.conftest import SERVER_MAX_TOKENS, SERVER_PROMPT, cpu_engine_env, peft_words, readme_block_after
 from vllm_bdlora import tiny
-from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve import demo
 from vllm_bdlora.serve.process import free_port, running_server, wait_healthy
 
-PROMPT = [10, 20, 30, 40, 50, 60]
+PROMPT, MAX_TOKENS = SERVER_PROMPT, SERVER_MAX_TOKENS
 PROMPT_TEXT = " ".join(f"w{i}" for i in PROMPT)
-MAX_TOKENS = 16
 START_TIMEOUT = 240
 # Where the README's command finds the demo's model and adapters, and where it listens.
 DEMO_DIR = os.path.join(tempfile.gettempdir(), "vllm-bdlora-demo")
@@ -41,12 +39,6 @@ def server_env():
     env = cpu_engine_env(2)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return env
-
-
-def peft_words(model, adapter, prompt=PROMPT, max_tokens=MAX_TOKENS):
-    """PEFT's greedy answer on `model` with `adapter` (None: the base model), in the tiny vocabulary's words."""
-    tokens, _ = greedy(load_reference(model, adapter), prompt, max_tokens)
-    return [tiny.word(t) for t in tokens]
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +79,6 @@ def reference_words(demo_assets, assets):
     return {name: peft_words(demo_assets["model"], path) for name, path in adapters.items()}
 
 
-@pytest.fixture(scope="module")
-def asset_words(assets):
-    """PEFT's answers for the test assets' model with bd64 and std16, which the other servers serve."""
-    return {name: peft_words(assets["model"], assets[name]) for name in ("bd64", "std16")}
-
-
 def complete(url, model, **extra):
     body = {"model": model, "prompt": PROMPT_TEXT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     return requests.post(f"{url}/v1/completions", json=body | extra, timeout=120)
@@ -114,6 +100,17 @@ def test_the_plugin_picks_the_cpu_settings_the_readme_command_leaves_out(server)
     _, log_path = server
     log = log_path.read_text()
     assert "VLLM_CPU_OMP_THREADS_BIND=" in log and "VLLM_CPU_KVCACHE_SPACE=" in log
+
+
+@pytest.mark.engine
+def test_start_up_warnings_that_ask_nothing_are_left_out(server):
+    from vllm_bdlora.serve.quiet_logs import NOTES
+
+    _, log_path = server
+    log = log_path.read_text()
+    shown = [start for _, start in NOTES if start in log]
+    assert not shown, shown
+    assert "vllm-bdlora: adapter 'bd-r64'" in log  # the log itself is there
 
 
 @pytest.mark.engine
@@ -173,6 +170,30 @@ def test_dynamic_load_and_unload(server, assets, reference_words):
     response = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, timeout=60)
     assert response.status_code == 200
     assert complete(url, "bd48").status_code == 404
+
+
+@pytest.mark.engine
+def test_an_unknown_model_is_answered_with_what_is_served(server, demo_assets):
+    """A mistyped adapter name gets 404 naming the served adapters and the one probably meant, not only the base."""
+    url, _ = server
+    answer = complete(url, "bd-r46")
+    assert answer.status_code == 404
+    message = answer.json()["error"]["message"]
+    assert "The model `bd-r46` does not exist. Did you mean `bd-r64`?" in message, message
+    assert f"base model `{demo_assets['model']}`" in message and "`lora-r16`" in message, message
+
+
+def test_the_unknown_model_answer_lists_close_names_first_and_counts_the_rest():
+    from vllm_bdlora.answers import LISTED_ADAPTERS, unknown_model_message
+
+    adapters = [f"tenant-{i:03d}" for i in range(LISTED_ADAPTERS + 5)] + ["support-bd128"]
+    message = unknown_model_message("suport-bd128", ["base"], adapters)
+    assert "Did you mean `support-bd128`?" in message
+    assert "adapters: `support-bd128`, `tenant-000`" in message and "and 6 more (GET /v1/models" in message
+    assert (
+        unknown_model_message("x", ["base"], [])
+        == "The model `x` does not exist. Served: base model `base`; no adapters."
+    )
 
 
 def broken_copy(source, destination, edit_config=None):

