@@ -88,6 +88,24 @@ def test_the_workers_are_asked_again_only_after_something_else_reached_them():
     assert worker_figures(executor) is figures
 
 
+def test_tops_percentiles_lie_in_the_bucket_of_the_true_value():
+    """48 first tokens near 1 s and 2 at 6.5 s: top's p99 lies in the bucket holding 6.5 s, below the slowest
+    request's next bound, and its p50 near 1 s (a coarser bucket once put a p99 at 9.85 s for a 6.5 s maximum)."""
+    from vllm_bdlora.metrics import TTFT_BUCKETS
+    from vllm_bdlora.serve.top import adapter_rows, parse_metrics
+
+    metrics = AdapterMetrics(max_adapters=10, registry=CollectorRegistry())
+    for latency in [0.95 + 0.002 * i for i in range(48)] + [6.5, 6.5]:
+        stats = SimpleNamespace()
+        metrics.on_output(stats, "a", latency)
+        metrics.on_finished(stats, 6, 8, 0.01)
+    ((name, _, total, _, _, p50, p99),) = adapter_rows(
+        parse_metrics(generate_latest(metrics.registry).decode()), None, 1
+    )
+    bound = min(b for b in TTFT_BUCKETS if b >= 6.5)
+    assert (name, total) == ("a", 50) and 0.9 <= p50 <= 1.0 and 6.5 / 1.5 < p99 <= bound <= 6.5 * 1.25, (p50, p99)
+
+
 def query(prometheus_url, promql):
     answer = requests.get(f"{prometheus_url}/api/v1/query", params={"query": promql}, timeout=10).json()
     assert answer["status"] == "success", answer
@@ -163,7 +181,8 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
             top = subprocess.run(["vllm-bdlora", "top", url, "--api-key", KEY, "--once", "--interval", "1"],
                                  capture_output=True, text=True, timeout=60)  # fmt: skip
             assert top.returncode == 0, top.stderr
-            rows = {line.split()[0]: line.split() for line in top.stdout.splitlines()[3:] if line.strip()}
+            table = top.stdout.split("\n\n")[1].splitlines()[1:]  # between the server's line and the footer
+            rows = {line.split()[0]: line.split() for line in table}
             assert {name: int(row[2]) for name, row in rows.items()} == SENT, top.stdout
             assert rows["bd48"][1] == "-" and "slots" in top.stdout.splitlines()[0], top.stdout
         finally:

@@ -39,7 +39,10 @@ OTHER = "other"
 # Loads of 8B-sized adapters take milliseconds from memory and seconds from slow disks.
 LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Bounds at most 1.5x apart from 50 ms to 30 s (1.25x from 4 s to 10 s), where queueing for a slot puts first tokens:
+# a quantile read from the buckets (`vllm-bdlora top`, PromQL's histogram_quantile) lies within its bucket.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5,
+                10.0, 15.0, 20.0, 30.0, 60.0)  # fmt: skip
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 LOAD_KINDS = ("admission", "reread", "restore", "in_step")
 

@@ -18,13 +18,18 @@ from collections import defaultdict
 def read_metrics(url: str, api_key: str | None) -> dict:
     """{metric name: {frozenset of label items: value}} from one scrape."""
     import requests
-    from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = requests.get(f"{url.rstrip('/')}/metrics", headers=headers, timeout=10)
     response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def parse_metrics(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
     samples: dict = defaultdict(dict)
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[sample.name][frozenset(sample.labels.items())] = sample.value
     return samples
@@ -94,6 +99,8 @@ def render(url: str, now: dict, before: dict | None, seconds: float) -> str:
         "",
         f"{'adapter':<32} {'where':<5} {'requests':>9} {'req/s':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9}",
     ]
+    footer = ("ttft p50/p99: since the server started, interpolated within its histogram's buckets (as PromQL's "
+              "histogram_quantile): each lies in the bucket holding the true value, at most 1.5x wide")  # fmt: skip
     for name, where, total, rate, tokens, p50, p99 in adapter_rows(now, before, seconds):
 
         def number(x, fmt):
@@ -102,7 +109,7 @@ def render(url: str, now: dict, before: dict | None, seconds: float) -> str:
         lines.append(f"{name[:32]:<32} {where:<5} {int(total):>9} {number(rate, '.2f'):>7} {number(tokens, '.1f'):>8} "
                      f"{number(p50 * 1000, '.0f') + ' ms' if not math.isnan(p50) else '-':>9} "
                      f"{number(p99 * 1000, '.0f') + ' ms' if not math.isnan(p99) else '-':>9}")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join([*lines, "", footer])
 
 
 def main(argv: list[str]) -> int:
