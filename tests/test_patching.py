@@ -70,6 +70,7 @@ PATCH_TESTS = {
     ],
     "static_loras_in_parallel": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
     "startup_notes_at_debug": ["test_server.py::test_start_up_warnings_that_ask_nothing_are_left_out"],
+    "shutdown_steps_at_debug": ["test_server.py::test_ctrl_c_stops_the_server_in_a_few_lines_without_a_traceback"],
     "unknown_model_lists_served_models": ["test_server.py::test_an_unknown_model_is_answered_with_what_is_served"],
     "runtime_loading_routes_say_how_to_enable": [
         "test_metrics.py::test_a_server_without_runtime_loading_says_how_to_turn_it_on"
@@ -206,8 +207,8 @@ def test_targets_are_patched(patch):
         pytest.skip(reason)
     if patch.name == "adapter_refusals_as_warnings":
         pytest.skip("a logging filter, not a function: see test_adapter_refusal_logs_one_warning_line")
-    if patch.name == "startup_notes_at_debug":
-        pytest.skip("logging filters, not functions: see test_startup_notes_go_to_debug_and_other_warnings_stay")
+    if patch.name in ("startup_notes_at_debug", "shutdown_steps_at_debug"):
+        pytest.skip("logging filters, not functions: see test_server.py's start-up and Ctrl-C tests")
     resolved, patched = 0, 0
     for target in patch.targets:
         try:

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -61,10 +62,11 @@ def server(demo_assets, tmp_path_factory):
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         wait_healthy(proc, README_URL, str(log_path), START_TIMEOUT)
-        yield README_URL, log_path
+        yield README_URL, log_path, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +92,14 @@ def load(url, name, path):
 
 @pytest.mark.engine
 def test_models_lists_adapters(server, demo_assets):
-    url, _ = server
+    url, _, _ = server
     ids = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
     assert ids == [demo_assets["model"], "bd-r64", "lora-r16"]
 
 
 @pytest.mark.engine
 def test_the_plugin_picks_the_cpu_settings_the_readme_command_leaves_out(server):
-    _, log_path = server
+    _, log_path, _ = server
     log = log_path.read_text()
     assert "VLLM_CPU_OMP_THREADS_BIND=" in log and "VLLM_CPU_KVCACHE_SPACE=" in log
 
@@ -106,7 +108,7 @@ def test_the_plugin_picks_the_cpu_settings_the_readme_command_leaves_out(server)
 def test_start_up_warnings_that_ask_nothing_are_left_out(server):
     from vllm_bdlora.serve.quiet_logs import NOTES
 
-    _, log_path = server
+    _, log_path, _ = server
     log = log_path.read_text()
     shown = [start for _, start in NOTES if start in log]
     assert not shown, shown
@@ -117,7 +119,7 @@ def test_start_up_warnings_that_ask_nothing_are_left_out(server):
 def test_startup_logs_say_how_adapters_are_sharded(server, demo_assets):
     from vllm_bdlora.sizing import ModelShape, slot_cost
 
-    _, log_path = server
+    _, log_path, _ = server
     log = log_path.read_text()
     assert "BD-LoRA packed qkv (q_proj, k_proj, v_proj): 2 layer(s), TP=2, per-GPU LoRA width 32" in log
     assert "BD-LoRA merged column-parallel (e.g. gate_up_proj): 2 layer(s)" in log
@@ -140,7 +142,7 @@ def test_startup_logs_say_how_adapters_are_sharded(server, demo_assets):
 @pytest.mark.engine
 @pytest.mark.parametrize("model", ["base", "bd-r64", "lora-r16"])
 def test_completion_chat_and_stream_match_peft(server, demo_assets, reference_words, model):
-    url, _ = server
+    url, _, _ = server
     name = None if model == "base" else model
     served = demo_assets["model"] if name is None else name
     expected = reference_words[name]
@@ -164,7 +166,7 @@ def test_completion_chat_and_stream_match_peft(server, demo_assets, reference_wo
 
 @pytest.mark.engine
 def test_dynamic_load_and_unload(server, assets, reference_words):
-    url, _ = server
+    url, _, _ = server
     assert load(url, "bd48", assets["bd48"]).status_code == 200
     assert complete(url, "bd48").json()["choices"][0]["text"].split() == reference_words["bd48"]
     response = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, timeout=60)
@@ -175,7 +177,7 @@ def test_dynamic_load_and_unload(server, assets, reference_words):
 @pytest.mark.engine
 def test_an_unknown_model_is_answered_with_what_is_served(server, demo_assets):
     """A mistyped adapter name gets 404 naming the served adapters and the one probably meant, not only the base."""
-    url, _ = server
+    url, _, _ = server
     answer = complete(url, "bd-r46")
     assert answer.status_code == 404
     message = answer.json()["error"]["message"]
@@ -207,7 +209,7 @@ def broken_copy(source, destination, edit_config=None):
 
 @pytest.mark.engine
 def test_bad_adapters_get_400_and_the_server_keeps_serving(server, assets, reference_words, tmp_path):
-    url, _ = server
+    url, _, _ = server
     cases = {
         "too_wide": (assets["std64"], ("--max-lora-rank 128",)),
         "nblocks_not_a_number": (
@@ -286,3 +288,21 @@ def test_peft_bdlora_example_flags_serve_concurrent_and_streaming_clients(assets
             chunks = [json.loads(line[len(b"data: "):])["choices"][0]["text"] for line in response.iter_lines()
                       if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
         assert len(chunks) > 1 and "".join(chunks).split() == asset_words["bd64"]
+
+
+@pytest.mark.engine
+def test_ctrl_c_stops_the_server_in_a_few_lines_without_a_traceback(server):
+    """The module's last test: Ctrl-C (SIGINT to the terminal's process group) stops the README's server with status
+    0 in seconds, and what it prints after is a few lines, without a traceback or the interpreter's teardown noise."""
+    _, log_path, proc = server
+    before = len(log_path.read_text())
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    # What the server's children (the resource tracker) print as they exit: until the log stops growing, 5 s at most.
+    size, settle = -1, time.monotonic() + 5
+    while time.monotonic() < settle and size != (size := len(log_path.read_text())):
+        time.sleep(1)
+    after = log_path.read_text()[before:]
+    assert len(after.strip().splitlines()) <= 5, after
+    for noise in ("Traceback", "Exception ignored", "nanobind", "[shutdown]", "resource_tracker"):
+        assert noise not in after, after

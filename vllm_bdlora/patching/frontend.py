@@ -150,6 +150,7 @@ def patch_engine_death_exit_status() -> bool:
         EngineStallWatch,
         engine_died,
         engine_processes_alive,
+        exit_without_teardown,
         fail_pending_engine_calls,
         note_engine_death,
     )
@@ -189,8 +190,7 @@ def patch_engine_death_exit_status() -> bool:
     def make(original):
         def cmd(args):
             original(args)
-            if engine_died():
-                raise SystemExit(EXIT_ENGINE_DIED)
+            exit_without_teardown(EXIT_ENGINE_DIED if engine_died() else 0)
 
         return cmd
 

@@ -38,7 +38,11 @@ from vllm_bdlora.patching.worker import (
     patch_lora_manager,
     patch_peft_helper_defers_adapter_flags,
 )
-from vllm_bdlora.serve.quiet_logs import install_adapter_refusal_filter, install_notes_at_debug
+from vllm_bdlora.serve.quiet_logs import (
+    install_adapter_refusal_filter,
+    install_notes_at_debug,
+    install_shutdown_steps_at_debug,
+)
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -547,6 +551,26 @@ PATCHES: tuple[Patch, ...] = (
         "vLLM's handlers leave out at its default level; VLLM_LOGGING_LEVEL=DEBUG shows them.",
         removal="vLLM logging these at INFO or DEBUG.",
         apply=install_notes_at_debug,
+    ),
+    Patch(
+        name="shutdown_steps_at_debug",
+        targets=(
+            "vllm.entrypoints.launchers.launcher (logger)",
+            "vllm.v1.engine.core_client (logger)",
+            "vllm.v1.engine.utils (logger)",
+            "vllm.utils.system_utils (logger)",
+            "... (SHUTDOWN_LOGGERS)",
+        ),
+        stage="early",
+        versions="0.26-0.32",
+        why="At a Ctrl-C vLLM narrates its shutdown in twenty-odd '[shutdown] ...' lines, among them warnings that "
+        "it force-killed the processes it was asked to stop, and Python's resource tracker then warns that it "
+        "cleaned up their shared memory.",
+        how="Filters on the loggers that narrate it (vllm_bdlora.serve.quiet_logs.SHUTDOWN_LOGGERS) turn '[shutdown]' "
+        "records into DEBUG ones, their warnings too unless the engine died; VLLM_LOGGING_LEVEL=DEBUG shows them. "
+        "The resource tracker, which cleans up the killed processes' shared memory, does so without its warnings.",
+        removal="vLLM logging its shutdown steps at DEBUG.",
+        apply=install_shutdown_steps_at_debug,
     ),
 )
 

@@ -50,6 +50,20 @@ def _exit_by_deadline(seconds: float) -> None:
     os._exit(EXIT_ENGINE_DIED)
 
 
+def exit_without_teardown(status: int) -> None:
+    """Exit after `vllm serve` stopped: the exit handlers run (vLLM's temporary directories, logging's flush), the
+    interpreter's module teardown does not. After an orderly stop it only prints noise: Triton's bindings report
+    every object they never free ("nanobind: leaked ..."), and vLLM's AsyncLLM finalizer fails on half-removed
+    modules ("Exception ignored in AsyncLLM.__del__ ... TypeError")."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
+
+
 def kill_child_processes() -> None:
     import psutil
 

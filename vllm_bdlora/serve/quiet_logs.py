@@ -73,3 +73,50 @@ def install_notes_at_debug() -> bool:
             logger.addFilter(NotesAtDebug(tuple(start for owner, start in NOTES if owner == name)))
             installed = True
     return installed
+
+
+SHUTDOWN_STEP = "[shutdown]"
+# The modules whose loggers narrate vLLM's shutdown ("[shutdown] ..."), 0.32's layout (older ones: the same names).
+SHUTDOWN_LOGGERS = (
+    "vllm.entrypoints.launchers.launcher", "vllm.v1.engine.core_client", "vllm.v1.engine.core", "vllm.v1.engine.utils",
+    "vllm.v1.executor.multiproc_executor", "vllm.v1.core.sched.scheduler", "vllm.v1.utils", "vllm.utils.system_utils",
+    "vllm.distributed.parallel_state", "vllm.renderers.base",
+)  # fmt: skip
+
+
+class ShutdownStepsAtDebug(logging.Filter):
+    """vLLM narrates its shutdown step by step ("[shutdown] ...": twenty-odd lines at a Ctrl-C, among them warnings
+    that it force-killed the processes it was asked to stop). Those records become DEBUG records, which vLLM's
+    handlers leave out at its default level, the warnings only where the engine did not die
+    (vllm_bdlora.serve.lifecycle): after a death they say what was killed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(SHUTDOWN_STEP) or record.levelno >= logging.ERROR:
+            return True
+        if record.levelno == logging.WARNING:
+            from vllm_bdlora.serve.lifecycle import engine_died
+
+            if engine_died():
+                return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+# Python's multiprocessing resource tracker, started by the first process that needs it with that process's warning
+# options, cleans up the shared memory of the engine processes vLLM kills at a Ctrl-C, and says so in four lines.
+TRACKER_CLEANUP_WARNINGS = "ignore:resource_tracker:UserWarning"
+
+
+def install_shutdown_steps_at_debug() -> bool:
+    import sys
+
+    installed = False
+    if TRACKER_CLEANUP_WARNINGS not in sys.warnoptions:
+        sys.warnoptions.append(TRACKER_CLEANUP_WARNINGS)
+        installed = True
+    for name in SHUTDOWN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ShutdownStepsAtDebug) for f in logger.filters):
+            logger.addFilter(ShutdownStepsAtDebug())
+            installed = True
+    return installed
