@@ -12,9 +12,12 @@ from tests.conftest import ADAPTERS, BATCH, MAX_TOKENS, assert_matches_reference
 pytestmark = pytest.mark.engine
 
 
-def test_a_poisoned_adapter_changes_no_other_answer(assets, prompts, peft_reference, tmp_path_factory):
+def test_a_poisoned_adapter_in_an_engine_of_its_own_changes_no_other_answer(
+    assets, prompts, peft_reference, tmp_path_factory
+):
     """The poisoned request shares one batch with a base-model request and every other adapter; then each of
-    those is sent alone. Its NaN hidden states never reach the KV cache (cpu_kv_cache_holds_finite_values: vLLM's
+    those is sent alone. The spec poisons its engine, which its host shuts down after it (tests/engine_runner.py).
+    Its NaN hidden states never reach the KV cache (cpu_kv_cache_holds_finite_values: vLLM's
     CPU attention weighs a reused block's stale rows by zero, and 0 x NaN is NaN)."""
     engine = engine_kwargs(assets["model"], 2, bdlora=True, max_loras=len(ADAPTERS) + 1)
     adapters = {name: assets[name] for name in ADAPTERS} | {"poisoned": assets["bd64"]}

@@ -82,7 +82,9 @@ PATCH_TESTS = {
         "test_metrics.py::test_several_api_servers_serve_adapters_and_export_one_engines_figures"
     ],
     "engine_core_answers_pings": ["test_server_guards.py::test_a_stopped_worker_turns_health_to_503_and_back"],
-    "cpu_kv_cache_holds_finite_values": ["test_isolation.py::test_a_poisoned_adapter_changes_no_other_answer"],
+    "cpu_kv_cache_holds_finite_values": [
+        "test_isolation.py::test_a_poisoned_adapter_in_an_engine_of_its_own_changes_no_other_answer"
+    ],
     "adapter_refusals_as_warnings": [
         "test_patching.py::test_adapter_refusal_logs_one_warning_line",
         "test_server_guards.py::test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving",
