@@ -46,6 +46,20 @@ def serving_models_module(method: str, parameters: tuple[str, ...]):
     return module
 
 
+def api_server_module_with(attribute: str, candidates: tuple[str, ...], missing: str, level: int = logging.DEBUG):
+    """The first of the `candidates` modules that defines `attribute` (vLLM moves things between releases,
+    compat.py), in an API server process; None outside one, or where this vLLM has none (`missing` is logged)."""
+    if not in_api_server():
+        return None
+    from vllm_bdlora.compat import modules_with
+
+    found = modules_with(attribute, candidates)
+    if not found:
+        logger.log(level, "vllm-bdlora: %s", missing)
+        return None
+    return found[0]
+
+
 ERROR_TYPES = {400: "BadRequestError", 403: "PermissionDenied", 507: "InsufficientStorage"}
 
 
@@ -100,15 +114,13 @@ def patch_load_lora_adapter_policy() -> bool:
 
 def patch_api_key_covers_every_route() -> bool:
     """vLLM's key check guards only /v1, /v2, /inference and /cohere; guard every path but the open probes."""
-    if not in_api_server():
-        return False
-    from vllm_bdlora.compat import AUTH_MIDDLEWARE_MODULES, modules_with
+    from vllm_bdlora.compat import AUTH_MIDDLEWARE_MODULES
 
-    found = modules_with("AuthenticationMiddleware", AUTH_MIDDLEWARE_MODULES)
-    if not found:
-        logger.warning("vllm-bdlora: this vLLM's --api-key check was not found; it guards only vLLM's own routes.")
+    missing = "this vLLM's --api-key check was not found; it guards only vLLM's own routes."
+    holder = api_server_module_with("AuthenticationMiddleware", AUTH_MIDDLEWARE_MODULES, missing, logging.WARNING)
+    if holder is None:
         return False
-    middleware = found[0].AuthenticationMiddleware
+    middleware = holder.AuthenticationMiddleware
     require_parameters(middleware.__call__, ("scope", "receive", "send"), "AuthenticationMiddleware.__call__")
     require_parameters(middleware.verify_token, ("headers",), "AuthenticationMiddleware.verify_token")
 
@@ -236,15 +248,13 @@ def patch_unload_reaches_engine() -> bool:
 def patch_unknown_model_lists_served_models() -> bool:
     """vLLM answers a request for a model it does not serve with "Valid aliases: <the base model>", naming none of
     the adapters; answer with what is served, the closest adapter names first (vllm_bdlora.answers)."""
-    if not in_api_server():
-        return False
-    from vllm_bdlora.compat import SERVING_ENGINE_MODULES, modules_with
+    from vllm_bdlora.compat import SERVING_ENGINE_MODULES
 
-    found = modules_with("BaseServing", SERVING_ENGINE_MODULES)
-    if not found:
-        logger.debug("vllm-bdlora: this vLLM's model check was not found; unknown models get vLLM's answer.")
+    missing = "this vLLM's model check was not found; unknown models get vLLM's answer."
+    holder = api_server_module_with("BaseServing", SERVING_ENGINE_MODULES, missing)
+    if holder is None:
         return False
-    serving = found[0].BaseServing
+    serving = holder.BaseServing
     require_parameters(serving._check_model, ("request",), "BaseServing._check_model")
 
     def make(original):
@@ -265,13 +275,11 @@ def patch_unknown_model_lists_served_models() -> bool:
 def patch_runtime_loading_routes_say_how_to_enable() -> bool:
     """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM registers no adapter load or unload route, and a client's load
     gets a bare `{"detail": "Not Found"}`; register those routes answering 404 with how to turn loading on."""
-    if not in_api_server():
-        return False
-    from vllm_bdlora.compat import LORA_ROUTER_MODULES, modules_with
+    from vllm_bdlora.compat import LORA_ROUTER_MODULES
 
-    found = modules_with("attach_router", LORA_ROUTER_MODULES)
-    if not found:
-        logger.debug("vllm-bdlora: this vLLM's adapter routes were not found; their absence gets vLLM's answer.")
+    missing = "this vLLM's adapter routes were not found; a load where loading is off gets vLLM's answer."
+    holder = api_server_module_with("attach_router", LORA_ROUTER_MODULES, missing)
+    if holder is None:
         return False
 
     def make(original):
@@ -294,7 +302,7 @@ def patch_runtime_loading_routes_say_how_to_enable() -> bool:
 
         return attach_router
 
-    return wrap_function(found[0].__name__, "attach_router", make, required=("app",))
+    return wrap_function(holder.__name__, "attach_router", make, required=("app",))
 
 
 STATIC_LOADS_AT_ONCE = 16
