@@ -134,8 +134,15 @@ def prometheus() -> str:
     binary = cache / "usr" / "bin" / "prometheus"
     if not binary.exists() and shutil.which("apt-get") and shutil.which("dpkg-deb"):
         with tempfile.TemporaryDirectory() as download:
-            fetched = subprocess.run(["apt-get", "download", "prometheus"], cwd=download, capture_output=True,
-                                     text=True, timeout=300)  # fmt: skip
+
+            def fetch():
+                command = ["apt-get", "download", "prometheus"]
+                return subprocess.run(command, cwd=download, capture_output=True, text=True, timeout=300)
+
+            fetched = fetch()
+            if fetched.returncode != 0 and os.geteuid() == 0:  # no package lists yet (a fresh image): as root, get them
+                subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=300)
+                fetched = fetch()
             packages = list(Path(download).glob("prometheus_*.deb"))
             if fetched.returncode == 0 and packages:
                 cache.mkdir(parents=True, exist_ok=True)
