@@ -374,7 +374,11 @@ def test_cpu_defaults_measure_the_numa_node_as_vllm_does(monkeypatch):
     monkeypatch.setattr(cpu_defaults, "numa_nodes", lambda: 1)
     monkeypatch.setattr(os, "environ", {})
     assert cpu_defaults.apply_cpu_defaults(1, utilization=0.92) == {"VLLM_CPU_KVCACHE_SPACE": "3"}
-    node = cpu_resource_utils.MemoryNodeInfo(total_memory=int(17.34 * gib), available_memory=int(17.0 * gib))
+    # 21.05 of 23.54 GiB: 0.92 of it was free when the API server looked, not when its worker did (seen on a CI runner)
+    node = cpu_resource_utils.MemoryNodeInfo(total_memory=int(23.54 * gib), available_memory=int(21.7 * gib))
+    monkeypatch.setattr(os, "environ", {})
+    assert cpu_defaults.apply_cpu_defaults(1, utilization=0.92) == {"VLLM_CPU_KVCACHE_SPACE": "5"}
+    node = cpu_resource_utils.MemoryNodeInfo(total_memory=256 * gib, available_memory=250 * gib)  # a server's own
     monkeypatch.setattr(os, "environ", {})
     assert cpu_defaults.apply_cpu_defaults(1, utilization=0.92) == {}
 

@@ -27,12 +27,18 @@ def numa_nodes() -> int:
     return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
 
 
+# What each process of a server (API server, engine core, every worker) holds before the workers measure the node:
+# measured here now, the node must have that much to spare besides what vLLM's check wants (1.7 GiB for a worker
+# in-process with its engine core, on CPU).
+START_UP_GIB_PER_PROCESS = 1.5
+
+
 def cpu_defaults(workers: int, environ: dict, cpus: list[int], nodes: int, free_gib: float,
                  total: float = 0.0, utilization: float = 0.9) -> dict[str, str]:  # fmt: skip
     """The settings to add to `environ` (empty where vLLM's own work or the user chose). `free_gib` and `total`: the
     available and whole memory in GiB of the NUMA node vLLM checks, of which it wants `utilization` available (total
-    0: not checked)."""
-    short_of_memory = total > 0 and free_gib < utilization * total
+    0: not checked) when the workers start, after the server's other processes have taken their share."""
+    short_of_memory = total > 0 and free_gib < utilization * total + START_UP_GIB_PER_PROCESS * (workers + 2)
     if workers <= nodes and not short_of_memory:
         return {}
     chosen = {}
