@@ -76,7 +76,8 @@ def install_notes_at_debug() -> bool:
 
 
 SHUTDOWN_STEP = "[shutdown]"
-# The modules whose loggers narrate vLLM's shutdown ("[shutdown] ..."), 0.32's layout (older ones: the same names).
+# The modules whose loggers narrate vLLM's shutdown ("[shutdown] ..."), by their 0.32 names (a name another release
+# lacks only leaves that release's lines as they are).
 SHUTDOWN_LOGGERS = (
     "vllm.entrypoints.launchers.launcher", "vllm.v1.engine.core_client", "vllm.v1.engine.core", "vllm.v1.engine.utils",
     "vllm.v1.executor.multiproc_executor", "vllm.v1.core.sched.scheduler", "vllm.v1.utils", "vllm.utils.system_utils",
