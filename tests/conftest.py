@@ -229,7 +229,7 @@ class EngineHost:
         self.kill()
 
     def kill(self) -> None:
-        """The host and every process it started (its session: an engine's workers) killed at once."""
+        """The host and every process it started (its process group: an engine's workers) killed at once."""
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
