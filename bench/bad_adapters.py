@@ -103,6 +103,11 @@ def _rank_pattern_for_q(config: dict) -> None:
     config["rank_pattern"] = {"q_proj": config["r"] // 2}
 
 
+def _first_layer_only(config: dict) -> None:
+    """PEFT's `layers_to_transform`: it puts LoRA layers on layer 0 only, and would not load the others' tensors."""
+    config["layers_to_transform"] = [0]
+
+
 def _edit_header(edit: Callable[[dict], None]) -> Callable[[str, Path], str]:
     """The weights file with its safetensors header edited (the data left as it is)."""
 
@@ -200,6 +205,14 @@ BAD_ADAPTERS = (
                ("lora_A has shape", "gives this module r")),
     BadAdapter("rank_pattern_contradicts_tensors", _edit_config(_rank_pattern_for_q), 400,
                ("self_attn.q_proj", "lora_A has shape", "rank_pattern")),
+    BadAdapter("rank_pattern_back_reference", _edit_config(lambda c: c.update(rank_pattern={r"(q)_\1": 8})), 400,
+               (CONFIG, "rank_pattern key", "is not a pattern vllm-bdlora matches")),
+    BadAdapter("alpha_pattern_look_ahead", _edit_config(lambda c: c.update(alpha_pattern={"(?!k)q_proj": 8})), 400,
+               (CONFIG, "alpha_pattern key", "is not a pattern vllm-bdlora matches")),
+    BadAdapter("tensors_outside_layers_to_transform", _edit_config(_first_layer_only), 400,
+               (WEIGHTS, "layers.1.", "layers_to_transform", "PEFT would not load them")),
+    BadAdapter("tensors_outside_target_modules", _edit_config(lambda c: c.update(target_modules=["q_proj"])), 400,
+               (WEIGHTS, "target_modules")),
     BadAdapter("nan_weights", _edit_first("lora_B", float("nan")), 400, ("lora_B holds NaN or Inf",)),
     BadAdapter("inf_weights", _edit_first("lora_A", float("inf")), 400, ("lora_A holds NaN or Inf",)),
     BadAdapter("pickle_only", _pickle_only, 400, ("adapter_model.bin is a pickle file", "never loaded")),

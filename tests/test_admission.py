@@ -134,14 +134,28 @@ def test_rank_pattern_matches_dotted_suffixes_as_peft_does():
     assert module_rank(config, "model.layers.0.self_attn.xq_proj") == 16  # a suffix at a "." boundary only
 
 
-def test_a_rank_pattern_that_is_not_a_regular_expression_is_named(assets, tmp_path):
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("rank_pattern", {"q_proj(": 8}, "rank_pattern key 'q_proj(' is not a pattern vllm-bdlora matches (missing )"),
+        ("rank_pattern", {r"(q)_\1": 8}, "rank_pattern key '(q)_\\\\1'"),  # a back-reference
+        ("alpha_pattern", {"(?=q)q_proj": 8}, "alpha_pattern key '(?=q)q_proj'"),  # look-ahead
+        ("rank_pattern", {"q" * 600: 8}, "600 characters, over the limit of 512"),
+        ("alpha_pattern", {f"layers.{i}.q_proj": 8 for i in range(300)}, "alpha_pattern has 300 keys"),
+        ("target_modules", "(?<=x)q_proj", "target_modules '(?<=x)q_proj'"),
+        ("layers_pattern", ["layers", r"\Z"], "layers_pattern"),
+        ("layers_to_transform", "0", "layers_to_transform must be a layer index"),
+    ],
+)
+def test_a_pattern_the_server_cannot_match_in_linear_time_is_named(assets, tmp_path, field, value, says):
     path = tmp_path / "ad"
     shutil.copytree(assets["bd64"], path)
     config = json.loads((path / "adapter_config.json").read_text())
-    config["rank_pattern"] = {"q_proj(": 8}
+    config[field] = value
     (path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(AdapterRejected, match=r"rank_pattern key 'q_proj\(' is not a regular expression"):
+    with pytest.raises(AdapterRejected) as refused:
         check_adapter_dir(str(path), "ad")
+    assert says in str(refused.value) and "adapter_config.json" in str(refused.value), str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,15 @@ tells nothing about what exists on the server's disk.
 Each problem becomes one `AdapterRejected` naming the adapter, the file and the fix (HTTP 400; the server keeps
 serving). Checked here: the path is a directory; `adapter_config.json` is a JSON object of at most 1 MiB, nested
 at most 64 deep, whose `r`, `lora_alpha`, `rank_pattern` and `alpha_pattern` are numbers of the right kind and
-whose scales (`lora_alpha / r`, per pattern, rsLoRA's `/ sqrt(r)`) are within `adapter_values.MAX_SCALING`; the
+whose scales (`lora_alpha / r`, per pattern, rsLoRA's `/ sqrt(r)`) are within `adapter_values.MAX_SCALING`, and
+whose module-name patterns are ones `vllm_bdlora.name_patterns` matches in linear time; the
 weights are in `adapter_model.safetensors` (pickle files are never loaded); that file's header is well formed,
 holds at most `MAX_TENSORS` floating-point tensors laid end to end without gaps or overlaps, and the file is as
 long as the header says (a truncated or half-copied file is caught here, not by a tensor reader); every `lora_A`
 has as many rows as the rank `adapter_config.json` gives its module (PEFT refuses an adapter whose `r` contradicts
-its tensors; serving one would scale it by the wrong `lora_alpha / r`); and no block-diagonal factor lies inside
+its tensors; serving one would scale it by the wrong `lora_alpha / r`); every module with tensors is one PEFT puts a
+LoRA layer on under the config's `target_modules`, `exclude_modules` and `layers_to_transform` (PEFT ignores the
+others' tensors; serving them would answer differently); and no block-diagonal factor lies inside
 a mixture of experts' experts (vLLM's fused MoE layer, which BD does not shard). Tensor values (NaN/Inf, gains)
 are checked once read, in `vllm_bdlora.adapter_values`.
 """
@@ -28,7 +31,6 @@ import json
 import math
 import mmap
 import os
-import re
 import stat
 import struct
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ from vllm_bdlora.adapters import (
     block_diagonal_expert_modules,
     parse_block_diagonal_spec,
 )
+from vllm_bdlora.name_patterns import RE2_HINT, first_matching_key, pattern_problems, peft_targets
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -184,7 +187,8 @@ def open_adapter(directory: str, adapter: str, roots: Sequence[str] = ()) -> Ope
         tensors, data_start, header_bytes = read_safetensors_header(weights_fd, st.st_size, adapter)
         problems = rank_problems(config, {n: e.shape for n, e in tensors.items()})
         if problems:
-            fix = f"make r (and rank_pattern) in {CONFIG_FILE} agree with the tensors, or {RESAVE_HINT}"
+            fix = (f"make r, rank_pattern and target_modules (layers_to_transform) in {CONFIG_FILE} agree with the "
+                   f"tensors, or {RESAVE_HINT}")  # fmt: skip
             raise AdapterRejected(adapter, problems, fix)
         experts = block_diagonal_expert_modules(tensors, parse_block_diagonal_spec(config, adapter))
         if experts:
@@ -315,9 +319,11 @@ def parse_config(raw: bytes, adapter: str) -> dict:
         pattern = config.get(key) or {}
         if not isinstance(pattern, dict) or not all(isinstance(k, str) and valid(v) for k, v in pattern.items()):
             problems.append(f"{CONFIG_FILE}: {key} must map module names to {kind}, got {pattern!r}")
-    problems += pattern_problems(config) if not problems else []
     if problems:
         raise AdapterRejected(adapter, problems, RESAVE_HINT)
+    problems = pattern_problems(config, CONFIG_FILE)
+    if problems:
+        raise AdapterRejected(adapter, problems, RE2_HINT)
     problems = config_scale_problems(config)
     if problems:
         raise AdapterRejected(adapter, [f"{CONFIG_FILE}: {p}" for p in problems],
@@ -384,43 +390,31 @@ def read_safetensors_header(fd: int, size: int, adapter: str) -> tuple[dict[str,
 def module_rank(config: dict, module: str) -> int:
     """The rank PEFT gives `module` (its name in the checkpoint, without `base_model.model.`): the first
     `rank_pattern` key that matches a dotted suffix of the name, else `r`."""
-    for key, rank in (config.get("rank_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return rank
-    return config["r"]
+    ranks = config.get("rank_pattern") or {}
+    key = first_matching_key(ranks, module)
+    return config["r"] if key is None else ranks[key]
 
 
 def module_scaling(config: dict, module: str) -> float:
     """The scaling PEFT applies to `module`: its alpha (`alpha_pattern` matched as `rank_pattern` is) over its rank, or
     over the rank's square root with rsLoRA."""
-    alpha = config.get("lora_alpha", 8)
-    for key, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            alpha = value
-            break
+    alphas = config.get("alpha_pattern") or {}
+    key = first_matching_key(alphas, module)
+    alpha = config.get("lora_alpha", 8) if key is None else alphas[key]
     return lora_scaling(alpha, module_rank(config, module), bool(config.get("use_rslora")))
 
 
-def pattern_problems(config: dict) -> list[str]:
-    """`rank_pattern` and `alpha_pattern` keys are regular expressions (PEFT matches them against module names):
-    each must compile."""
-    problems = []
-    for key in ("rank_pattern", "alpha_pattern"):
-        for pattern in config.get(key) or {}:
-            try:
-                re.compile(pattern)
-            except (re.error, RecursionError, OverflowError) as e:
-                problems.append(f"{CONFIG_FILE}: {key} key {pattern[:80]!r} is not a regular expression ({e})")
-    return problems
-
-
 def rank_problems(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """`lora_A` has one row per rank in every layout PEFT writes (standard, block-diagonal A and B)."""
-    problems = []
+    """`lora_A` has one row per rank in every layout PEFT writes (standard, block-diagonal A and B), on a module PEFT
+    targets under the config."""
+    problems, untargeted = [], []
     for tensor, shape in shapes.items():
         if ".lora_A" not in tensor:
             continue
         module = tensor.split(".lora_A", 1)[0].removeprefix("base_model.model.")
+        if not peft_targets(config, module):
+            untargeted.append(module)
+            continue
         rank = module_rank(config, module)
         if len(shape) != 2 or shape[0] != rank:
             source = "rank_pattern" if rank != config["r"] else "r"
@@ -428,6 +422,12 @@ def rank_problems(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]
                 f"{module}: lora_A has shape {list(shape)} but {CONFIG_FILE} gives this module {source} {rank} "
                 f"(expected [{rank}, ...])"
             )
+    if untargeted:
+        shown = ", ".join(untargeted[:3]) + (f" and {len(untargeted) - 3} more" if len(untargeted) > 3 else "")
+        problems.append(
+            f"{WEIGHTS_FILE} has LoRA tensors for {shown}, which {CONFIG_FILE}'s target_modules, exclude_modules and "
+            "layers_to_transform leave out (PEFT would not load them)"
+        )
     return problems
 
 
