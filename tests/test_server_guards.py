@@ -29,6 +29,7 @@ pytestmark = pytest.mark.engine
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = [10, 20, 30, 40, 50, 60]
+LONG_PROMPT = [4 + (37 * i) % 500 for i in range(200)]  # longer than one KV block (128 tokens on CPU)
 MAX_TOKENS = 12
 START_TIMEOUT = 240
 
@@ -75,8 +76,17 @@ def reference_words(assets):
     return {name: words(name) for name in ("bd64", "std16", "bd48")}
 
 
-def complete(url, model):
-    body = {"model": model, "prompt": " ".join(f"w{i}" for i in PROMPT), "max_tokens": MAX_TOKENS,
+@pytest.fixture(scope="module")
+def long_prompt_words(assets):
+    def words(adapter):
+        tokens, _ = greedy(load_reference(assets["model"], assets[adapter]), LONG_PROMPT, MAX_TOKENS)
+        return [f"w{t}" for t in tokens]
+
+    return {name: words(name) for name in ("bd64", "std16", "bd48")}
+
+
+def complete(url, model, prompt=PROMPT):
+    body = {"model": model, "prompt": " ".join(f"w{i}" for i in prompt), "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
     response = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
@@ -266,6 +276,33 @@ def test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it(serve
         time.sleep(0.5)
     assert log.count("vllm-bdlora: adapter 'cycled' removed from the engine") == 5, log[-3000:]
     assert complete(url, "bd64") == reference_words["bd64"]
+
+
+def test_a_reload_at_the_same_name_and_path_never_answers_from_the_old_weights_kv(server, roots, long_prompt_words):
+    """Redeploying a fine-tune to the same path: unloaded and loaded again, or loaded in place, the name answers a
+    prompt longer than one KV block as its new files do, never from KV its previous weights computed."""
+    url, _, _ = server
+    inside, _ = roots
+    path = inside / "redeployed"
+
+    def deploy(source):
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(inside / source, path)
+
+    deploy("bd64")
+    assert load(url, "redeployed", path).status_code == 200
+    for _ in range(2):  # the second answer reads the first one's cached blocks
+        assert complete(url, "redeployed", LONG_PROMPT) == long_prompt_words["bd64"]
+    assert unload(url, "redeployed").status_code == 200
+    deploy("bd48")
+    assert load(url, "redeployed", path).status_code == 200
+    assert complete(url, "redeployed", LONG_PROMPT) == long_prompt_words["bd48"]
+    deploy("std16")
+    body = {"lora_name": "redeployed", "lora_path": str(path), "load_inplace": True}
+    response = requests.post(f"{url}/v1/load_lora_adapter", json=body, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    assert complete(url, "redeployed", LONG_PROMPT) == long_prompt_words["std16"]
+    assert unload(url, "redeployed").status_code == 200
 
 
 def test_bad_lora_modules_entry_stops_startup_naming_it(assets, tmp_path):

@@ -16,6 +16,13 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
   others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
 * `remove` (an unload): the adapter is removed on every rank (GPU slot, host cache, what its workers kept) once no
   request of it is left; new requests cannot name it any more (the API server forgot the name first).
+* `generation`: each admission (an in-place reload included) and each removal gives the adapter a new generation,
+  which prefix caching adds to its blocks' keys (`keyed_by_admission`). vLLM keys an adapter's cached KV by its
+  name and path only, so a fine-tune redeployed to the same path, loaded again or in place, answered from KV its
+  previous weights computed. A request takes the generation current when the engine core receives it: one that
+  arrives after the load answered reads no block of other weights; one in flight across an in-place reload may
+  mix both, as its own computation does. Blocks of earlier generations are not reachable any more and are
+  reclaimed as the cache needs room.
 
 Polls are driven by a ticker thread that puts a marker into the engine core's input queue while anything is in
 flight, so the engine core's own thread does every call to the workers, in the same order on every rank.
@@ -23,6 +30,7 @@ flight, so the engine core's own thread does every call to the workers, in the s
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -33,6 +41,7 @@ logger = logging.getLogger("vllm.bdlora")
 
 ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
 TICK_SECONDS = 0.01
+GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side Request when it is first hashed
 
 
 @dataclass
@@ -51,9 +60,13 @@ class EngineAdmissions:
         self.ready: set[int] = set()
         self.pending: dict[int, _Pending] = {}
         self.removals: set[int] = set()
+        self.generations: dict[int, int] = {}
+        self._generation_counter = itertools.count(1)
         self._wake = threading.Event()
         self._tick_queued = False
         self._thread: threading.Thread | None = None
+
+    _creation = threading.Lock()  # the engine core's input thread asks too (`keyed_by_admission`)
 
     @classmethod
     def of(cls, core) -> EngineAdmissions | None:
@@ -65,8 +78,11 @@ class EngineAdmissions:
             settings = BdLoraSettings.from_vllm_config(getattr(core, "vllm_config", None))
             if not settings.enabled or getattr(core.vllm_config, "lora_config", None) is None:
                 return None
-            admissions = cls(core, settings.adapter_load_timeout_s)
-            core._bdlora_admissions = admissions
+            with cls._creation:
+                admissions = getattr(core, "_bdlora_admissions", None)
+                if admissions is None:
+                    admissions = cls(core, settings.adapter_load_timeout_s)
+                    core._bdlora_admissions = admissions
         return admissions
 
     @property
@@ -109,6 +125,7 @@ class EngineAdmissions:
     def remove(self, adapter_id: int, remove_now) -> bool:
         """Remove `adapter_id` now (`remove_now`, vLLM's own removal on every rank) or once no request of it is
         left; an admission in flight is given up."""
+        self._next_generation(adapter_id)
         self.ready.discard(adapter_id)
         pending = self.pending.pop(adapter_id, None)
         if pending is not None:
@@ -169,6 +186,7 @@ class EngineAdmissions:
             self._rpc("forget", [adapter_id])
             self._settle(pending, e)
             return
+        self._next_generation(adapter_id)
         self.ready.add(adapter_id)
         self.removals.discard(adapter_id)
         self._settle(pending, None, loaded)
@@ -200,6 +218,26 @@ class EngineAdmissions:
         self.pending[adapter_id] = pending
         self.removals.discard(adapter_id)
         return pending
+
+    # -- what prefix caching keys an adapter's blocks by ---------------------------------------------------------
+    def _next_generation(self, adapter_id: int) -> None:
+        self.generations[adapter_id] = next(self._generation_counter)
+
+    def key_blocks_by_admission(self) -> None:
+        """Make the core's request block hasher give each LoRA request its adapter's generation before its first
+        block is hashed (once; on the engine core's input thread, where requests are made; a dict read, no lock)."""
+        block_hasher = getattr(self.core, "request_block_hasher", None)
+        if block_hasher is None or getattr(block_hasher, "keyed_by_admission", False):
+            return
+
+        def hash_blocks(request):
+            lora = request.lora_request
+            if lora is not None and not hasattr(request, GENERATION_ATTRIBUTE):
+                setattr(request, GENERATION_ATTRIBUTE, self.generations.get(lora.lora_int_id, 0))
+            return block_hasher(request)
+
+        hash_blocks.keyed_by_admission = True
+        self.core.request_block_hasher = hash_blocks
 
     def _in_use(self, adapter_id: int) -> bool:
         requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
@@ -239,3 +277,12 @@ def load_timeout_refusal(adapter: str, path: str, timeout_s: float) -> str:
             'deadline is "adapter_load_timeout_s" in the bdlora section of --additional-config.',
         )
     )  # fmt: skip
+
+
+def lora_hash_keys_with_generation(keys: list, request) -> list:
+    """vLLM's LoRA block-hash keys (`[("lora", name, path)]`; a bare name before 0.32) with the request's adapter
+    generation added to each."""
+    generation = getattr(request, GENERATION_ATTRIBUTE, None)
+    if generation is None:
+        return keys
+    return [(*key, generation) if isinstance(key, tuple) else (key, generation) for key in keys]

@@ -3,7 +3,7 @@ engine (`vllm_bdlora.engine_admission`, `vllm_bdlora.admission`)."""
 
 from __future__ import annotations
 
-from vllm_bdlora.patching import UpstreamContractError, add_method, require_parameters, wrap_method
+from vllm_bdlora.patching import UpstreamContractError, add_method, require_parameters, wrap_function, wrap_method
 
 
 def patch_engine_core_admission() -> bool:
@@ -77,6 +77,36 @@ def patch_engine_core_admission() -> bool:
         wrap_method(EngineCoreProc, "_handle_client_request", make_handle),
     ]
     return any(changed)
+
+
+def patch_prefix_cache_keyed_by_admission() -> bool:
+    """With BD-LoRA on, an adapter's cached KV blocks are keyed by its admission too, not only its name and path."""
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_bdlora.engine_admission import EngineAdmissions, lora_hash_keys_with_generation
+
+    require_parameters(EngineCore.preprocess_add_request, ("request",), "EngineCore.preprocess_add_request")
+
+    def make_preprocess(original):
+        def preprocess_add_request(self, request):
+            admissions = EngineAdmissions.of(self)
+            if admissions is not None:
+                admissions.key_blocks_by_admission()
+            return original(self, request)
+
+        return preprocess_add_request
+
+    def make_hash_keys(original):
+        def _gen_lora_extra_hash_keys(request):
+            return lora_hash_keys_with_generation(original(request), request)
+
+        return _gen_lora_extra_hash_keys
+
+    module = "vllm.v1.core.kv_cache_utils"
+    return any([
+        wrap_method(EngineCore, "preprocess_add_request", make_preprocess),
+        wrap_function(module, "_gen_lora_extra_hash_keys", make_hash_keys, required=("request",)),
+    ])  # fmt: skip
 
 
 def bdlora_admission(self, op, payload):

@@ -9,6 +9,7 @@ from vllm_bdlora.patching.engine import (
     patch_engine_core_adapter_stats,
     patch_engine_core_admission,
     patch_engine_core_answers_pings,
+    patch_prefix_cache_keyed_by_admission,
     patch_scheduler_lora_aging,
     patch_worker_admission_calls,
 )
@@ -187,6 +188,23 @@ PATCHES: tuple[Patch, ...] = (
         "(aborted if it is refused); remove_lora waits until no request of the adapter is left.",
         removal="vLLM loading adapters off the engine's step (vLLM #31941, #41785) and unloading them in the engine.",
         apply=patch_engine_core_admission,
+    ),
+    Patch(
+        name="prefix_cache_keyed_by_admission",
+        targets=(
+            "vllm.v1.engine.core.EngineCore.preprocess_add_request",
+            "vllm.v1.core.kv_cache_utils._gen_lora_extra_hash_keys",
+        ),
+        stage="plugin",
+        versions="0.26-0.32 (engine core process)",
+        why="Prefix caching keys an adapter's KV blocks by its name and path: a fine-tune redeployed to the same "
+        "path, unloaded and loaded again or loaded in place, answered prompts longer than one block from KV its "
+        "previous weights computed.",
+        how="With BD-LoRA on, the engine core's block hasher gives each LoRA request its adapter's admission "
+        "generation (new at every admission and removal, vllm_bdlora.engine_admission), and the LoRA hash keys "
+        "carry it.",
+        removal="vLLM keying LoRA blocks by a per-load identity (a content digest or a load counter).",
+        apply=patch_prefix_cache_keyed_by_admission,
     ),
     Patch(
         name="scheduler_lora_aging",
