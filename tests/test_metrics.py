@@ -1,5 +1,6 @@
 """Operators and routers see every adapter (`vllm_bdlora.metrics`): a real Prometheus (Debian's `prometheus`, started
-here) scrapes a TP=2 BD-LoRA server guarded by --api-key (the key as a bearer token) while requests over three
+here) scrapes a TP=2 BD-LoRA server guarded by --api-key (the key as a bearer token; every route but the probes
+needs it) while requests over three
 adapters churn through two GPU slots and two host-cache entries and one adapter is unloaded; PromQL then answers with
 residency and token counts equal to what the test sent and what the server logged. The cardinality cap and counters
 across reloads are checked without an engine."""
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.conftest import cpu_engine_env
 from tests.test_server import complete, server_env
+from tests.test_server_guards import assert_every_route_but_the_probes_needs_a_key
 from vllm_bdlora.metrics import OTHER, AdapterMetrics, worker_figures
 from vllm_bdlora.serve.process import free_port, running_server
 
@@ -185,6 +187,7 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
             rows = {line.split()[0]: line.split() for line in table}
             assert {name: int(row[2]) for name, row in rows.items()} == SENT, top.stdout
             assert rows["bd48"][1] == "-" and "slots" in top.stdout.splitlines()[0], top.stdout
+            assert_every_route_but_the_probes_needs_a_key(url, log_path.read_text(), KEY)
         finally:
             scraper.terminate()
             scraper.wait(timeout=30)

@@ -57,7 +57,14 @@ PATCH_TESTS = {
     "ray_serve_adapter_refusals": [
         "test_ray_serve.py::test_ray_serve_refuses_a_bad_adapter_with_400_and_keeps_serving"
     ],
-    "api_key_covers_every_route": ["test_server_guards.py::test_every_route_but_the_probes_needs_the_api_key"],
+    "api_key_covers_every_route": ["test_metrics.py::test_prometheus_scrapes_residency_and_token_counts"],
+    "tenant_keys_gate": [
+        "test_server_guards.py::test_every_route_but_the_probes_needs_a_key_from_the_key_file",
+        "test_server_guards.py::test_a_tenant_key_uses_loads_and_sees_only_its_own_adapters",
+    ],
+    "prefix_cache_keyed_by_admission": [
+        "test_server_guards.py::test_a_reload_at_the_same_name_and_path_never_answers_from_the_old_weights_kv"
+    ],
     "engine_core_adapter_admission": [
         "test_engine_admission.py",
         "test_server_guards.py::test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it",

@@ -8,6 +8,8 @@ are changed or deleted afterwards keeps being served as admitted; an unload remo
 reload serves it again; a bad --lora-modules entry stops start-up naming it; a stopped worker turns /health to 503
 until it runs again; a dead engine turns /health to 503 and the process exits non-zero."""
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -23,11 +25,13 @@ from tests.test_server import server_env
 from vllm_bdlora.access import OPEN_PATHS, PATH_REFUSED
 from vllm_bdlora.peft_reference import greedy, load_reference
 from vllm_bdlora.serve.process import free_port, running_server
+from vllm_bdlora.tenants import TENANT_ROUTES
 
 pytestmark = pytest.mark.engine
 
-KEY = "test-key"
+KEY = "operator-key-0123456789"  # the key file's admin key
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ACME, GLOBEX = "acme-key-0123456789abc", "globex-key-0123456789ab"  # two tenants' keys
 PROMPT = [10, 20, 30, 40, 50, 60]
 LONG_PROMPT = [4 + (37 * i) % 500 for i in range(200)]  # longer than one KV block (128 tokens on CPU)
 MAX_TOKENS = 12
@@ -38,7 +42,7 @@ def serve_command(model, port, lora_modules, *extra):
     return [
         "vllm", "serve", model, "--enable-bdlora", "--tensor-parallel-size", "2", "--max-lora-rank", "64",
         "--max-loras", "1", "--max-cpu-loras", "1", "--dtype", "float32", "--max-model-len", "256",
-        "--enforce-eager", "--port", str(port), "--api-key", KEY, *extra, "--lora-modules",
+        "--enforce-eager", "--port", str(port), *extra, "--lora-modules",
         *[f"{name}={path}" for name, path in lora_modules.items()],
     ]  # fmt: skip
 
@@ -52,17 +56,32 @@ def roots(assets, tmp_path_factory):
     outside.mkdir()
     for name in ("bd64", "std16", "bd48"):
         shutil.copytree(assets[name], inside / name)
+    for tenant, adapter in (("acme", "bd48"), ("globex", "std16")):
+        shutil.copytree(assets[adapter], inside / tenant / adapter)
     shutil.copytree(assets["bd64"], outside / "bd64")
     return inside, outside
+
+
+def tenant_key_file(path, inside):
+    tenants = [
+        {"name": "operator", "key": KEY, "admin": True},
+        {"name": "acme", "key": ACME, "adapters": ["acme-*"], "roots": [str(inside / "acme")]},
+        {"name": "globex", "key_sha256": hashlib.sha256(GLOBEX.encode()).hexdigest(), "adapters": ["globex-*", "bd64"],
+         "roots": [str(inside / "globex")], "base_model": False},
+    ]  # fmt: skip
+    path.write_text(json.dumps({"tenants": tenants}))
+    return path
 
 
 @pytest.fixture(scope="module")
 def server(assets, roots, tmp_path_factory):
     inside, _ = roots
-    log_path = tmp_path_factory.mktemp("guarded") / "server.log"
+    base = tmp_path_factory.mktemp("guarded")
+    log_path = base / "server.log"
     command = serve_command(
-        assets["model"], free_port(), {"bd64": inside / "bd64"}, "--allowed-adapter-roots", str(inside)
-    )
+        assets["model"], free_port(), {"bd64": inside / "bd64"}, "--allowed-adapter-roots", str(inside),
+        "--tenant-keys", str(tenant_key_file(base / "keys.json", inside)),
+    )  # fmt: skip
     with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (process, url):
         yield url, log_path, process
 
@@ -111,9 +130,8 @@ def routes_from_log(log: str) -> list[tuple[str, str]]:
     return sorted(set(routes))
 
 
-def test_every_route_but_the_probes_needs_the_api_key(server):
-    url, log_path, _ = server
-    routes = routes_from_log(log_path.read_text())
+def assert_every_route_but_the_probes_needs_a_key(url, log: str, key: str) -> None:
+    routes = routes_from_log(log)
     paths = {path for path, _ in routes}
     assert {"/v1/completions", "/adapters", "/adapters/{adapter_name}", "/invocations", "/health"} <= paths
     open_to_anyone = []
@@ -125,7 +143,77 @@ def test_every_route_but_the_probes_needs_the_api_key(server):
                 open_to_anyone.append((method, path, status))
     assert sorted({path for _, path, _ in open_to_anyone}) == sorted(OPEN_PATHS & paths), open_to_anyone
     # The key still opens the guarded routes.
-    assert requests.get(f"{url}/v1/models", headers=AUTH, timeout=10).status_code == 200
+    assert requests.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
+
+
+def test_every_route_but_the_probes_needs_a_key_from_the_key_file(server):
+    url, log_path, _ = server
+    assert_every_route_but_the_probes_needs_a_key(url, log_path.read_text(), KEY)
+    log = log_path.read_text()
+    assert "2 tenant key(s) and 1 admin key(s) from" in log, log[-2000:]
+    # A tenant's key opens only the tenants' routes; the rest need an admin key.
+    for path, method in routes_from_log(log):
+        concrete = re.sub(r"\{[^}]+\}", "x", path)
+        if concrete.rstrip("/") in OPEN_PATHS or TENANT_ROUTES.fullmatch(concrete):
+            continue
+        status = requests.request(method, f"{url}{concrete}", headers=tenant(ACME), timeout=30).status_code
+        assert status == 403, (method, path, status)
+
+
+def tenant(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def post(url, route, body, key):
+    return requests.post(f"{url}{route}", json=body, headers=tenant(key), timeout=120)
+
+
+def test_a_tenant_key_uses_loads_and_sees_only_its_own_adapters(server, roots, assets, reference_words):
+    """Two tenants on one server: each loads from its own directory under its own names; neither can use, replace
+    (load_inplace), unload or see the other's adapter, whatever route it tries; an admin key can."""
+    url, _, _ = server
+    inside, _ = roots
+    acme_path, globex_path = inside / "acme" / "bd48", inside / "globex" / "std16"
+    assert post(url, "/v1/load_lora_adapter", {"lora_name": "acme-a", "lora_path": str(acme_path)}, ACME).ok
+    assert post(url, "/adapters", {"name": "globex-b", "src": str(globex_path)}, GLOBEX).ok
+
+    def words(model, key):
+        body = {"model": model, "prompt": " ".join(f"w{i}" for i in PROMPT), "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        return post(url, "/v1/completions", body, key)
+
+    assert words("acme-a", ACME).json()["choices"][0]["text"].split() == reference_words["bd48"]
+    assert words("globex-b", GLOBEX).json()["choices"][0]["text"].split() == reference_words["std16"]
+    # globex against acme's adapter
+    for answer in (words("acme-a", GLOBEX), words("acme-unloaded", GLOBEX)):
+        assert answer.status_code == 404 and "acme-a" not in answer.text.replace("'acme-a'", ""), answer.text
+    takeover = {"lora_name": "acme-a", "lora_path": str(globex_path), "load_inplace": True}
+    refusals = [
+        post(url, "/v1/load_lora_adapter", takeover, GLOBEX),
+        post(url, "/v1/unload_lora_adapter", {"lora_name": "acme-a"}, GLOBEX),
+        requests.delete(f"{url}/adapters/acme-a", headers=tenant(GLOBEX), timeout=60),
+        post(url, "/v1/load_lora_adapter", {"lora_name": "globex-c", "lora_path": str(acme_path)}, GLOBEX),
+        post(url, "/v1/load_lora_adapter", {"lora_name": "acme-b", "lora_path": str(acme_path)}, GLOBEX),
+    ]
+    assert [r.status_code for r in refusals] == [403] * 5, [r.text for r in refusals]
+    assert "may load and unload only adapters named globex-*, bd64" in refusals[0].text, refusals[0].text
+    assert PATH_REFUSED in refusals[3].json()["error"]["message"]
+    # globex may not use the base model; acme may
+    assert words(assets["model"], GLOBEX).status_code == 404 and words(assets["model"], ACME).status_code == 200
+    # the lists: own adapters only
+    listed = {key: {m["id"] for m in requests.get(f"{url}/v1/models", headers=tenant(key), timeout=10).json()["data"]}
+              for key in (ACME, GLOBEX, KEY)}  # fmt: skip
+    assert "acme-a" in listed[ACME] and not {"globex-b", "bd64"} & listed[ACME], listed
+    assert {"globex-b", "bd64"} <= listed[GLOBEX] and "acme-a" not in listed[GLOBEX], listed
+    assert {"acme-a", "globex-b", "bd64"} <= listed[KEY], listed
+    scraped = {key: requests.get(f"{url}/metrics", headers=tenant(key), timeout=10).text for key in (ACME, GLOBEX, KEY)}
+    assert 'adapter_name="acme-a"' in scraped[KEY] and 'adapter_name="globex-b"' in scraped[KEY]
+    assert 'adapter_name="acme-a"' in scraped[ACME] and "globex-b" not in scraped[ACME]
+    assert "acme-a" not in scraped[GLOBEX] and "vllm:lora_requests_info" not in scraped[GLOBEX]
+    # nothing globex tried changed acme's answers; the operator unloads both
+    assert words("acme-a", ACME).json()["choices"][0]["text"].split() == reference_words["bd48"]
+    for name in ("acme-a", "globex-b"):
+        assert post(url, "/v1/unload_lora_adapter", {"lora_name": name}, KEY).ok
 
 
 def test_adapter_paths_outside_the_roots_get_one_uniform_403(server, roots, tmp_path):
@@ -241,6 +329,18 @@ def test_names_and_paths_outside_the_rules_get_400_naming_the_rule(server, roots
     assert "Traceback" not in log
 
 
+def test_bad_tenant_key_file_stops_startup_naming_it(assets, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": [{"name": "a", "key": ACME, "adapters": ["a-*"]},
+                                            {"name": "b", "key": ACME, "adapters": ["b-*"]}]}))  # fmt: skip
+    proc = subprocess.run(
+        serve_command(assets["model"], free_port(), {"bd64": assets["bd64"]}, "--tenant-keys", str(keys)),
+        env=server_env(), capture_output=True, text=True, timeout=START_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert f"--tenant-keys {keys}: tenant 'b': its key is another tenant's too" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_metrics_need_the_key_and_keep_one_lora_series(server, reference_words):
     url, _, _ = server
     assert requests.get(f"{url}/metrics", timeout=10).status_code == 401
@@ -278,7 +378,9 @@ def test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it(serve
     assert complete(url, "bd64") == reference_words["bd64"]
 
 
-def test_a_reload_at_the_same_name_and_path_never_answers_from_the_old_weights_kv(server, roots, long_prompt_words):
+def test_a_reload_at_the_same_name_and_path_never_answers_from_the_old_weights_kv(
+    server, roots, assets, long_prompt_words
+):
     """Redeploying a fine-tune to the same path: unloaded and loaded again, or loaded in place, the name answers a
     prompt longer than one KV block as its new files do, never from KV its previous weights computed."""
     url, _, _ = server
@@ -287,7 +389,7 @@ def test_a_reload_at_the_same_name_and_path_never_answers_from_the_old_weights_k
 
     def deploy(source):
         shutil.rmtree(path, ignore_errors=True)
-        shutil.copytree(inside / source, path)
+        shutil.copytree(assets[source], path)
 
     deploy("bd64")
     assert load(url, "redeployed", path).status_code == 200

@@ -93,6 +93,22 @@ ENGINE_ERROR_HANDLER_MODULES = (
 # 0.27-0.33 (0.26's layout for these two not checked: the patches that need them log and step aside where absent).
 SERVING_ENGINE_MODULES = ("vllm.entrypoints.serve.engine.serving",)
 LORA_ROUTER_MODULES = ("vllm.entrypoints.serve.lora.api_router",)
+# Where the API server adds its middleware (the --api-key check among them), by release.
+MIDDLEWARE_HOOK_MODULES = ("vllm.entrypoints.launchers.app", "vllm.entrypoints.openai.api_server")
+
+
+def tenant_gate_hook():
+    """The module whose `init_entrypoints_middleware` (or `build_app`) the tenant-key gate wraps, or None."""
+    import importlib
+
+    for name in MIDDLEWARE_HOOK_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "init_entrypoints_middleware") or hasattr(module, "build_app"):
+            return module
+    return None
 
 
 # Imported only where the server already did: importing it warns that it is deprecated (0.32).

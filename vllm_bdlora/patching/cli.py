@@ -9,6 +9,7 @@ import logging
 from vllm_bdlora.access import ROOTS_FLAG
 from vllm_bdlora.config import BdLoraSettings, with_bdlora_enabled
 from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_method
+from vllm_bdlora.tenants import TENANT_KEYS_FLAG
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -48,6 +49,13 @@ HOST_MEMORY_HELP = (
     "for fast copies to its GPU) and serves every later load from it; past this budget the least recently used are "
     "spilled to private files, unlinked as soon as made, and read back when asked for. Same as --additional-config "
     '\'{"bdlora": {"adapter_host_memory": "16GiB"}}\'.'
+)
+
+TENANT_KEYS_HELP = (
+    "A JSON file of keys scoped to tenants (vllm-bdlora plugin), replacing --api-key: each tenant's key may use, "
+    "load (from its own directories) and unload only its own adapters, and sees only those in /v1/models and "
+    "/metrics; admin keys may do everything. Every route but /health, /ping, /version and /load needs a key. See the "
+    "README's 'Keys scoped to tenants' for the format."
 )
 
 DORA_FLAG = "--enable-dora"
@@ -150,6 +158,29 @@ def refuse_lora_modules_the_flags_do_not_serve(args: argparse.Namespace, setting
             continue  # unreadable or malformed: vLLM's own reader reports it
 
 
+def check_tenant_keys(args: argparse.Namespace) -> None:
+    """--tenant-keys stops start-up here when its file cannot be used or --api-key would refuse its keys."""
+    import os
+
+    from vllm_bdlora.compat import tenant_gate_hook
+    from vllm_bdlora.tenants import KeyFileError, TenantKeys
+
+    path = getattr(args, "tenant_keys", None)
+    if path is None:
+        return
+    if getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"):
+        raise SystemExit(f"vllm-bdlora: {TENANT_KEYS_FLAG} replaces --api-key (and VLLM_API_KEY): give the key an "
+                         'entry with "admin": true in the key file instead.')  # fmt: skip
+    if tenant_gate_hook() is None:
+        raise SystemExit(f"vllm-bdlora: {TENANT_KEYS_FLAG} needs a vLLM whose API server this plugin can guard; see "
+                         "vllm_bdlora/compat.py for the supported releases.")  # fmt: skip
+    try:
+        keys = TenantKeys.read(path)
+    except KeyFileError as e:
+        raise SystemExit(f"vllm-bdlora: {e}") from None
+    logger.info("vllm-bdlora: %s.", keys.describe())
+
+
 def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> None:
     """--max-loras from the LoRA GPU memory budget: the slots of this model, rank and TP size that fit."""
     from vllm_bdlora.sizing import ModelShape, mib, slot_cost, slots_that_fit
@@ -213,6 +244,7 @@ def patch_enable_bdlora_flag() -> bool:
                 group.add_argument(ROOTS_FLAG, nargs="+", metavar="DIR", default=None, help=ROOTS_HELP)
                 group.add_argument(GPU_MEMORY_FLAG, metavar="SIZE", default=None, help=GPU_MEMORY_HELP)
                 group.add_argument(HOST_MEMORY_FLAG, metavar="SIZE", default=None, help=HOST_MEMORY_HELP)
+                group.add_argument(TENANT_KEYS_FLAG, metavar="FILE", default=None, help=TENANT_KEYS_HELP)
             return parser
 
         return add_cli_args
@@ -220,6 +252,7 @@ def patch_enable_bdlora_flag() -> bool:
     def make_from_cli_args(original):
         def from_cli_args(cls, args: argparse.Namespace):
             engine_args = original(cls, args)
+            check_tenant_keys(args)
             dora = getattr(args, "enable_dora", False)
             roots = getattr(args, "allowed_adapter_roots", None)
             budgets = {"lora_gpu_memory": getattr(args, "lora_gpu_memory", None),

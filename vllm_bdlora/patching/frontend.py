@@ -140,6 +140,47 @@ def patch_api_key_covers_every_route() -> bool:
     return wrap_method(middleware, "__call__", make)
 
 
+def patch_tenant_keys_gate() -> bool:
+    """With --tenant-keys, put `vllm_bdlora.tenants.TenantGate` in front of the API server's routes."""
+    from vllm_bdlora.compat import tenant_gate_hook
+
+    module = tenant_gate_hook()
+    if module is None:
+        return False  # --tenant-keys refuses to start on such a vLLM (patching.cli.check_tenant_keys)
+
+    def guard(app, args) -> None:
+        path = getattr(args, "tenant_keys", None)
+        if path is not None:
+            from vllm_bdlora.tenants import TenantGate, TenantKeys
+
+            keys = TenantKeys.read(path)
+            base_models = list(getattr(args, "served_model_name", None) or [args.model])
+            app.add_middleware(TenantGate, keys=keys, base_models=base_models)
+            logger.info("vllm-bdlora: every route but the probes needs one of the %s.", keys.describe())
+
+    if hasattr(module, "init_entrypoints_middleware"):
+
+        def make(original):
+            def init_entrypoints_middleware(args, app, *rest, **kwargs):
+                result = original(args, app, *rest, **kwargs)
+                guard(app, args)
+                return result
+
+            return init_entrypoints_middleware
+
+        return wrap_function(module.__name__, "init_entrypoints_middleware", make, required=("args", "app"))
+
+    def make_build(original):
+        def build_app(args, *rest, **kwargs):
+            app = original(args, *rest, **kwargs)
+            guard(app, args)
+            return app
+
+        return build_app
+
+    return wrap_function(module.__name__, "build_app", make_build, required=("args",))
+
+
 def patch_engine_death_exit_status() -> bool:
     """/health answers 503 as soon as an engine process is gone; the watchdog's verdict that the engine died is
     recorded, calls still waiting on the engine are answered with EngineDeadError (so the HTTP server's shutdown

@@ -22,6 +22,7 @@ from vllm_bdlora.patching.frontend import (
     patch_lora_info_gauge_keeps_one_series,
     patch_runtime_loading_routes_say_how_to_enable,
     patch_static_loras_in_parallel,
+    patch_tenant_keys_gate,
     patch_unknown_model_lists_served_models,
     patch_unload_reaches_engine,
 )
@@ -354,6 +355,18 @@ PATCHES: tuple[Patch, ...] = (
         removal="vLLM's CPU runner allocating pipeline buffers when it skips the compiled warm-up.",
         apply=patch_cpu_pipeline_stage_buffers,
         platform="cpu",
+    ),
+    Patch(
+        name="tenant_keys_gate",
+        targets=("vllm.entrypoints.launchers.app.init_entrypoints_middleware",),
+        stage="plugin",
+        versions="0.26-0.32 (API server process; build_app where the middleware has no function of its own)",
+        why="--api-key is one secret for everything: any holder can use, load, replace (load_inplace) and unload "
+        "every tenant's adapter and read every adapter's name in /v1/models and /metrics.",
+        how="With --tenant-keys FILE, add vllm_bdlora.tenants.TenantGate, an ASGI middleware that maps each key to "
+        "the adapter names and directories it may use and load (or admin), in front of vLLM's own middleware.",
+        removal="vLLM scoping keys to adapters (no such work upstream as of 0.33).",
+        apply=patch_tenant_keys_gate,
     ),
     Patch(
         name="load_lora_adapter_policy",
