@@ -33,6 +33,19 @@ def test_adapter_names_past_the_cap_share_one_label():
     assert unnamed.label("a") == OTHER
 
 
+def test_an_unloaded_adapters_series_go_and_free_its_place_under_the_cap():
+    metrics = AdapterMetrics(max_adapters=2, registry=CollectorRegistry())
+    for name in ("a", "b"):
+        stats = SimpleNamespace()
+        metrics.on_output(stats, name, 0.2)
+        metrics.on_finished(stats, 6, 8, 0.01)
+    metrics.forget("a")
+    metrics.forget("never-seen")
+    text = generate_latest(metrics.registry).decode()
+    assert 'adapter_name="a"' not in text and 'adapter_name="b"' in text
+    assert metrics.label("c") == "c"  # a's place under the cap went to the next name
+
+
 def test_engine_counts_are_exported_as_the_workers_keep_them_across_a_reload():
     """An adapter unloaded and loaded again under its name: its request counter goes on from where it was, and the
     workers' cumulative counts are exported as they are (never lower than before)."""
@@ -151,14 +164,10 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
                             "temperature": 0, "ignore_eos": True}  # fmt: skip
                     answer = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
                     prompt_tokens[name] = prompt_tokens.get(name, 0) + answer["usage"]["prompt_tokens"]
-            unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, headers=AUTH,
-                                   timeout=60)  # fmt: skip
-            assert unload.status_code == 200, unload.text
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # the API server polls the engine every 2 s, Prometheus every 1 s
-                loaded = values_by(query(prometheus_url, "vllm:lora_adapter_loaded"), "adapter_name")
+            while time.monotonic() < deadline:  # Prometheus scrapes every 1 s
                 requests_by = values_by(query(prometheus_url, "vllm_bdlora:adapter_requests_total"), "adapter_name")
-                if requests_by == SENT and "bd48" not in loaded and loaded:
+                if requests_by == SENT:
                     break
                 time.sleep(1)
             assert requests_by == SENT
@@ -167,6 +176,18 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
             assert generated == {name: count * MAX_TOKENS for name, count in SENT.items()}
             prompts = values_by(query(prometheus_url, "vllm_bdlora:adapter_prompt_tokens_total"), "adapter_name")
             assert prompts == prompt_tokens
+            unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, headers=AUTH,
+                                   timeout=60)  # fmt: skip
+            assert unload.status_code == 200, unload.text
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the API server polls the engine every 2 s, Prometheus every 1 s
+                loaded = values_by(query(prometheus_url, "vllm:lora_adapter_loaded"), "adapter_name")
+                requests_by = values_by(query(prometheus_url, "vllm_bdlora:adapter_requests_total"), "adapter_name")
+                if "bd48" not in requests_by and "bd48" not in loaded and loaded:
+                    break
+                time.sleep(1)
+            # an unloaded adapter's series are gone, the others' stay
+            assert requests_by == {name: n for name, n in SENT.items() if name != "bd48"}, requests_by
             assert "bd48" not in loaded and set(loaded) <= {"bd64", "std16"}  # unloaded: resident nowhere
             gpu = query(prometheus_url, "vllm:num_gpu_loaded_lora_adapters")
             assert 1 <= max(gpu.values()) <= 2
@@ -185,8 +206,8 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
             assert top.returncode == 0, top.stderr
             table = top.stdout.split("\n\n")[1].splitlines()[1:]  # between the server's line and the footer
             rows = {line.split()[0]: line.split() for line in table}
-            assert {name: int(row[2]) for name, row in rows.items()} == SENT, top.stdout
-            assert rows["bd48"][1] == "-" and "slots" in top.stdout.splitlines()[0], top.stdout
+            assert {name: int(row[2]) for name, row in rows.items()} == {"bd64": 3, "std16": 2}, top.stdout  # not bd48
+            assert {row[1] for row in rows.values()} <= {"gpu", "host"} and "slots" in top.stdout.splitlines()[0]
             assert_every_route_but_the_probes_needs_a_key(url, log_path.read_text(), KEY)
         finally:
             scraper.terminate()

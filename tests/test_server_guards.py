@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -263,6 +264,50 @@ def test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving(server, root
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
+def with_extra_tensors(source, path, extra, config_edit):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    save_file({**tensors, **extra(tensors)}, path / "adapter_model.safetensors")
+    config = json.loads((path / "adapter_config.json").read_text())
+    config_edit(config)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_adapters_vllm_itself_cannot_serve_get_400_naming_the_adapter(server, roots, assets, reference_words):
+    """Past the file checks, vLLM's own reader refuses an adapter for a classification head on a generative model
+    (modules_to_save) and an embedding LoRA over another vocabulary: each is the client's error, a 400 naming the
+    adapter, and the others keep serving."""
+    import torch
+
+    url, _, _ = server
+    inside, _ = roots
+    hidden = json.loads((Path(assets["model"]) / "config.json").read_text())["hidden_size"]
+    vocabulary = json.loads((Path(assets["model"]) / "config.json").read_text())["vocab_size"]
+
+    def score_head(tensors):
+        return {"base_model.model.score.weight": torch.randn(2, hidden)}
+
+    def other_vocabulary(tensors):
+        prefix = "base_model.model.model.embed_tokens"
+        return {f"{prefix}.lora_embedding_A": torch.randn(16, vocabulary + 64) * 0.01,
+                f"{prefix}.lora_embedding_B": torch.randn(hidden, 16) * 0.01}  # fmt: skip
+
+    cases = {
+        "classifier-head": with_extra_tensors(assets["std16"], inside / "classifier-head", score_head,
+                                              lambda c: c.update(modules_to_save=["score"])),
+        "other-vocabulary": with_extra_tensors(assets["std16"], inside / "other-vocabulary", other_vocabulary,
+                                               lambda c: c["target_modules"].append("embed_tokens")),
+    }  # fmt: skip
+    for name, path in cases.items():
+        response = load(url, name, path)
+        assert response.status_code == 400, (name, response.status_code, response.text)
+        assert name in response.json()["error"]["message"], response.text
+    assert complete(url, "bd64") == reference_words["bd64"]
+
+
 def test_admitted_adapter_is_served_as_admitted_after_its_files_change(server, roots, reference_words):
     """One CPU cache entry: loading std16 drops bd48 from it, so the next bd48 request reads bd48 again. Its
     files were re-saved with other weights, then truncated, then deleted: each time it is served as admitted."""
@@ -312,8 +357,8 @@ def test_an_adapter_swapping_run_logs_each_adapter_once(server, roots, assets, r
 
 @pytest.mark.parametrize(
     ("name", "path_suffix"),
-    [("forged\nINFO vllm: all good", ""), ("nul\0name", ""), ("x" * 129, ""), ("ok-name", "\0")],
-    ids=["newline", "nul", "too_long", "nul_in_path"],
+    [("forged\nINFO vllm: all good", ""), ("nul\0name", ""), ("x" * 129, ""), ("ok-name", "\0"), ("other", "")],
+    ids=["newline", "nul", "too_long", "nul_in_path", "the_metrics_overflow_label"],
 )
 def test_names_and_paths_outside_the_rules_get_400_naming_the_rule(server, roots, name, path_suffix):
     url, log_path, _ = server
@@ -322,7 +367,8 @@ def test_names_and_paths_outside_the_rules_get_400_naming_the_rule(server, roots
     response = load(url, name, f"{inside / 'std16'}{path_suffix}")
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
-    assert ("letters, digits and" in message) if not path_suffix else ("without control characters" in message)
+    rule = "without control characters" if path_suffix else "reserved" if name == "other" else "letters, digits and"
+    assert rule in message, message
     log = log_path.read_text()[log_start:]
     assert not any(line.startswith("INFO vllm: all good") for line in log.splitlines())  # no forged log line
     assert "\0" not in log

@@ -22,6 +22,9 @@ from collections.abc import Sequence
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/load"})
 
 ADAPTER_NAME_MAX = 128
+# The label value the metrics give every adapter past `metrics_max_adapters`: an adapter of that name would have its
+# figures summed with others'.
+METRICS_OVERFLOW_LABEL = "other"
 _NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/@+-]{{0,{ADAPTER_NAME_MAX - 1}}}")
 ADAPTER_NAME_RULE = (
     f"1 to {ADAPTER_NAME_MAX} characters: letters, digits and . _ - : / @ +, starting with a letter or a digit"
@@ -73,6 +76,9 @@ def shown_name(name) -> str:
 
 def adapter_name_problem(name) -> str | None:
     """Why `name` cannot name an adapter, or None."""
+    if name == METRICS_OVERFLOW_LABEL:
+        return (f"LoRA adapter name {shown_name(name)} is not allowed: it is reserved (the metrics label the "
+                "adapters past metrics_max_adapters with it); choose another name.")  # fmt: skip
     if isinstance(name, str) and _NAME.fullmatch(name):
         return None
     return f"LoRA adapter name {shown_name(name)} is not allowed: a name is {ADAPTER_NAME_RULE}."

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_bdlora.adapter_files import open_adapter
+from vllm_bdlora.adapter_files import WEIGHTS_FILE, open_adapter
 from vllm_bdlora.adapter_values import (
     GAIN_HINT,
     NON_FINITE_HINT,
@@ -251,6 +251,12 @@ def cut_to_rank(views: dict, fmt: AdapterFormat, manager, adapter: str, mapper,
     return tensors, staged, sorted(not_served), {name: view.clone() for name, view in magnitudes.items()}
 
 
+VLLM_REFUSAL_HINT = (
+    "train the adapter on this base model with PEFT: LoRA layers only (modules_to_save only for the classification "
+    "head of a classification model), over the base model's own vocabulary."
+)
+
+
 def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> AdmittedAdapter:
     """Read, check and cut one adapter (see the module's docstring); safe to run on an admission thread."""
     from vllm.exceptions import LoRAAdapterNotFoundError
@@ -293,12 +299,17 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
             raise AdapterRejected(name, ["its weights file changed while it was read"], CHANGED_HINT)
         identity = opened.identity
     model = worker_manager._adapter_manager.model
-    lora_model = LoRAModel.from_lora_tensors(
-        lora_model_id=lora_request.lora_int_id, tensors={**tensors, **magnitudes}, peft_helper=peft_helper,
-        device="cpu", dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size,
-        weights_mapper=mapper, skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-    )  # fmt: skip
-    validate_read_lora(worker_manager, lora_model, lora_request)
+    try:
+        lora_model = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_request.lora_int_id, tensors={**tensors, **magnitudes}, peft_helper=peft_helper,
+            device="cpu", dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size,
+            weights_mapper=mapper, skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )  # fmt: skip
+        validate_read_lora(worker_manager, lora_model, lora_request)
+    except AdapterRejected:
+        raise
+    except (ValueError, RuntimeError) as e:  # vLLM refusing what this model cannot serve (a head, a vocabulary)
+        raise AdapterRejected(name, [f"{WEIGHTS_FILE}: {e}"], VLLM_REFUSAL_HINT) from None
     check_values(lora_model, name, worker_manager.lora_config.lora_dtype)
     for item in staged:
         item.weights = lora_model.loras.get(item.name)

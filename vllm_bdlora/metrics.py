@@ -32,10 +32,12 @@ import threading
 import time
 from collections import defaultdict
 
+from vllm_bdlora.access import METRICS_OVERFLOW_LABEL
+
 logger = logging.getLogger("vllm.bdlora")
 
 METRICS_POLL_S = 2.0
-OTHER = "other"
+OTHER = METRICS_OVERFLOW_LABEL
 # Loads of 8B-sized adapters take milliseconds from memory and seconds from slow disks.
 LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
@@ -242,6 +244,20 @@ class AdapterMetrics:
                 self._labelled.add(name)
                 return name
         return OTHER
+
+    def forget(self, name: str) -> None:
+        """An unloaded adapter: its series go (a later load of the name starts them again) and its label's place
+        under the cap is free."""
+        with self._lock:
+            if name not in self._labelled:
+                return
+            self._labelled.discard(name)
+        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot):
+            if metric is not None:
+                try:
+                    metric.remove(name)
+                except KeyError:
+                    pass  # no request of it finished
 
     # -- the API server's own requests -----------------------------------------------------------------------------
     def on_output(self, req_stats, lora_name: str | None, first_token_latency: float | None) -> None:

@@ -268,7 +268,8 @@ def patch_engine_death_exit_status() -> bool:
 def patch_unload_reaches_engine() -> bool:
     """vLLM's unload (/v1/unload_lora_adapter, DELETE /adapters/{name}) forgets the name in the API server only; the
     engine keeps the adapter's GPU slot, host-cache entry and everything its workers keep. After vLLM's unload
-    succeeds, remove it from the engine too (which waits for the adapter's requests in flight)."""
+    succeeds, remove it from the engine too (which waits for the adapter's requests in flight), and its per-adapter
+    metric series."""
     module = serving_models_module("unload_lora_adapter", ("request",))
     if module is None:
         return False
@@ -279,6 +280,11 @@ def patch_unload_reaches_engine() -> bool:
             response = await original(self, request, *args, **kwargs)
             if loaded is not None and request.lora_name not in self.lora_requests:
                 await self.engine_client.remove_lora(loaded.lora_int_id)
+                from vllm_bdlora.metrics import current_metrics
+
+                metrics = current_metrics()
+                if metrics is not None:
+                    metrics.forget(loaded.lora_name)
             return response
 
         return unload_lora_adapter
