@@ -102,6 +102,8 @@ def _output(o):
         "token_ids": list(o.outputs[0].token_ids),
         "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
         "top_logprobs": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
+        "finish_reason": o.outputs[0].finish_reason,
+        "stop_reason": o.outputs[0].stop_reason,
     }
 
 

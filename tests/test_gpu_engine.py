@@ -56,7 +56,9 @@ DORA_BATCH = [None, "bd64", "dora16", "bddora64"]
 def test_a_poisoned_adapter_changes_no_other_answer_on_gpu(tp, lora_kernels, assets, prompts, tmp_path_factory):
     """test_isolation.py on a GPU, CUDA graphs on, both kernel paths: an adapter whose LoRA slot holds NaN
     (written past admission) shares a batch with a base-model request and every other adapter, then each of those is
-    sent alone, reusing the KV-cache blocks it left; every other answer stays within LOGPROB_ATOL of PEFT's."""
+    sent alone, reusing the KV-cache blocks it left; the poisoned request ends with an error naming its adapter (its
+    sampled index stays inside the vocabulary: no device-side assert), and every other answer stays within
+    LOGPROB_ATOL of PEFT's."""
     from tests.conftest import MAX_TOKENS
 
     if torch.cuda.device_count() < tp:
@@ -74,6 +76,8 @@ def test_a_poisoned_adapter_changes_no_other_answer_on_gpu(tp, lora_kernels, ass
         "after": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in BATCH],
     }
     result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_poisoned_tp{tp}_{lora_kernels}"))
+    poisoned = result["outputs"][batch.index("poisoned")]  # ended alone, naming its adapter (vllm_bdlora.non_finite)
+    assert poisoned["finish_reason"] == "error" and "LoRA adapter 'poisoned'" in poisoned["stop_reason"], poisoned
     honest = [(n, o) for n, o in zip(batch, result["outputs"], strict=True) if n != "poisoned"]
     worst = {}
     for label, pairs in (("batch", honest), ("after", list(zip(BATCH, result["after"], strict=True)))):

@@ -62,6 +62,17 @@ PATCH_TESTS = {
         "test_server_guards.py::test_every_route_but_the_probes_needs_a_key_from_the_key_file",
         "test_server_guards.py::test_a_tenant_key_uses_loads_and_sees_only_its_own_adapters",
     ],
+    "sampling_survives_non_finite_rows": [
+        "test_isolation.py::test_a_poisoned_adapter_in_an_engine_of_its_own_changes_no_other_answer",
+        "test_isolation.py::test_an_adapter_overflowing_float16_ends_its_request_alone_on_a_server",
+    ],
+    "scheduler_ends_non_finite_requests": [
+        "test_isolation.py::test_a_poisoned_adapter_in_an_engine_of_its_own_changes_no_other_answer",
+        "test_isolation.py::test_an_adapter_overflowing_float16_ends_its_request_alone_on_a_server",
+    ],
+    "failed_generations_name_their_adapter": [
+        "test_isolation.py::test_an_adapter_overflowing_float16_ends_its_request_alone_on_a_server"
+    ],
     "prefix_cache_keyed_by_admission": [
         "test_server_guards.py::test_a_reload_at_the_same_name_and_path_never_answers_from_the_old_weights_kv"
     ],

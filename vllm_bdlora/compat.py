@@ -221,3 +221,16 @@ def validate_read_lora(worker_manager, lora_model, lora_request) -> None:
         method = getattr(manager, check, None)
         if method is not None:
             method(lora_model)
+
+
+def set_vllm_env(name: str, value: str) -> None:
+    """Set a vLLM environment variable before an engine starts. vLLM caches its variables once an engine core has
+    started (0.32); a later engine in the same process (the Python API) would read the old value: drop that cache,
+    which the next engine core builds again."""
+    import os
+
+    from vllm import envs
+
+    os.environ[name] = value
+    if getattr(envs, "_is_envs_cache_enabled", lambda: False)() and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()

@@ -295,6 +295,11 @@ def patch_enable_bdlora_flag() -> bool:
             if settings.enabled:
                 from vllm.platforms import current_platform
 
+                from vllm_bdlora.compat import set_vllm_env
+                from vllm_bdlora.non_finite import COUNT_NANS_VARIABLE
+
+                set_vllm_env(COUNT_NANS_VARIABLE, "1")  # what ends a request whose logits are not finite
+
                 if settings.lora_gpu_memory is not None:
                     size_slots_from_memory(self, settings)
                 if current_platform.is_cpu():

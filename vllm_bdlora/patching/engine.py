@@ -109,6 +109,42 @@ def patch_prefix_cache_keyed_by_admission() -> bool:
     ])  # fmt: skip
 
 
+def patch_scheduler_ends_non_finite_requests() -> bool:
+    """A request whose logits the workers counted as not finite is finished with an error naming its adapter, its
+    stand-in token dropped; the step's other requests go on (`vllm_bdlora.non_finite`)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_bdlora.non_finite import NON_FINITE_ATTRIBUTE, ends_request, non_finite_requests
+
+    require_parameters(Scheduler.update_from_output, ("scheduler_output", "model_runner_output"),
+                       "Scheduler.update_from_output")  # fmt: skip
+    require_parameters(Scheduler._update_request_with_output, ("request", "new_token_ids"),
+                       "Scheduler._update_request_with_output")  # fmt: skip
+
+    def make_update(original):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            setattr(self, NON_FINITE_ATTRIBUTE, non_finite_requests(model_runner_output))
+            try:
+                return original(self, scheduler_output, model_runner_output)
+            finally:
+                setattr(self, NON_FINITE_ATTRIBUTE, frozenset())
+
+        return update_from_output
+
+    def make_request_update(original):
+        def _update_request_with_output(self, request, new_token_ids, *args, **kwargs):
+            if ends_request(self, request):
+                return [], True
+            return original(self, request, new_token_ids, *args, **kwargs)
+
+        return _update_request_with_output
+
+    return any([
+        wrap_method(Scheduler, "update_from_output", make_update),
+        wrap_method(Scheduler, "_update_request_with_output", make_request_update),
+    ])  # fmt: skip
+
+
 def bdlora_admission(self, op, payload):
     """The workers' side of the engine core's admission calls (`vllm_bdlora.loading.admission_rpc`)."""
     from vllm_bdlora.loading import admission_rpc

@@ -181,6 +181,28 @@ def patch_tenant_keys_gate() -> bool:
     return wrap_function(module.__name__, "build_app", make_build, required=("args",))
 
 
+def patch_failed_generations_name_their_adapter() -> bool:
+    """A request ended because its logits were not finite answers an error naming its adapter
+    (`vllm_bdlora.non_finite`), not vLLM's bare "Internal server error"."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_bdlora.non_finite import raise_if_ended
+
+    def make(original):
+        async def generate(self, *args, **kwargs):
+            outputs = original(self, *args, **kwargs)
+            try:
+                async for output in outputs:
+                    raise_if_ended(output)
+                    yield output
+            finally:
+                await outputs.aclose()
+
+        return generate
+
+    return wrap_method(AsyncLLM, "generate", make)
+
+
 def patch_engine_death_exit_status() -> bool:
     """/health answers 503 as soon as an engine process is gone; the watchdog's verdict that the engine died is
     recorded, calls still waiting on the engine are answered with EngineDeadError (so the HTTP server's shutdown

@@ -10,6 +10,7 @@ from vllm_bdlora.patching.engine import (
     patch_engine_core_admission,
     patch_engine_core_answers_pings,
     patch_prefix_cache_keyed_by_admission,
+    patch_scheduler_ends_non_finite_requests,
     patch_scheduler_lora_aging,
     patch_worker_admission_calls,
 )
@@ -18,6 +19,7 @@ from vllm_bdlora.patching.frontend import (
     patch_adapter_request_metrics,
     patch_api_key_covers_every_route,
     patch_engine_death_exit_status,
+    patch_failed_generations_name_their_adapter,
     patch_load_lora_adapter_policy,
     patch_lora_info_gauge_keeps_one_series,
     patch_runtime_loading_routes_say_how_to_enable,
@@ -39,6 +41,7 @@ from vllm_bdlora.patching.worker import (
     patch_lora_layer_classes,
     patch_lora_manager,
     patch_peft_helper_defers_adapter_flags,
+    patch_sampling_survives_non_finite_rows,
 )
 from vllm_bdlora.serve.quiet_logs import (
     install_adapter_refusal_filter,
@@ -306,6 +309,46 @@ PATCHES: tuple[Patch, ...] = (
         removal="The CPU torch ops masking lora index -1 upstream.",
         apply=patch_cpu_lora_ops_ignore_unadapted_tokens,
         platform="cpu",
+    ),
+    Patch(
+        name="sampling_survives_non_finite_rows",
+        targets=("vllm.v1.sample.sampler.Sampler.forward",),
+        stage="plugin",
+        versions="0.26-0.32 (worker processes)",
+        why="vLLM samples a row of NaN or +Inf logits anyway: on a GPU the sampled index can lie past the vocabulary "
+        "and the next step's embedding lookup fails a device-side assert (index out of bounds), killing the engine "
+        "for every tenant; on the CPU the request silently answers garbage.",
+        how="Sample such a row from zeros (a valid token) and set it to NaN in the logits vLLM counts "
+        "(VLLM_COMPUTE_NANS_IN_LOGITS, on for BD-LoRA servers), so the scheduler can end its request "
+        "(vllm_bdlora.non_finite).",
+        removal="vLLM guarding its samplers against non-finite rows and failing the request alone.",
+        apply=patch_sampling_survives_non_finite_rows,
+    ),
+    Patch(
+        name="scheduler_ends_non_finite_requests",
+        targets=(
+            "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
+            "vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output",
+        ),
+        stage="plugin",
+        versions="0.26-0.32 (engine core process)",
+        why="vLLM only counts a request's NaN logits (for statistics); the request goes on answering garbage.",
+        how="A request the step's per-row NaN count names is finished with vLLM's error status (the API answers a "
+        "failed generation), its stand-in token dropped and its stop_reason and a warning naming the adapter.",
+        removal="vLLM ending requests whose logits are not finite.",
+        apply=patch_scheduler_ends_non_finite_requests,
+    ),
+    Patch(
+        name="failed_generations_name_their_adapter",
+        targets=("vllm.v1.engine.async_llm.AsyncLLM.generate",),
+        stage="plugin",
+        versions="0.26-0.32 (API server process)",
+        why='A request vLLM finishes with its error status is answered 500 "Internal server error", which names '
+        "neither the cause nor the adapter.",
+        how="Where the output's stop_reason says its logits were not finite (vllm_bdlora.non_finite), raise vLLM's "
+        "GenerationError with that message and status 422 from the request's output stream instead.",
+        removal="vLLM passing a request's error message to the client.",
+        apply=patch_failed_generations_name_their_adapter,
     ),
     Patch(
         name="cpu_kv_cache_holds_finite_values",

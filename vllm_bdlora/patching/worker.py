@@ -319,3 +319,21 @@ def patch_cpu_kv_cache_holds_finite_values() -> bool:
         return write_finite
 
     return wrap_method(CPUAttentionBackendImpl, method, make)
+
+
+def patch_sampling_survives_non_finite_rows() -> bool:
+    """A row of logits holding NaN or +Inf is sampled from a finite stand-in (a valid token index) and reported in
+    vLLM's per-row NaN count, which ends its request (`vllm_bdlora.non_finite`)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_bdlora.non_finite import sample_safely
+
+    require_parameters(Sampler.forward, ("logits", "sampling_metadata"), "Sampler.forward")
+
+    def make(original):
+        def forward(self, logits, sampling_metadata, *args, **kwargs):
+            return original(self, sample_safely(logits), sampling_metadata, *args, **kwargs)
+
+        return forward
+
+    return wrap_method(Sampler, "forward", make)
