@@ -416,3 +416,31 @@ def test_unconfined_runtime_loading_is_named_at_startup(monkeypatch, caplog, run
     with caplog.at_level(logging.WARNING, logger="vllm.bdlora"):
         warn_if_adapter_paths_unconfined(BdLoraSettings.from_additional_config(config))
     assert ("--allowed-adapter-roots DIR" in caplog.text) == warns
+
+
+def test_a_large_header_is_parsed_without_the_lock_holding_parser(monkeypatch):
+    """json's C parser holds the interpreter lock for its whole run (seconds for the 100 MiB the format allows,
+    while the worker's engine step waits): past LOCK_HOLDING_PARSE_LIMIT the header goes to json's Python parser,
+    which gives the same object."""
+    import vllm_bdlora.adapter_files as adapter_files
+
+    entry = {"dtype": "F32", "shape": [8, 128], "data_offsets": [0, 4096]}
+    header = {f"base_model.model.model.layers.{i}.mlp.up_proj.lora_A.weight": entry for i in range(20000)}
+    raw = json.dumps(header).encode()
+    assert len(raw) > adapter_files.LOCK_HOLDING_PARSE_LIMIT
+    expected = json.loads(raw)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("json.loads holds the lock: not for a header this large")
+
+    monkeypatch.setattr(adapter_files.json, "loads", refuse)
+    assert adapter_files.parse_header_json(raw) == expected
+
+
+def test_pattern_keys_times_modules_are_bounded():
+    from vllm_bdlora.name_patterns import MAX_PATTERN_MATCHES, matching_work_problem
+
+    config = {"rank_pattern": {f"k{i}": 8 for i in range(200)}, "alpha_pattern": {f"a{i}": 8 for i in range(56)}}
+    assert matching_work_problem(config, MAX_PATTERN_MATCHES // 256, "adapter_config.json") is None
+    problem = matching_work_problem(config, MAX_PATTERN_MATCHES // 256 + 1, "adapter_config.json")
+    assert "256 rank_pattern/alpha_pattern keys over 1025 modules" in problem and "over the limit" in problem

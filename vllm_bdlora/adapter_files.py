@@ -35,6 +35,7 @@ import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from json.scanner import py_make_scanner
 
 from vllm_bdlora.adapter_values import config_scale_problems, lora_scaling
 from vllm_bdlora.adapters import (
@@ -43,7 +44,13 @@ from vllm_bdlora.adapters import (
     block_diagonal_expert_modules,
     parse_block_diagonal_spec,
 )
-from vllm_bdlora.name_patterns import RE2_HINT, first_matching_key, pattern_problems, peft_targets
+from vllm_bdlora.name_patterns import (
+    RE2_HINT,
+    first_matching_key,
+    matching_work_problem,
+    pattern_problems,
+    peft_targets,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -331,6 +338,22 @@ def parse_config(raw: bytes, adapter: str) -> dict:
     return config
 
 
+# A header up to this size is parsed by json's C parser, which holds the interpreter lock throughout (about 25 ms at
+# this size on the CPUs tried); a larger one (the format allows 100 MiB: seconds of a stalled engine step) by its
+# Python parser, which lets the engine's step thread run every switch interval.
+LOCK_HOLDING_PARSE_LIMIT = 2**20
+
+
+def parse_header_json(raw: bytes):
+    """A safetensors header's JSON, parsed without holding the interpreter lock for long (the worker's engine step
+    runs beside the admission thread doing this)."""
+    if len(raw) <= LOCK_HOLDING_PARSE_LIMIT:
+        return json.loads(raw)
+    decoder = json.JSONDecoder()
+    decoder.scan_once = py_make_scanner(decoder)
+    return decoder.decode(raw.decode("utf-8"))
+
+
 def read_safetensors_header(fd: int, size: int, adapter: str) -> tuple[dict[str, TensorEntry], int, bytes]:
     """(name -> entry, where the data starts, the header's bytes) of a safetensors file, after checking that the
     header is well formed, that its tensors are floating point and lie end to end from the start of the data
@@ -349,7 +372,7 @@ def read_safetensors_header(fd: int, size: int, adapter: str) -> tuple[dict[str,
         raise rejected(f"not a safetensors file, or truncated (header of {header_length} bytes in a {size}-byte file)")
     header_bytes = _pread_exactly(fd, header_length, 8)
     try:
-        header = json.loads(header_bytes)
+        header = parse_header_json(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise rejected("corrupt safetensors header (not JSON)") from None
     if not isinstance(header, dict):
@@ -408,6 +431,10 @@ def rank_problems(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]
     """`lora_A` has one row per rank in every layout PEFT writes (standard, block-diagonal A and B), on a module PEFT
     targets under the config."""
     problems, untargeted = [], []
+    modules = sum(".lora_A" in tensor for tensor in shapes)
+    too_much = matching_work_problem(config, modules, CONFIG_FILE)
+    if too_much:
+        return [too_much]
     for tensor, shape in shapes.items():
         if ".lora_A" not in tensor:
             continue

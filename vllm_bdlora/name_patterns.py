@@ -20,6 +20,9 @@ import re2
 
 MAX_PATTERN_CHARS = 512
 MAX_PATTERN_KEYS = 256
+# Matches one adapter may ask for (modules x pattern keys): about a second of RE2 on the CPUs tried, done in calls
+# of microseconds each, so the worker's step thread keeps running meanwhile. Real adapters ask for thousands.
+MAX_PATTERN_MATCHES = 2**18
 
 # PEFT's expressions around a configured pattern, in its own order. `$` becomes `\n?\z`: Python's `$` also matches
 # before a final newline, RE2's only at the end.
@@ -106,6 +109,16 @@ def peft_targets(config: dict, module: str) -> bool:
         return True
     index = _layer_index(config, module)
     return index is not None and (index == layers if isinstance(layers, int) else index in layers)
+
+
+def matching_work_problem(config: dict, modules: int, config_file: str) -> str | None:
+    """Why matching `modules` module names against the config's pattern keys is more work than one adapter may ask
+    for, or None."""
+    keys = len(config.get("rank_pattern") or {}) + len(config.get("alpha_pattern") or {})
+    if modules * keys <= MAX_PATTERN_MATCHES:
+        return None
+    return (f"{config_file}: {keys} rank_pattern/alpha_pattern keys over {modules} modules ask for {modules * keys} "
+            f"pattern matches, over the limit of {MAX_PATTERN_MATCHES}")  # fmt: skip
 
 
 def pattern_problems(config: dict, config_file: str) -> list[str]:
