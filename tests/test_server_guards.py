@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,29 @@ def test_bad_adapter_gets_4xx_naming_it_and_the_others_keep_serving(server, root
         assert [line for line in log.splitlines() if "WARNING" in line and f"rejected: '{name}'" in line], log
     assert complete(url, "bd64") == reference_words["bd64"]
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_pattern_keys_that_backtrack_in_python_load_at_once_and_stall_no_one(server, roots, assets, reference_words):
+    """rank_pattern / alpha_pattern keys with nested quantifiers, which Python's re (and PEFT) would backtrack on for
+    minutes holding the interpreter lock: the adapter loads in seconds while another tenant's requests run, and is
+    served as its unmatched keys leave it (bd64's answer)."""
+    url, _, _ = server
+    inside, _ = roots
+    path = inside / "backtracking"
+    shutil.copytree(assets["bd64"], path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["rank_pattern"] = {"(.|.)*!": config["r"], "(a|aa)+$": config["r"], r"(\w+\.)*\d!": config["r"]}
+    config["alpha_pattern"] = {"(x+x+)+y": config["lora_alpha"], "((a*)*)*b": config["lora_alpha"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    with ThreadPoolExecutor(2) as pool:
+        others = pool.submit(lambda: [complete(url, "bd64") for _ in range(3)])
+        started = time.monotonic()
+        response = load(url, "backtracking", path)
+        loaded_in = time.monotonic() - started
+        assert others.result(timeout=120) == [reference_words["bd64"]] * 3
+    assert response.status_code == 200 and loaded_in < 30, (response.text, loaded_in)
+    assert complete(url, "backtracking") == reference_words["bd64"]
+    assert unload(url, "backtracking").status_code == 200
 
 
 def with_extra_tensors(source, path, extra, config_edit):
