@@ -6,9 +6,12 @@ vLLM samples such a row anyway: on a GPU its sampling kernels can return an inde
 next step uses to index the embeddings (a device-side assert: the engine dies for every tenant); on the CPU the
 row's answer is silently garbage. Here:
 
-* in every worker, before sampling (`sample_safely`): a row holding NaN or +Inf (-Inf is how vLLM masks tokens) is
-  sampled from a finite stand-in, so the token is a valid index, and is marked NaN in the logits vLLM counts
-  afterwards (`VLLM_COMPUTE_NANS_IN_LOGITS`, which BD-LoRA servers turn on: per-row counts in the step's output);
+* in every worker, before sampling: a row holding NaN or +Inf (-Inf is how vLLM masks tokens) is marked NaN in
+  the logits vLLM counts (`VLLM_COMPUTE_NANS_IN_LOGITS`, which BD-LoRA servers turn on: per-row counts in the
+  step's output) and sampled from a finite stand-in, so the token is a valid index. vLLM's first model runner
+  counts after its sampler runs (`sample_safely` around the sampler); its second (the default for dense models on
+  GPUs from 0.26) counts inside its sampler's call, before sampling (`mark_non_finite_rows` around the call,
+  `finite_stand_in` around its sampling);
 * in the scheduler (`ends_request`): a request whose row was counted is finished with vLLM's error status, its
   stand-in token dropped, its `stop_reason` naming the adapter, and the log says so; every other request of the
   batch goes on;
@@ -27,15 +30,30 @@ MARKER = "the logits of this request held NaN or Inf"
 NON_FINITE_ATTRIBUTE = "_bdlora_non_finite_requests"  # the request ids of the step being processed
 
 
-def sample_safely(logits):
-    """The logits to sample from: rows holding NaN or +Inf replaced by zeros (every token equally likely); those rows
-    of `logits` itself are set to NaN, so vLLM's per-row NaN count reports them. No host synchronisation."""
+def mark_non_finite_rows(logits):
+    """Set every row of `logits` holding NaN or +Inf to NaN throughout, in place: vLLM's per-row NaN count (taken
+    from this tensor) then reports it. Returns the rows' mask ([rows, 1]); no host synchronisation."""
     import torch
 
     bad = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1, keepdim=True)
-    safe = torch.where(bad, torch.zeros((), dtype=logits.dtype, device=logits.device), logits)
     logits.masked_fill_(bad, float("nan"))
-    return safe
+    return bad
+
+
+def finite_stand_in(logits, bad=None):
+    """The logits to sample from: rows holding NaN (`bad`, else found here) replaced by zeros, every token equally
+    likely, so the sampled index lies inside the vocabulary whatever sampler runs."""
+    import torch
+
+    if bad is None:
+        bad = torch.isnan(logits).any(dim=-1, keepdim=True)
+    return torch.where(bad, torch.zeros((), dtype=logits.dtype, device=logits.device), logits)
+
+
+def sample_safely(logits):
+    """For a sampler whose caller counts NaN in `logits` afterwards (vLLM's model runner): mark the rows, sample from
+    the stand-in."""
+    return finite_stand_in(logits, mark_non_finite_rows(logits))
 
 
 def non_finite_requests(model_runner_output) -> frozenset[str]:

@@ -312,9 +312,13 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="sampling_survives_non_finite_rows",
-        targets=("vllm.v1.sample.sampler.Sampler.forward",),
+        targets=(
+            "vllm.v1.sample.sampler.Sampler.forward",
+            "vllm.v1.worker.gpu.sample.sampler.Sampler.__call__",
+            "vllm.v1.worker.gpu.sample.sampler.Sampler.sample",
+        ),
         stage="plugin",
-        versions="0.26-0.32 (worker processes)",
+        versions="0.26-0.32 (worker processes; both model runners)",
         why="vLLM samples a row of NaN or +Inf logits anyway: on a GPU the sampled index can lie past the vocabulary "
         "and the next step's embedding lookup fails a device-side assert (index out of bounds), killing the engine "
         "for every tenant; on the CPU the request silently answers garbage.",

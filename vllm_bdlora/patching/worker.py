@@ -323,10 +323,12 @@ def patch_cpu_kv_cache_holds_finite_values() -> bool:
 
 def patch_sampling_survives_non_finite_rows() -> bool:
     """A row of logits holding NaN or +Inf is sampled from a finite stand-in (a valid token index) and reported in
-    vLLM's per-row NaN count, which ends its request (`vllm_bdlora.non_finite`)."""
+    vLLM's per-row NaN count, which ends its request (`vllm_bdlora.non_finite`); in both of vLLM's model runners."""
+    import importlib
+
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_bdlora.non_finite import sample_safely
+    from vllm_bdlora.non_finite import finite_stand_in, mark_non_finite_rows, sample_safely
 
     require_parameters(Sampler.forward, ("logits", "sampling_metadata"), "Sampler.forward")
 
@@ -336,4 +338,26 @@ def patch_sampling_survives_non_finite_rows() -> bool:
 
         return forward
 
-    return wrap_method(Sampler, "forward", make)
+    changed = [wrap_method(Sampler, "forward", make)]
+    try:  # the second model runner's sampler (0.26 on): counts NaN inside its call, before it samples
+        runner_v2 = importlib.import_module("vllm.v1.worker.gpu.sample.sampler").Sampler
+    except (ImportError, AttributeError):
+        return any(changed)
+    require_parameters(runner_v2.__call__, ("logits", "input_batch"), "gpu.sample.sampler.Sampler.__call__")
+    require_parameters(runner_v2.sample, ("logits",), "gpu.sample.sampler.Sampler.sample")
+
+    def make_call(original):
+        def __call__(self, logits, input_batch, *args, **kwargs):
+            mark_non_finite_rows(logits)
+            return original(self, logits, input_batch, *args, **kwargs)
+
+        return __call__
+
+    def make_sample(original):
+        def sample(self, logits, *args, **kwargs):
+            return original(self, finite_stand_in(logits), *args, **kwargs)
+
+        return sample
+
+    changed += [wrap_method(runner_v2, "__call__", make_call), wrap_method(runner_v2, "sample", make_sample)]
+    return any(changed)
