@@ -88,22 +88,20 @@ def server(assets, roots, tmp_path_factory):
         yield url, log_path, process
 
 
+def peft_answers(assets, prompt) -> dict[str, list[str]]:
+    """PEFT's greedy words for `prompt` under each adapter the tests load."""
+    models = {name: load_reference(assets["model"], assets[name]) for name in ("bd64", "std16", "bd48")}
+    return {name: [f"w{t}" for t in greedy(model, prompt, MAX_TOKENS)[0]] for name, model in models.items()}
+
+
 @pytest.fixture(scope="module")
 def reference_words(assets):
-    def words(adapter):
-        tokens, _ = greedy(load_reference(assets["model"], assets[adapter]), PROMPT, MAX_TOKENS)
-        return [f"w{t}" for t in tokens]
-
-    return {name: words(name) for name in ("bd64", "std16", "bd48")}
+    return peft_answers(assets, PROMPT)
 
 
 @pytest.fixture(scope="module")
 def long_prompt_words(assets):
-    def words(adapter):
-        tokens, _ = greedy(load_reference(assets["model"], assets[adapter]), LONG_PROMPT, MAX_TOKENS)
-        return [f"w{t}" for t in tokens]
-
-    return {name: words(name) for name in ("bd64", "std16", "bd48")}
+    return peft_answers(assets, LONG_PROMPT)
 
 
 def complete(url, model, prompt=PROMPT):

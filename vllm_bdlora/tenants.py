@@ -45,7 +45,7 @@ from vllm_bdlora.access import (
 logger = logging.getLogger("vllm.bdlora")
 
 TENANT_KEYS_FLAG = "--tenant-keys"
-BODY_LIMIT = 16 * 2**20  # a generation request's JSON body is read before it is let through; vLLM's own answers 413
+BODY_LIMIT = 64 * 2**20  # a tenant's request body is read (and checked) before it is let through
 # The routes a tenant key may call; the rest (profiling, cache resets, sleep, scaling, ...) need an admin key.
 TENANT_ROUTES = re.compile(
     r"/v1/(completions|chat/completions|responses|embeddings|score|rerank|models|tokenize|detokenize"
@@ -252,7 +252,12 @@ class TenantGate:
             return await self.app(scope, receive, send)
         if path.rstrip("/") in ("/v1/models", "/metrics"):
             shown = visible_models if path.startswith("/v1") else _metrics_text
-            return await self.app(scope, receive, _filtered(send, lambda body: shown(body, tenant)))
+            # the answer is filtered as text: ask for it uncompressed (Prometheus asks for gzip)
+            plain = {
+                **scope,
+                "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"accept-encoding"],
+            }
+            return await self.app(plain, receive, _filtered(send, lambda body: shown(body, tenant)))
         if method != "POST":
             return await self.app(scope, receive, send)
         body, replay = await _read_body(receive)
