@@ -1,7 +1,6 @@
 """Module-name patterns select what PEFT's own functions select, and no pattern an adapter can carry makes matching
 take long: the hostile keys below take Python's `re` (and PEFT) exponential time on these names."""
 
-import threading
 import time
 
 import pytest
@@ -71,28 +70,15 @@ def test_target_modules_layers_and_exclusions_select_what_peft_selects(fields):
     "key",
     ["(.|.)*!", "(a|aa)+$", "(x+x+)+y", r"(\w+\.)*\d!", "((a*)*)*b"],
 )
-def test_hostile_keys_match_long_attacker_chosen_names_without_stalling_other_threads(key):
-    """The worker's step thread must keep running while an adapter is checked: count a second thread's progress
-    during 200 matches of names 4,000 characters long (a tensor name is the attacker's choice)."""
+def test_hostile_keys_match_long_attacker_chosen_names_in_calls_that_each_end_at_once(key):
+    """The worker's step thread runs beside the admission thread; a match holds the interpreter lock for at most its
+    own call, so each call must end at once (Python's re does not finish one of these names in an hour). A tensor
+    name is the attacker's choice: names of 4,000 characters."""
     names = ["a." * 2000, "a" * 4000, "x" * 4000, "a" * 3999 + "!"]
-    progress, done = [0], threading.Event()
-
-    def other_thread():
-        while not done.is_set():
-            progress[0] += 1
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=other_thread)
-    thread.start()
-    started = time.monotonic()
-    try:
-        for _ in range(50):
-            for name in names:
-                first_matching_key([key, "q_proj"], name)
-    finally:
-        done.set()
-        thread.join()
-    elapsed = time.monotonic() - started
-    # bounded, not a speed claim: Python's re does not finish one of these names in an hour
-    assert elapsed < 20, f"{key!r}: 200 matches took {elapsed:.1f} s"
-    assert progress[0] >= min(5, elapsed / 0.01), "another thread made no progress while patterns were matched"
+    longest = 0.0
+    for _ in range(20):
+        for name in names:
+            started = time.perf_counter()
+            first_matching_key([key, "q_proj"], name)
+            longest = max(longest, time.perf_counter() - started)
+    assert longest < 0.5, f"{key!r}: one match took {longest:.3f} s"  # bounded, not a speed claim
