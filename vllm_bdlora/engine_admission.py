@@ -17,7 +17,7 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
 * `remove` (an unload): the adapter is removed on every rank (GPU slot, host cache, what its workers kept) once no
   request of it is left; new requests cannot name it any more (the API server forgot the name first).
 * `generation`: each admission (an in-place reload included) and each removal gives the adapter a new generation,
-  which prefix caching adds to its blocks' keys (`keyed_by_admission`). vLLM keys an adapter's cached KV by its
+  which prefix caching adds to its blocks' keys (`key_blocks_by_admission`). vLLM keys an adapter's cached KV by its
   name and path only, so a fine-tune redeployed to the same path, loaded again or in place, answered from KV its
   previous weights computed. A request takes the generation current when the engine core receives it: one that
   arrives after the load answered reads no block of other weights; one in flight across an in-place reload may
@@ -66,7 +66,7 @@ class EngineAdmissions:
         self._tick_queued = False
         self._thread: threading.Thread | None = None
 
-    _creation = threading.Lock()  # the engine core's input thread asks too (`keyed_by_admission`)
+    _creation = threading.Lock()  # the engine core's input thread asks too (`key_blocks_by_admission`)
 
     @classmethod
     def of(cls, core) -> EngineAdmissions | None:
