@@ -304,11 +304,11 @@ REQUEST_COLUMNS = ("mode", "workload", "index", "adapter", "rank", "tier", "inpu
 
 
 def main(argv=None) -> int:
-    from bench.sweep import record_environment
+    from bench.run_record import record_environment
 
     args = parse_args(argv)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    record_environment(args.out, sys.argv[1:] if argv is None else argv)
+    record_environment(args.out, "bench.many_adapters", sys.argv[1:] if argv is None else argv)
     model = make_dummy_model(args.model_shape, os.path.join(args.workdir, args.model_shape))
     vocab = SHAPES[args.model_shape].vocab_size
     rows, servers = [], []

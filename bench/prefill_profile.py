@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, f"case-{args.run_case}.json"), "w") as f:
             json.dump(row, f, indent=1)
         return 0
-    from bench.sweep import environment
+    from bench.run_record import environment
 
     with open(os.path.join(args.out, "environment.json"), "w") as f:
         json.dump(environment(), f, indent=1)

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from bench.adapters import PAPER_RANK_PAIRS, bd_rank_for
 from bench.plots import write_figure
-from bench.sweep import DEFAULT_MAX_LORAS
+from bench.run_record import pop_runs, recorded_option
 
 METRICS = (("median_tpot_ms", "TPOT (ms)"), ("median_ttft_ms", "TTFT (ms)"), ("output_throughput", "tokens/s"))
 MODE_STYLE = {
@@ -242,13 +242,6 @@ def median_itl_ms(results_dir: str, row: dict) -> float | None:
     return raw_result(results_dir, row).get("median_itl_ms")
 
 
-def pop_runs(env: dict) -> list[dict]:
-    """Removes and returns the sweep commands (started, command) recorded in an environment.json: its `runs`
-    list, or the single top-level pair that folders written before that list still hold."""
-    legacy = {k: env.pop(k) for k in ("started", "command") if k in env}
-    return env.pop("runs", None) or ([legacy] if legacy else [])
-
-
 def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
     env_path = os.path.join(results_dir, "environment.json")
     env = json.load(open(env_path)) if os.path.exists(env_path) else {}
@@ -256,6 +249,7 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
     failures = open(failures_path).read().strip() if os.path.exists(failures_path) else ""
     out = [f"# Serving sweep: {os.path.basename(os.path.abspath(results_dir))}", ""]
     runs = pop_runs(env)
+    max_loras = recorded_option(runs, "--max-loras") or "the sweep's default"
     out += [f"- {k}: `{v}`" for k, v in env.items()]
     out += [f"- started {run['started']}: `{run['command']}`" for run in runs]
     from bench.load_generators import LABELS, PROMPTS
@@ -272,9 +266,8 @@ def write_summary(results_dir: str, rows: list[dict], table: dict) -> str:
         points = table[key]
         out += [f"## TP={tp}, {i}/{o} tokens, {n} adapter(s), concurrency {bs}", ""]
         if n > 1:
-            out += [f"Requests go round-robin over the {n} adapters. A step runs at most `--max-loras` of them (the "
-                    f"sweep's default: {DEFAULT_MAX_LORAS}); where {n} is more, TTFT includes the wait for a GPU slot.",
-                    ""]  # fmt: skip
+            out += [f"Requests go round-robin over the {n} adapters. A step runs at most `--max-loras` of them "
+                    f"({max_loras}); where {n} is more, TTFT includes the wait for a GPU slot.", ""]  # fmt: skip
         out += ["| mode | rank | params (M) | TPOT ms | ITL ms | TTFT ms | p99 TTFT ms | first wave ms | E2E ms | "
                 "tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for (mode, rank), row in sorted(points.items(), key=lambda kv: (list(MODE_STYLE).index(kv[0][0]), kv[0][1])):

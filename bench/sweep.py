@@ -23,16 +23,14 @@ import csv
 import glob
 import json
 import os
-import platform
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 from bench.adapters import PAPER_RANK_PAIRS, bd_rank_for, trainable_params, write_adapter
 from bench.load_generators import GENERATORS, LABELS, normalise, run_point
+from bench.run_record import record_environment
 from bench.shapes import SHAPES, make_dummy_model
 from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait_gpu_memory_released, wait_healthy
 
@@ -273,48 +271,6 @@ def row_from_result(config, args, io, concurrency, raw_path, result: dict, gener
     }  # fmt: skip
 
 
-def environment() -> dict:
-    import torch
-    import vllm
-
-    import vllm_bdlora
-
-    gpu = (
-        subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-        .stdout.strip().splitlines()
-        if shutil.which("nvidia-smi") else []
-    )  # fmt: skip
-    return {
-        "host": platform.node(),
-        "gpus": gpu or [f"CPU only ({os.cpu_count()} cores)"],
-        "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "vllm_bdlora": vllm_bdlora.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def record_environment(out_dir: str, argv: list[str]) -> None:
-    """environment.json: this host's versions, and every sweep command that wrote into the folder (a
-    resumed or queued sweep adds its command rather than replacing the ones whose points are already there)."""
-    path = os.path.join(out_dir, "environment.json")
-    from bench.report import pop_runs
-
-    earlier = {}
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                earlier = json.load(f)
-        except ValueError:  # cut short by a host taken back mid-write; the points.csv rows still stand
-            pass
-    command = "python -m bench.sweep " + shlex.join(argv)
-    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command}
-    record = {**environment(), "runs": [*pop_runs(earlier), run]}
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(path + ".tmp", path)
-
-
 def profile_once(args, config, model, adapters, url, io, concurrency) -> None:
     """One wave of `concurrency` requests under vLLM's profiler, unless this server's profile exists."""
     folder = profile_dir(args, config)
@@ -370,7 +326,7 @@ def main(argv=None) -> int:
         return 0
     for sub in ("raw", "logs"):
         os.makedirs(os.path.join(args.out, sub), exist_ok=True)
-    record_environment(args.out, sys.argv[1:] if argv is None else argv)
+    record_environment(args.out, "bench.sweep", sys.argv[1:] if argv is None else argv)
     model = make_dummy_model(args.model_shape, os.path.join(args.workdir, args.model_shape))
     csv_path = os.path.join(args.out, "points.csv")
     finished = points_so_far(csv_path)  # a rerun resumes after them

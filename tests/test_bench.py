@@ -160,15 +160,18 @@ def test_many_adapter_sections_say_ttft_includes_waiting_for_a_slot(tmp_path):
     many, one = text.split("## TP=4, 1024/128 tokens, 16 adapter(s)")[1], text.split("16 adapter(s)")[0]
     assert "round-robin over the 16 adapters" in many and "wait for a GPU slot" in many
     assert "round-robin" not in one
+    runs = [{"started": "t1", "command": "python -m bench.sweep --max-loras 8 --tp 4"}]
+    (tmp_path / "environment.json").write_text(json.dumps({"runs": runs}))
+    assert "`--max-loras` of them (8)" in report.write_summary(str(tmp_path), rows, report.index(rows))
 
 
 def test_a_resumed_sweep_adds_its_command_to_the_environment_record(tmp_path, monkeypatch):
-    from bench import sweep
+    from bench import run_record
 
-    monkeypatch.setattr(sweep, "environment", lambda: {"vllm": "0.26.0"})
+    monkeypatch.setattr(run_record, "environment", lambda: {"vllm": "0.26.0"})
     (tmp_path / "environment.json").write_text(json.dumps({"vllm": "0.26.0", "started": "t1", "command": "first"}))
     for argv in (["--tp", "2"], ["--tp", "4", "--extra-server-args", "--a b"]):
-        sweep.record_environment(str(tmp_path), argv)
+        run_record.record_environment(str(tmp_path), "bench.sweep", argv)
     runs = json.loads((tmp_path / "environment.json").read_text())["runs"]
     assert [r["command"] for r in runs] == [
         "first", "python -m bench.sweep --tp 2", "python -m bench.sweep --tp 4 --extra-server-args '--a b'"

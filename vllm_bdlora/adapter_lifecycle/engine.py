@@ -1,0 +1,337 @@
+"""The engine core's side of adapter admission: no engine step waits on an adapter's files.
+
+vLLM loads an adapter inside the engine core's loop (a load request's `add_lora`) or inside a step (a request
+naming an adapter the engine has not seen), so every running request waits for its disk read, and a read that never
+returns stops the whole engine. With BD-LoRA on, the engine core instead:
+
+* `admit` (a load request, `--lora-modules`, Ray Serve's multiplexing): asks every worker to begin admitting the
+  adapter on a thread of its own (`calls.BeginAdmissions`, `worker.py`), and answers the call later (a future,
+  which vLLM's engine core supports for its utility calls). Between steps it polls the workers; once every rank has
+  read the same files it completes the load with vLLM's own `add_lora`, now a copy from what the workers kept, and
+  answers.
+  A refusal on any rank, ranks that read different files, or a rank reading for longer than
+  `adapter_load_timeout_s` (time queued behind other admissions does not count) answers with the refusal, and every
+  rank forgets the adapter. The engine keeps stepping meanwhile.
+* `hold`: a request naming an adapter the engine has not admitted (the Python API's `generate(...,
+  lora_request=...)`) is held back while its adapter is admitted the same way, then handed to the scheduler; the
+  others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
+* `remove` (an unload): the adapter is removed on every rank (GPU slot, host cache, what its workers kept) once no
+  request of it is left; new requests cannot name it any more (the API server forgot the name first).
+* `generation`: each admission (an in-place reload included) and each removal gives the adapter a new generation,
+  which prefix caching adds to its blocks' keys (`key_blocks_by_admission`). vLLM keys an adapter's cached KV by its
+  name and path only, so a fine-tune redeployed to the same path, loaded again or in place, answered from KV its
+  previous weights computed. A request takes the generation current when the engine core receives it: one that
+  arrives after the load answered reads no block of other weights; one in flight across an in-place reload may
+  mix both, as its own computation does. Blocks of earlier generations are not reachable any more and are
+  reclaimed as the cache needs room.
+
+Polls are driven by a ticker thread that puts a marker into the engine core's input queue while anything is in
+flight, so the engine core's own thread does every call to the workers, in the same order on every rank.
+
+The functions at the end are what the patches of vLLM's engine core and executor call, one each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from vllm_bdlora.adapter_lifecycle.calls import (
+    WORKER_METHOD,
+    AdmissionCall,
+    AdmissionState,
+    AdmissionStates,
+    BeginAdmissions,
+    ForgetAdmissions,
+    Ready,
+    Unknown,
+    check_admission_replies,
+    load_timeout_refusal,
+    verdict,
+)
+
+logger = logging.getLogger("vllm.bdlora")
+
+ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
+TICK_SECONDS = 0.01
+GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side Request when it is first hashed
+
+
+@dataclass
+class _Pending:
+    request: object  # the LoRARequest
+    future: Future | None = None
+    held: list = field(default_factory=list)  # (engine request, wave) waiting for the adapter
+
+
+class EngineAdmissions:
+    """One engine core's admissions in flight, held requests and removals waiting for their requests to end."""
+
+    def __init__(self, core, timeout_s: float):
+        self.core = core
+        self.timeout_s = timeout_s
+        self.ready: set[int] = set()
+        self.pending: dict[int, _Pending] = {}
+        self.removals: set[int] = set()
+        self.generations: dict[int, int] = {}
+        self._generation_counter = itertools.count(1)
+        self._wake = threading.Event()
+        self._tick_queued = False
+        self._thread: threading.Thread | None = None
+
+    _creation = threading.Lock()  # the engine core's input thread asks too (`key_blocks_by_admission`)
+
+    @classmethod
+    def of(cls, core) -> EngineAdmissions | None:
+        """The core's admissions when BD-LoRA is on, else None."""
+        admissions = getattr(core, "_bdlora_admissions", None)
+        if admissions is None:
+            from vllm_bdlora.config import BdLoraSettings
+
+            settings = BdLoraSettings.from_vllm_config(getattr(core, "vllm_config", None))
+            if not settings.enabled or getattr(core.vllm_config, "lora_config", None) is None:
+                return None
+            with cls._creation:
+                admissions = getattr(core, "_bdlora_admissions", None)
+                if admissions is None:
+                    admissions = cls(core, settings.adapter_load_timeout_s)
+                    core._bdlora_admissions = admissions
+        return admissions
+
+    @property
+    def defers(self) -> bool:
+        """Whether calls can be answered later: only a multiprocess engine core has an input queue to tick through
+        (an in-process engine waits for its admissions instead)."""
+        return hasattr(self.core, "input_queue")
+
+    def _rpc(self, call: AdmissionCall) -> list:
+        return self.core.model_executor.collective_rpc(WORKER_METHOD, args=(call,))
+
+    # -- calls ------------------------------------------------------------------------------------------------------
+    def admit(self, lora_request) -> Future | bool:
+        pending = self._begin(lora_request)
+        if pending.future is None:
+            pending.future = Future()
+        if self.defers:
+            self._start_ticking()
+            return pending.future
+        while not pending.future.done():
+            time.sleep(TICK_SECONDS)
+            self.poll()
+        return pending.future.result()
+
+    def hold(self, request, wave) -> bool:
+        """True if `request` waits for its adapter's admission (it is handed to the scheduler once admitted)."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id in self.ready or not self.defers:
+            return False
+        pending = self.pending.get(lora.lora_int_id) or self._begin(lora)
+        pending.held.append((request, wave))
+        self._start_ticking()
+        return True
+
+    def drop_held(self, request_ids) -> None:
+        ids = set(request_ids)
+        for pending in self.pending.values():
+            pending.held = [(r, w) for r, w in pending.held if r.request_id not in ids]
+
+    def remove(self, adapter_id: int, remove_now) -> bool:
+        """Remove `adapter_id` now (`remove_now`, vLLM's own removal on every rank) or once no request of it is
+        left; an admission in flight is given up."""
+        self._next_generation(adapter_id)
+        self.ready.discard(adapter_id)
+        pending = self.pending.pop(adapter_id, None)
+        if pending is not None:
+            self._rpc(ForgetAdmissions([adapter_id]))
+            self._settle(pending, RuntimeError(f"LoRA adapter '{pending.request.lora_name}' was unloaded while it "
+                                               "was being loaded"))  # fmt: skip
+            return True
+        if self._in_use(adapter_id):
+            self.removals.add(adapter_id)
+            self._start_ticking()
+            return True
+        return remove_now(adapter_id)
+
+    # -- between steps ----------------------------------------------------------------------------------------------
+    def on_tick(self) -> None:
+        self._tick_queued = False
+        self.poll()
+
+    def poll(self) -> None:
+        if self.pending:
+            ids = list(self.pending)
+            replies = self._rpc(AdmissionStates(ids))
+            for adapter_id in ids:
+                pending = self.pending.get(adapter_id)
+                if pending is not None:
+                    self._advance(adapter_id, pending, [reply.get(adapter_id, Unknown()) for reply in replies])
+        for adapter_id in list(self.removals):
+            if not self._in_use(adapter_id):
+                self.removals.discard(adapter_id)
+                self.core.model_executor.remove_lora(adapter_id)
+
+    def _advance(self, adapter_id: int, pending: _Pending, states: list[AdmissionState]) -> None:
+        name = pending.request.lora_name
+        failed, reading = verdict(name, states)
+        if failed is None and reading > self.timeout_s:  # time queued behind other admissions does not count
+            failed = load_timeout_refusal(name, pending.request.lora_path, self.timeout_s)
+        if failed is not None:
+            del self.pending[adapter_id]
+            self._rpc(ForgetAdmissions([adapter_id]))
+            self._settle(pending, RuntimeError(failed))
+        elif all(isinstance(state, Ready) for state in states):
+            self._complete(adapter_id, pending)
+
+    def _complete(self, adapter_id: int, pending: _Pending) -> None:
+        del self.pending[adapter_id]
+        try:
+            loaded = self.core.model_executor.add_lora(pending.request)
+        except Exception as e:
+            self._rpc(ForgetAdmissions([adapter_id]))
+            self._settle(pending, e)
+            return
+        self._next_generation(adapter_id)
+        self.ready.add(adapter_id)
+        self.removals.discard(adapter_id)
+        self._settle(pending, None, loaded)
+
+    def _settle(self, pending: _Pending, error: BaseException | None, result=True) -> None:
+        if pending.future is not None and not pending.future.done():
+            if error is None:
+                pending.future.set_result(result)
+            else:
+                pending.future.set_exception(error)
+        held, pending.held = pending.held, []
+        if error is None:
+            for request, wave in held:
+                self.core.add_request(request, wave)
+            return
+        if held:
+            logger.warning("vllm-bdlora: %d request(s) for adapter '%s' aborted: %s", len(held),
+                           pending.request.lora_name, error)  # fmt: skip
+        for request, _ in held:
+            self.core._send_abort_outputs_to_client([request.request_id], request.client_index)
+
+    def _begin(self, lora_request) -> _Pending:
+        adapter_id = lora_request.lora_int_id
+        previous = self.pending.pop(adapter_id, None)
+        self._rpc(BeginAdmissions([lora_request]))
+        pending = _Pending(lora_request)
+        if previous is not None:  # an in-place reload supersedes the admission in flight; its waiters get this one
+            pending.future, pending.held = previous.future, previous.held
+        self.pending[adapter_id] = pending
+        self.removals.discard(adapter_id)
+        return pending
+
+    # -- what prefix caching keys an adapter's blocks by ---------------------------------------------------------
+    def _next_generation(self, adapter_id: int) -> None:
+        self.generations[adapter_id] = next(self._generation_counter)
+
+    def key_blocks_by_admission(self) -> None:
+        """Make the core's request block hasher give each LoRA request its adapter's generation before its first
+        block is hashed (once; on the engine core's input thread, where requests are made; a dict read, no lock)."""
+        block_hasher = getattr(self.core, "request_block_hasher", None)
+        if block_hasher is None or getattr(block_hasher, "keyed_by_admission", False):
+            return
+
+        def hash_blocks(request):
+            lora = request.lora_request
+            if lora is not None and not hasattr(request, GENERATION_ATTRIBUTE):
+                setattr(request, GENERATION_ATTRIBUTE, self.generations.get(lora.lora_int_id, 0))
+            return block_hasher(request)
+
+        hash_blocks.keyed_by_admission = True
+        self.core.request_block_hasher = hash_blocks
+
+    def _in_use(self, adapter_id: int) -> bool:
+        requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
+        return any(getattr(r.lora_request, "lora_int_id", None) == adapter_id for r in requests.values())
+
+    # -- the ticker -------------------------------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self.pending or self.removals)
+
+    def _start_ticking(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._tick_loop, name="bdlora-admission-ticker", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _tick_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._busy():
+                if not self._tick_queued:
+                    self._tick_queued = True
+                    self.core.input_queue.put_nowait((ADMISSION_TICK, None))
+                time.sleep(TICK_SECONDS)
+
+
+def lora_hash_keys_with_generation(keys: list, request) -> list:
+    """vLLM's LoRA block-hash keys (`[("lora", name, path)]`; a bare name before 0.32) with the request's adapter
+    generation added to each."""
+    generation = getattr(request, GENERATION_ATTRIBUTE, None)
+    if generation is None:
+        return keys
+    return [(*key, generation) if isinstance(key, tuple) else (key, generation) for key in keys]
+
+
+# -- what the patches call ---------------------------------------------------------------------------------------------
+# Each takes vLLM's own method (`original`, bound to the core) and falls back on it where BD-LoRA is off.
+def add_lora(core, lora_request, original: Callable):
+    """A load (API, `--lora-modules`, Ray Serve): answered later, once every rank has admitted the adapter."""
+    admissions = EngineAdmissions.of(core)
+    return original(lora_request) if admissions is None else admissions.admit(lora_request)
+
+
+def remove_lora(core, adapter_id: int, original: Callable):
+    """An unload: on every rank once no request of the adapter is left."""
+    admissions = EngineAdmissions.of(core)
+    return original(adapter_id) if admissions is None else admissions.remove(adapter_id, original)
+
+
+def add_request(core, request, wave, original: Callable):
+    """A request: held back while its adapter is admitted, else handed to vLLM."""
+    admissions = EngineAdmissions.of(core)
+    if admissions is not None and admissions.hold(request, wave):
+        return None
+    return original(request, wave)
+
+
+def abort_requests(core, request_ids, original: Callable):
+    """Aborts reach the requests held for their adapter too."""
+    admissions = EngineAdmissions.of(core)
+    if admissions is not None:
+        admissions.drop_held(request_ids)
+    return original(request_ids)
+
+
+def handle_client_request(core, request_type, request, original: Callable):
+    """The engine core's input queue: the ticker's marker polls the admissions in flight; the rest is vLLM's."""
+    if request_type != ADMISSION_TICK:
+        return original(request_type, request)
+    admissions = EngineAdmissions.of(core)
+    if admissions is not None:
+        admissions.on_tick()
+    return None
+
+
+def preprocess_add_request(core, request, original: Callable):
+    """A request as the engine core receives it: its blocks are keyed by its adapter's generation."""
+    admissions = EngineAdmissions.of(core)
+    if admissions is not None:
+        admissions.key_blocks_by_admission()
+    return original(request)
+
+
+def add_lora_on_every_rank(executor, lora_request) -> bool:
+    """The executor's add_lora: every rank's reply read before any failure is raised (`check_admission_replies`)."""
+    assert lora_request.lora_int_id > 0, "lora_id must be greater than 0."
+    replies = executor.collective_rpc("add_lora", args=(lora_request,))
+    return check_admission_replies(replies, lora_request, lambda: executor.remove_lora(lora_request.lora_int_id))

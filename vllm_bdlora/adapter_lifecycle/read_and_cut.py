@@ -1,0 +1,297 @@
+"""Admit and cut (a worker, on an admission thread): read an adapter's files once, check every module against the
+layer it targets and cut it to this rank's share, before anything reaches a LoRA slot. What it returns
+(`AdmittedAdapter`) is kept by the worker's store (`store.py`) and every later load of the adapter is built from it.
+
+An adapter is accepted whole or rejected whole (`AdapterRejected`, one message listing every problem), so a bad
+adapter never leaves half-written state behind.
+
+The files are opened once (`files.open_adapter`) and the weights file is mapped, so cutting a tensor to this rank's
+rows reads only those rows' pages; each module's factors are checked against its layer and cut
+(`sharding.localize`), then handed to vLLM's own `LoRAModel.from_lora_tensors` (names, scaling, dtype, pinned
+memory); their values are checked (`values.py`) and B is multiplied by the module's scaling once, as vLLM would on
+every load. No collective and no GPU work runs here: DoRA's magnitude scales, which need both, are `finish.py`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_bdlora.adapter_lifecycle.files import REWRITE_HINT, WEIGHTS_FILE, open_adapter
+from vllm_bdlora.adapter_lifecycle.targets import (
+    StagedModule,
+    bd_targets,
+    known_lora_modules,
+    on_other_pipeline_stage,
+    tensor_parallel_size,
+)
+from vllm_bdlora.adapter_lifecycle.values import GAIN_HINT, NON_FINITE_HINT, gain_problems, non_finite_problems
+from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, adapter_format, refuse_unserved_kinds
+from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks
+from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.dora import DoraAdapter, is_magnitude_tensor, stage_magnitudes
+from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_problem, localize
+
+
+def smallest_max_lora_rank(width_needed: int, tp_size: int) -> int | None:
+    return next((r for r in allowed_max_lora_ranks() if r >= width_needed * tp_size and r % tp_size == 0), None)
+
+
+def width_problem(module: str, local: LocalFactors, rank: int, max_lora_rank: int, tp: int, parallelism: str) -> str:
+    """Why `module` (`local`: its widest rank's share) does not fit the per-GPU LoRA width, and the fix; the server
+    and `vllm-bdlora check` both say it."""
+    fix = smallest_max_lora_rank(local.width, tp)
+    fix_text = f"start the server with --max-lora-rank {fix}" if fix else "this module cannot be served at this TP"
+    if local.nblocks == 1:
+        why = f"a standard (non-BD) module needs its full rank {rank} on every GPU"
+    else:
+        why = (
+            f"this GPU's shard touches {len(local.blocks)} of the {local.nblocks} blocks "
+            f"(rank {rank} / {local.nblocks} per block)"
+        )
+        if len(local.blocks) * tp > local.nblocks:
+            why += ": the blocks do not line up with the tensor-parallel shards (nblocks should be a multiple of TP"
+            why += ", and TP must not exceed the number of KV heads)" if parallelism == "column" else ")"
+    return (
+        f"{module}: needs LoRA width {local.width} per GPU but each GPU has {max_lora_rank // tp} "
+        f"(= --max-lora-rank {max_lora_rank} / TP {tp}); {why}; {fix_text}"
+    )
+
+
+@dataclass
+class AdmittedAdapter:
+    """An adapter as this rank serves it: vLLM's LoRAModel of the rank's share, B already scaled (scaling 1), built
+    once. vLLM merges and packs the LoRAModel it is handed in place, so each load gets a shallow copy
+    (`fresh_model`) whose module weights share these tensors."""
+
+    name: str
+    template: object
+    identity: str  # digest of the files it was read from (`OpenedAdapter.identity`)
+    summary: str
+    not_served: list[str]
+    deployment_targets: Sequence[str] | None
+    staged: list[StagedModule] = field(default_factory=list)  # kept until DoRA's scales are computed
+    dora: bool = False
+    logged: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for weights in self.template.loras.values():
+            for tensor in (weights.lora_a, weights.lora_b):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    def fresh_model(self):
+        model = copy.copy(self.template)
+        model.loras = {name: copy.copy(weights) for name, weights in self.template.loras.items()}
+        return model
+
+
+def _grouped_by_module(views: dict, mapper) -> tuple[dict, dict, list[str]]:
+    """({vLLM module: {"a": (tensor name, view), "b": ...}}, magnitude views, tensors vLLM's own reader handles
+    as they are (embeddings, modules to save))."""
+    import vllm.lora.lora_model as lora_model_module
+    from vllm.lora.utils import is_base_embedding_weights
+
+    parse = lora_model_module.parse_fine_tuned_lora_name
+    modules: dict[str, dict] = {}
+    magnitudes, passthrough = {}, []
+    for tensor_name, view in views.items():
+        if is_magnitude_tensor(tensor_name):
+            magnitudes[tensor_name] = view
+            continue
+        if is_base_embedding_weights(tensor_name) or ".lora_embedding_" in tensor_name:
+            passthrough.append(tensor_name)
+            continue
+        module, is_lora_a = parse(tensor_name, mapper)
+        if not tensor_name.endswith((".lora_A.weight", ".lora_B.weight")):
+            passthrough.append(tensor_name)
+            continue
+        modules.setdefault(module, {})["a" if is_lora_a else "b"] = (tensor_name, view)
+    return modules, magnitudes, passthrough
+
+
+def cut_to_rank(views: dict, fmt: AdapterFormat, manager, adapter: str, mapper,
+                target_modules: Sequence[str] | None) -> tuple[dict, list[StagedModule], list[str], dict]:  # fmt: skip
+    """This rank's share of every module (copies; `views` may be released after), or `AdapterRejected`.
+    `target_modules`: vLLM's deployment-time restriction (--lora-target-modules), under which vLLM wraps only those
+    modules and drops the adapter's others without a word; they are returned so that the caller can say so.
+    Returns (tensor name -> tensor, the BD modules staged, the modules not served, the magnitude vectors)."""
+    spec = fmt.block_diagonal
+    targets = bd_targets(manager)
+    known = known_lora_modules(manager)
+    try:
+        modules, magnitudes, passthrough = _grouped_by_module(views, mapper)
+    except ValueError as e:
+        raise AdapterRejected(adapter, [str(e)]) from None
+    problems: list[str] = []
+    not_served: list[str] = []
+    staged: list[StagedModule] = []
+    tensors = {name: views[name].clone() for name in passthrough}
+    for module, factors in modules.items():
+        factor = spec.factor_of(module) if spec else None
+        target = targets.get(module)
+        (a_name, lora_a), (b_name, lora_b) = factors.get("a", (None, None)), factors.get("b", (None, None))
+        if target is None:
+            if module not in known and on_other_pipeline_stage(manager.model, module):
+                continue
+            if module not in known and target_modules is not None:
+                not_served.append(module)
+            elif module not in known:
+                problems.append(
+                    f"{module}: no such LoRA-capable module in this model (is the adapter for another base model?)"
+                )
+            elif factor:
+                problems.append(
+                    f"{module}: block-diagonal LoRA-{factor.upper()} on a layer kind vllm-bdlora does not shard "
+                    f"({type(manager.modules.get(module)).__name__}); train it as a standard LoRA module"
+                )
+            else:  # a layer vLLM's own classes serve (embeddings, lm_head, experts): vLLM cuts it
+                tensors.update({name: view.clone() for name, view in ((a_name, lora_a), (b_name, lora_b)) if name})
+            continue
+        geometry = target.layer.shard_geometry(target.slice_index)
+        foreign = foreign_model_problem(lora_a, geometry, factor)
+        if foreign:
+            problems.append(f"{module}: {foreign}")
+            continue
+        try:
+            local = localize(lora_a, lora_b, geometry, factor, spec.nblocks if factor else 1)
+        except ShardingError as e:
+            problems.append(f"{module}: {e}")
+            continue
+        if local.width > target.layer.lora_width:
+            layer = target.layer
+            problems.append(width_problem(module, local, lora_a.shape[0], layer.lora_config.max_lora_rank,
+                                          layer.tp_size, layer.parallelism))  # fmt: skip
+            continue
+        staged.append(StagedModule(module, local, target))
+        tensors[a_name], tensors[b_name] = local.lora_a, local.lora_b
+    if problems:
+        raise AdapterRejected(adapter, problems)
+    return tensors, staged, sorted(not_served), {name: view.clone() for name, view in magnitudes.items()}
+
+
+VLLM_REFUSAL_HINT = (
+    "train the adapter on this base model with PEFT: LoRA layers only (modules_to_save only for the classification "
+    "head of a classification model), over the base model's own vocabulary."
+)
+
+
+def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> AdmittedAdapter:
+    """Read, check and cut one adapter (see the module's docstring); safe to run on an admission thread."""
+    from vllm.exceptions import LoRAAdapterNotFoundError
+    from vllm.lora.lora_model import LoRAModel
+
+    from vllm_bdlora.compat import lora_weights_mapper, peft_helper_from_config, validate_read_lora
+
+    manager = worker_manager._adapter_manager
+    name = lora_request.lora_name
+    if getattr(lora_request, "tensorizer_config_dict", None):
+        raise AdapterRejected(name, ["tensorizer-serialized adapters are not served with BD-LoRA"],
+                              "save the adapter with PEFT's save_pretrained (safetensors).")  # fmt: skip
+    try:
+        source = adapter_absolute_path(lora_request.lora_path)
+    except ValueError as e:
+        raise AdapterRejected(name, [f"lora_path: {e}"]) from None
+    if not os.path.exists(source):
+        raise LoRAAdapterNotFoundError(name, lora_request.lora_path)
+    mapper = lora_weights_mapper(manager.model)
+    deployment_targets = getattr(manager.lora_config, "target_modules", None)
+    try:
+        opened = open_adapter(source, name, settings.allowed_adapter_roots)
+    except FileNotFoundError:
+        raise LoRAAdapterNotFoundError(name, lora_request.lora_path) from None
+    with opened:
+        fmt = adapter_format(opened.config, name)
+        refuse_unserved_kinds(fmt, settings, name)
+        peft_helper = peft_helper_from_config(opened.config, worker_manager)
+        try:
+            peft_helper.validate_legal(worker_manager.lora_config)
+        except ValueError as e:
+            raise AdapterRejected(name, [str(e)], rank_limit_hint(str(e), manager)) from None
+        views = opened.tensor_views()
+        try:
+            tensors, staged, not_served, magnitudes = cut_to_rank(views, fmt, manager, name, mapper,
+                                                                  deployment_targets)  # fmt: skip
+        finally:
+            del views
+        if not opened.unchanged():
+            raise AdapterRejected(name, ["its weights file changed while it was read"], REWRITE_HINT)
+        identity = opened.identity
+    model = worker_manager._adapter_manager.model
+    try:
+        lora_model = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_request.lora_int_id, tensors={**tensors, **magnitudes}, peft_helper=peft_helper,
+            device="cpu", dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size,
+            weights_mapper=mapper, skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )  # fmt: skip
+        validate_read_lora(worker_manager, lora_model, lora_request)
+    except AdapterRejected:
+        raise
+    except (ValueError, RuntimeError) as e:  # vLLM refusing what this model cannot serve (a head, a vocabulary)
+        raise AdapterRejected(name, [f"{WEIGHTS_FILE}: {e}"], VLLM_REFUSAL_HINT) from None
+    check_values(lora_model, name, worker_manager.lora_config.lora_dtype)
+    for item in staged:
+        item.weights = lora_model.loras.get(item.name)
+    staged = [item for item in staged if item.weights is not None]
+    dora = DoraAdapter.of(lora_model)
+    problems = stage_magnitudes(staged, dora.magnitudes, fmt.dora)
+    if problems:
+        raise AdapterRejected(name, problems)
+    for weights in lora_model.loras.values():  # what vLLM's manager would do on every load, done once
+        if weights.scaling != 1 and isinstance(weights.lora_b, torch.Tensor):
+            weights.lora_b.mul_(weights.scaling)
+            weights.scaling = 1.0
+    block_diagonal = sum(item.local.nblocks > 1 for item in staged)
+    widths = sorted({item.local.width for item in staged})
+    targets = bd_targets(manager)
+    summary = (
+        f"adapter '{name}' ({fmt.describe()}, r={lora_model.rank}): {len(staged)} module(s) sharded, "
+        f"{block_diagonal} block-diagonal; per-GPU width {'/'.join(map(str, widths)) or '-'} "
+        f"of {next(iter(targets.values())).layer.lora_width if targets else '-'}"
+    )
+    for item in staged:  # the shares' tensors now live in vLLM's module weights
+        item.local = LocalFactors(item.local.lora_a[:0], item.local.lora_b[:0], item.local.blocks, item.local.nblocks)
+    return AdmittedAdapter(name, lora_model, identity, summary, not_served, deployment_targets,
+                           staged=staged if fmt.dora else [], dora=fmt.dora)  # fmt: skip
+
+
+def check_values(lora_model, adapter: str, dtype) -> None:
+    """NaN/Inf in any factor, then every module's gain (`values.py`), on what this rank serves."""
+    loras = lora_model.loras
+    problems = non_finite_problems((m, w.lora_a, w.lora_b) for m, w in loras.items())
+    if problems:
+        raise AdapterRejected(adapter, problems, NON_FINITE_HINT)
+    problems = gain_problems(((m, w.lora_a, w.lora_b, w.scaling) for m, w in loras.items()), dtype)
+    if problems:
+        raise AdapterRejected(adapter, problems, GAIN_HINT)
+
+
+def rank_limit_hint(message: str, manager) -> str | None:
+    """The fix for vLLM's "LoRA rank R is greater than max_lora_rank M": the smallest --max-lora-rank vLLM accepts
+    that holds this adapter (a BD adapter needs >= r; a standard one, served replicated, r * TP)."""
+    import re
+
+    found = re.search(r"LoRA rank (\d+) is greater than max_lora_rank", message)
+    if not found:
+        return None
+    rank = int(found.group(1))
+    tp = tensor_parallel_size(manager)
+    fit = smallest_max_lora_rank(-(-rank // tp), tp)
+    accepted = ", ".join(map(str, allowed_max_lora_ranks()))
+    return (f"start the server with --max-lora-rank {fit} (vLLM accepts {accepted}); a standard (non-BD) adapter "
+            f"needs its rank x TP") if fit else f"vLLM accepts --max-lora-rank {accepted} only"  # fmt: skip
+
+
+def read_on(device, worker_manager, lora_request, settings: BdLoraSettings) -> AdmittedAdapter:
+    """`read_adapter` on an admission thread of a worker whose GPU is `device`: a new thread's current CUDA device is
+    the first GPU, and pinning host memory there would open a CUDA context on another worker's GPU."""
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.set_device(device)
+    return read_adapter(worker_manager, lora_request, settings)

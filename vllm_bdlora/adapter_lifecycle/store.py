@@ -1,0 +1,325 @@
+"""What a worker keeps of the adapters it admitted, and how it admits them without holding up an engine step.
+
+vLLM reads an adapter's files whenever it has dropped the adapter from its host-memory cache (`--max-cpu-loras`)
+and a request asks for it again, inside the engine step, where every running request waits for the read and any
+failure stops the engine; an adapter whose files were re-saved, half-synced or deleted after it was admitted would
+take every request down with it, or be served as something other than what was admitted.
+
+So a worker reads an adapter once, when it admits it: its own share of the tensors, checked and cut to this rank
+(`read_and_cut.py`), is kept here (`AdapterStore`), in host memory (pinned where the GPU copies from it) up to a
+budget in bytes and, past the budget, in a private file that is unlinked as soon as it is made (so it is gone with
+the process, however the process ends). Every later load of the adapter is built from what is kept: no file of the
+adapter's is read again, so nothing that happens to them afterwards reaches a step, and a re-read costs no more than
+the copy into a GPU slot.
+
+Admission runs on threads of its own (`begin`), one adapter per thread, a few at a time: the engine core asks every
+rank to begin, polls them between steps (`status`) and completes the load only once every rank has read the same
+files (each reports the digest of what it opened, `OpenedAdapter.identity`). A read that never returns (a stalled
+network filesystem) is given up by the engine core at its deadline (`forget`), and its thread no longer counts
+against the few that run at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_bdlora.access import STORE_FULL
+from vllm_bdlora.adapter_lifecycle.calls import AdmissionState, Failed, Reading, Ready, Unknown
+
+
+class StoreFull(RuntimeError):
+    """The host budget is used up and the rest cannot be spilled to disk (no space): the adapter is refused with
+    HTTP 507, naming it."""
+
+
+@dataclass
+class _Staging:
+    """One admission in progress on its own thread."""
+
+    adapter_id: int
+    name: str
+    reading_since: float | None = None  # set once it holds a slot (its time queued behind others does not count)
+    finished: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None  # an admitted adapter (see `vllm_bdlora.adapter_lifecycle.read_and_cut.AdmittedAdapter`)
+    error: BaseException | None = None
+    abandoned: bool = False  # forgotten while it ran: its result is dropped when it ends
+    counted: bool = True  # holds one of the running slots
+
+
+@dataclass
+class _Spilled:
+    """An adapter whose tensors were spilled: a private unlinked file and, per tensor, its place in it."""
+
+    admitted: object  # its tensors set to None until read back
+    fd: int
+    places: list  # (module, attribute, offset, shape, dtype, pinned)
+
+
+class AdapterStore:
+    """One worker's admitted adapters (keyed by vLLM's adapter id), the admissions it runs, and its spill files.
+
+    `host_budget`: bytes of adapter tensors kept in host memory; the least recently used beyond it are spilled to
+    `spill_dir` (None: the system's temporary directory) and read back when a load asks for them. `threads`: how many
+    admissions read at once."""
+
+    def __init__(self, host_budget: int, spill_dir: str | None = None, threads: int = 4):
+        self.host_budget = host_budget
+        self.spill_dir = spill_dir or tempfile.gettempdir()
+        self._lock = threading.Lock()
+        self._admitted: OrderedDict[int, object] = OrderedDict()  # least recently used first
+        self._spilled: dict[int, _Spilled] = {}
+        self._staging: dict[int, _Staging] = {}
+        self._slots = threading.Semaphore(max(1, threads))
+        self.resident_bytes = 0
+
+    # -- admissions ---------------------------------------------------------------------------------------------
+    def begin(self, adapter_id: int, name: str, work: Callable[[], object]) -> None:
+        """Start admitting `adapter_id` on a thread of its own (`work` reads, checks and cuts it); an admission of
+        the same id already running is abandoned (an in-place reload supersedes it)."""
+        with self._lock:
+            previous = self._staging.pop(adapter_id, None)
+        if previous is not None:
+            self._abandon(previous)
+        staging = _Staging(adapter_id, name)
+        with self._lock:
+            self._staging[adapter_id] = staging
+        threading.Thread(target=self._run, args=(staging, work), name=f"bdlora-admit-{adapter_id}",
+                         daemon=True).start()  # fmt: skip
+
+    def _run(self, staging: _Staging, work: Callable[[], object]) -> None:
+        self._slots.acquire()
+        staging.reading_since = time.monotonic()
+        try:
+            if not staging.abandoned:
+                staging.result = work()
+        except BaseException as e:  # reported through status(); the engine core turns it into the client's answer
+            staging.error = e
+        finally:
+            staging.finished = time.monotonic()
+            with self._lock:
+                release = staging.counted
+                staging.counted = False
+            if release:
+                self._slots.release()
+            staging.done.set()
+
+    def status(self, ids: list[int]) -> dict[int, AdmissionState]:
+        """Each id's state of admission (`vllm_bdlora.adapter_lifecycle.calls`)."""
+        found = {}
+        with self._lock:
+            for adapter_id in ids:
+                staging = self._staging.get(adapter_id)
+                kept = self._admitted.get(adapter_id) or getattr(self._spilled.get(adapter_id), "admitted", None)
+                if staging is None:
+                    found[adapter_id] = Ready(kept.identity) if kept is not None else Unknown()
+                elif not staging.done.is_set():
+                    since = staging.reading_since
+                    found[adapter_id] = Reading(0.0 if since is None else time.monotonic() - since)
+                elif staging.error is not None:
+                    found[adapter_id] = Failed(str(staging.error) or type(staging.error).__name__)
+                else:
+                    found[adapter_id] = Ready(staging.result.identity)
+        return found
+
+    def take_staged(self, adapter_id: int, timeout: float | None = None):
+        """The result of `adapter_id`'s admission (waiting for it, at most `timeout` seconds), kept from now on; None
+        where none was begun. Raises what the admission raised."""
+        with self._lock:
+            staging = self._staging.get(adapter_id)
+        if staging is None:
+            return None
+        if not staging.done.wait(timeout):
+            raise TimeoutError(f"adapter '{staging.name}' is still being read")
+        with self._lock:
+            if self._staging.get(adapter_id) is staging:
+                del self._staging[adapter_id]
+        if staging.error is not None:
+            raise staging.error
+        self.keep(adapter_id, staging.result)
+        return staging.result
+
+    def _abandon(self, staging: _Staging) -> None:
+        staging.abandoned = True
+        with self._lock:
+            release = staging.counted and not staging.done.is_set()
+            staging.counted = False if release else staging.counted
+        if release:  # a read stuck past its deadline no longer holds up the admissions behind it
+            self._slots.release()
+
+    # -- what is kept ---------------------------------------------------------------------------------------------
+    def keep(self, adapter_id: int, admitted) -> None:
+        """`admitted` is what `adapter_id` is served from from now on (replacing an earlier one)."""
+        self._drop(adapter_id)
+        with self._lock:
+            self._admitted[adapter_id] = admitted
+            self.resident_bytes += admitted.nbytes
+        try:
+            self._enforce_budget(keep=adapter_id)
+        except StoreFull as e:
+            self._drop(adapter_id)
+            raise StoreFull(f"LoRA adapter '{getattr(admitted, 'name', adapter_id)}' not admitted: {e}") from e
+
+    def get(self, adapter_id: int):
+        """The admitted adapter (read back from its spill file if it was spilled), or None."""
+        with self._lock:
+            admitted = self._admitted.get(adapter_id)
+            if admitted is not None:
+                self._admitted.move_to_end(adapter_id)
+                return admitted
+            spilled = adapter_id in self._spilled
+        if not spilled:
+            return None
+        admitted = self._restore(adapter_id)
+        self._enforce_budget(keep=adapter_id)
+        return admitted
+
+    def forget(self, adapter_id: int) -> str | None:
+        """Drop everything of `adapter_id`: its admission in progress, its tensors, its spill file. Returns its name,
+        None if the store held nothing of it."""
+        with self._lock:
+            staging = self._staging.pop(adapter_id, None)
+        if staging is not None:
+            self._abandon(staging)
+        dropped = self._drop(adapter_id)
+        return dropped or (staging.name if staging is not None else None)
+
+    def ids(self) -> set[int]:
+        with self._lock:
+            return set(self._admitted) | set(self._spilled)
+
+    def resident_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._admitted)
+
+    def spilled_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._spilled)
+
+    def names(self) -> dict[int, str]:
+        """Adapter id -> name of everything kept or being admitted."""
+        with self._lock:
+            kept = [*self._admitted.items(), *((i, s.admitted) for i, s in self._spilled.items())]
+            names = {i: getattr(a, "name", str(i)) for i, a in kept}
+            names.update({i: s.name for i, s in self._staging.items()})
+        return names
+
+    def reading_seconds(self, adapter_id: int) -> float | None:
+        """How long a finished admission of `adapter_id` spent reading (None if there is none)."""
+        with self._lock:
+            staging = self._staging.get(adapter_id)
+        if staging is None or staging.reading_since is None or staging.finished is None:
+            return None
+        return staging.finished - staging.reading_since
+
+    def remove_all(self) -> None:
+        with self._lock:
+            ids = list(self._admitted) + list(self._spilled) + list(self._staging)
+        for adapter_id in ids:
+            self.forget(adapter_id)
+
+    def _drop(self, adapter_id: int) -> str | None:
+        with self._lock:
+            admitted = self._admitted.pop(adapter_id, None)
+            if admitted is not None:
+                self.resident_bytes -= admitted.nbytes
+            spilled = self._spilled.pop(adapter_id, None)
+        if spilled is not None:
+            os.close(spilled.fd)
+            admitted = spilled.admitted
+        return getattr(admitted, "name", str(adapter_id)) if admitted is not None else None
+
+    # -- spilling -------------------------------------------------------------------------------------------------
+    def _enforce_budget(self, keep: int) -> None:
+        while True:
+            with self._lock:
+                if self.resident_bytes <= self.host_budget:
+                    return
+                victim = next((i for i in self._admitted if i != keep), None)
+                if victim is None:
+                    return  # one adapter larger than the budget stays resident
+                admitted = self._admitted.pop(victim)
+                self.resident_bytes -= admitted.nbytes
+            try:
+                self._spill(victim, admitted)
+            except OSError as e:
+                with self._lock:  # keep it resident: over budget beats losing an admitted adapter
+                    self._admitted[victim] = admitted
+                    self._admitted.move_to_end(victim, last=False)
+                    self.resident_bytes += admitted.nbytes
+                raise StoreFull(
+                    f"{STORE_FULL}: the host memory for adapters ({self.host_budget} bytes per worker) is used up and "
+                    f"spilling to {self.spill_dir} failed ({e.strerror or e}); unload adapters, or give the server "
+                    'more "adapter_host_memory" or spill space'
+                ) from e
+
+    def _spill(self, adapter_id: int, admitted) -> None:
+        import torch
+
+        fd, path = tempfile.mkstemp(prefix="vllm-bdlora-spill-", dir=self.spill_dir)
+        os.unlink(path)  # the file lives as long as this descriptor: gone with the process, however it ends
+        places, offset = [], 0
+        try:  # ENOSPC included: the caller keeps the adapter resident and says so
+            for module, weights in admitted.template.loras.items():
+                for attribute in ("lora_a", "lora_b"):
+                    tensor = getattr(weights, attribute)
+                    if not isinstance(tensor, torch.Tensor):
+                        continue
+                    data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+                    written = 0
+                    while written < data.nbytes:
+                        written += os.pwrite(fd, memoryview(data)[written:], offset + written)
+                    places.append((module, attribute, offset, tuple(tensor.shape), tensor.dtype, tensor.is_pinned()))
+                    offset += data.nbytes
+        except OSError:
+            os.close(fd)
+            raise
+        for module, attribute, *_ in places:
+            setattr(admitted.template.loras[module], attribute, None)
+        with self._lock:
+            self._spilled[adapter_id] = _Spilled(admitted, fd, places)
+
+    def _restore(self, adapter_id: int):
+        import torch
+
+        with self._lock:
+            spilled = self._spilled.pop(adapter_id, None)
+        if spilled is None:  # read back by another thread meanwhile
+            return self.get(adapter_id)
+        admitted = spilled.admitted
+        try:
+            for module, attribute, offset, shape, dtype, pinned in spilled.places:
+                count = 1
+                for n in shape:
+                    count *= n
+                raw = torch.empty(count * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8,
+                                  pin_memory=pinned)  # fmt: skip
+                view = memoryview(raw.numpy())
+                done = 0
+                while done < len(view):
+                    done += os.preadv(spilled.fd, [view[done:]], offset + done)
+                setattr(admitted.template.loras[module], attribute, raw.view(dtype).reshape(shape))
+        finally:
+            os.close(spilled.fd)
+        with self._lock:
+            self._admitted[adapter_id] = admitted
+            self.resident_bytes += admitted.nbytes
+        return admitted
+
+
+def host_budget_bytes(configured: int | None, local_workers: int) -> int:
+    """The host-memory budget for one worker's adapters: the configured bytes, or a fifth of the machine's memory
+    shared by its workers."""
+    if configured is not None:
+        return configured
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 * 2**30
+    return max(2**30, total // 5 // max(1, local_workers))
