@@ -141,7 +141,7 @@ def _past_the_end(header: dict) -> None:
 
 
 def _many_tensors(header: dict) -> None:
-    from vllm_bdlora.adapter_files import MAX_TENSORS
+    from vllm_bdlora.adapter_lifecycle.files import MAX_TENSORS
 
     for i in range(MAX_TENSORS + 1):
         header[f"pad{i}"] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}

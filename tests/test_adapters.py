@@ -36,7 +36,7 @@ def test_block_diagonal_factors_on_experts_are_found_and_refused_from_the_files(
     import torch
     from safetensors.torch import save_file
 
-    from vllm_bdlora.adapter_files import check_adapter_dir
+    from vllm_bdlora.adapter_lifecycle.files import check_adapter_dir
     from vllm_bdlora.adapters import block_diagonal_expert_modules
 
     spec = parse_block_diagonal_spec({"use_bdlora": PEFT_SECTION}, "x")

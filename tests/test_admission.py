@@ -25,8 +25,23 @@ from vllm_bdlora.access import (
     is_allowed_adapter_path,
     needs_api_key,
 )
-from vllm_bdlora.adapter_files import UNREADABLE, AdapterPathRefused, check_adapter_dir, module_rank, open_adapter
-from vllm_bdlora.adapter_values import (
+from vllm_bdlora.adapter_lifecycle.calls import (
+    AdmissionReceipt,
+    Failed,
+    Reading,
+    Ready,
+    Unknown,
+    check_admission_replies,
+)
+from vllm_bdlora.adapter_lifecycle.files import (
+    UNREADABLE,
+    AdapterPathRefused,
+    check_adapter_dir,
+    module_rank,
+    open_adapter,
+)
+from vllm_bdlora.adapter_lifecycle.store import AdapterStore, StoreFull
+from vllm_bdlora.adapter_lifecycle.values import (
     MAX_GAIN,
     config_scale_problems,
     gain_problems,
@@ -34,7 +49,6 @@ from vllm_bdlora.adapter_values import (
     non_finite_problems,
 )
 from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
-from vllm_bdlora.admission import AdapterStore, AdmissionReceipt, StoreFull, check_admission_replies
 
 # Found only once the tensors are read (by the worker) or by vLLM's own path lookup.
 AFTER_READ = {"nan_weights", "inf_weights", "missing_path", "huge_factor"}
@@ -288,7 +302,7 @@ def test_the_store_spills_past_its_budget_and_reads_back_exactly(tmp_path):
         assert torch.equal(got.template.loras["m"].lora_a, torch.full((4, 256), float(i)))
         assert torch.equal(got.template.loras["m"].lora_b, torch.full((256, 4), -float(i), dtype=torch.bfloat16))
         assert store.resident_bytes <= store.host_budget
-    assert store.status([1, 9]) == {1: ("ready", "id1"), 9: ("unknown",)}
+    assert store.status([1, 9]) == {1: Ready("id1"), 9: Unknown()}
     assert store.forget(2) and not store.forget(2) and store.get(2) is None
     store.remove_all()
     assert store.ids() == set() and store.resident_bytes == 0
@@ -315,21 +329,21 @@ def test_admissions_run_on_threads_and_a_stuck_one_does_not_hold_up_the_next():
     store.begin(2, "next", lambda: kept("b", 2.0))
     time.sleep(0.2)
     status = store.status([1, 2])
-    assert status[1][0] == "pending" and status[1][1] > 0.1  # reading for 0.2 s
-    assert status[2] == ("pending", 0.0)  # one read at a time: 2 waits for 1, and its reading time has not begun
+    assert isinstance(status[1], Reading) and status[1].seconds > 0.1  # reading for 0.2 s
+    assert status[2] == Reading(0.0)  # one read at a time: 2 waits for 1, and its reading time has not begun
     assert store.forget(1)  # given up at its deadline: its slot goes to the next admission
     deadline = time.monotonic() + 10
-    while store.status([2])[2][0] == "pending" and time.monotonic() < deadline:
+    while isinstance(store.status([2])[2], Reading) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert store.status([2]) == {2: ("ready", "b")}
+    assert store.status([2]) == {2: Ready("b")}
     assert store.take_staged(2).identity == "b" and store.get(2).identity == "b"
     stuck.set()
     store.begin(3, "bad", lambda: (_ for _ in ()).throw(AdapterRejected("bad", ["x: broken"])))
     deadline = time.monotonic() + 10
-    while store.status([3])[3][0] == "pending" and time.monotonic() < deadline:
+    while isinstance(store.status([3])[3], Reading) and time.monotonic() < deadline:
         time.sleep(0.01)
-    state, message = store.status([3])[3]
-    assert state == "failed" and "LoRA adapter rejected: 'bad'" in message
+    state = store.status([3])[3]
+    assert isinstance(state, Failed) and "LoRA adapter rejected: 'bad'" in state.message
     with pytest.raises(AdapterRejected):
         store.take_staged(3)
 
@@ -422,7 +436,7 @@ def test_a_large_header_is_parsed_without_the_lock_holding_parser(monkeypatch):
     """json's C parser holds the interpreter lock for its whole run (seconds for the 100 MiB the format allows,
     while the worker's engine step waits): past LOCK_HOLDING_PARSE_LIMIT the header goes to json's Python parser,
     which gives the same object."""
-    import vllm_bdlora.adapter_files as adapter_files
+    from vllm_bdlora.adapter_lifecycle import files as adapter_files
 
     entry = {"dtype": "F32", "shape": [8, 128], "data_offsets": [0, 4096]}
     header = {f"base_model.model.model.layers.{i}.mlp.up_proj.lora_A.weight": entry for i in range(20000)}

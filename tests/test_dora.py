@@ -99,7 +99,7 @@ def test_ranks_agree_on_the_adapter_they_load(monkeypatch, other_rank_id, other_
 
     import vllm.distributed
 
-    from vllm_bdlora import loading
+    from vllm_bdlora.adapter_lifecycle import finish
 
     def all_reduce_with_other_rank(local):
         other = [float(other_problems)] + [float(other_rank_id % 1024), float(other_rank_id // 1024 % 1024)]
@@ -108,13 +108,13 @@ def test_ranks_agree_on_the_adapter_they_load(monkeypatch, other_rank_id, other_
     monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", all_reduce_with_other_rank)
     layer = types.SimpleNamespace(tp_size=2, device="cpu")
     if outcome is None:
-        loading._agree_across_ranks([], layer, "a", 7)
+        finish.agree_across_ranks([], layer, "a", 7)
     elif outcome == "rejected":
-        with pytest.raises(loading.AdapterRejected):
-            loading._agree_across_ranks([], layer, "a", 7)
+        with pytest.raises(finish.AdapterRejected):
+            finish.agree_across_ranks([], layer, "a", 7)
     else:
         with pytest.raises(RuntimeError, match=outcome):
-            loading._agree_across_ranks([], layer, "a", 7)
+            finish.agree_across_ranks([], layer, "a", 7)
 
 
 class Fp8StyleMethod:

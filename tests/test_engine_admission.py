@@ -1,5 +1,5 @@
-"""The engine core's side of adapter admission (`vllm_bdlora.engine_admission`), driven against workers' real adapter
-stores (`vllm_bdlora.admission`) whose reads the tests control: answers come later while the engine keeps going,
+"""The engine core's side of adapter admission (`adapter_lifecycle.engine`), driven against workers' real adapter
+stores (`adapter_lifecycle.store`) whose reads the tests control: answers come later while the engine keeps going,
 every rank must read the same files, a read that never returns fails alone at its deadline, requests wait for their
 adapter, and an unload waits for the adapter's requests. The engine tests (test_engine_vs_peft.py, test_server*.py)
 run the same code inside vLLM."""
@@ -12,9 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_bdlora.adapter_lifecycle.calls import (
+    WORKER_METHOD,
+    AdmissionStates,
+    BeginAdmissions,
+    ForgetAdmissions,
+    Unknown,
+)
+from vllm_bdlora.adapter_lifecycle.engine import ADMISSION_TICK, EngineAdmissions
+from vllm_bdlora.adapter_lifecycle.store import AdapterStore
 from vllm_bdlora.adapters import AdapterRejected
-from vllm_bdlora.admission import AdapterStore
-from vllm_bdlora.engine_admission import ADMISSION_TICK, EngineAdmissions
 
 
 def lora(adapter_id, name=None):
@@ -44,18 +51,19 @@ class Workers:
         return read
 
     def collective_rpc(self, method, args=()):
-        assert method == "bdlora_admission"
-        op, payload = args
+        assert method == WORKER_METHOD
+        (call,) = args
         replies = []
         for rank, store in enumerate(self.stores):
-            if op == "begin":
-                for request in payload:
-                    store.begin(request.lora_int_id, request.lora_name, self.work(rank, request))
-                replies.append(True)
-            elif op == "status":
-                replies.append(store.status(list(payload)))
-            else:
-                replies.append([store.forget(i) for i in payload])
+            match call:
+                case BeginAdmissions(requests=requests):
+                    for request in requests:
+                        store.begin(request.lora_int_id, request.lora_name, self.work(rank, request))
+                    replies.append(True)
+                case AdmissionStates(adapter_ids=ids):
+                    replies.append(store.status(list(ids)))
+                case ForgetAdmissions(adapter_ids=ids):
+                    replies.append([store.forget(i) for i in ids])
         return replies
 
     def add_lora(self, request):
@@ -127,7 +135,7 @@ def test_one_ranks_refusal_refuses_the_adapter_on_every_rank():
     with pytest.raises(RuntimeError, match="LoRA adapter rejected: 'ad3'"):
         answer.result()
     assert workers.added == [] and all(3 not in store.ids() for store in workers.stores)
-    assert all(store.status([3]) == {3: ("unknown",)} for store in workers.stores)
+    assert all(store.status([3]) == {3: Unknown()} for store in workers.stores)
 
 
 def test_ranks_that_read_different_files_refuse_the_adapter():

@@ -55,7 +55,7 @@ def overflowing_adapter(source: str, path: Path, gain: float = 6e4) -> Path:
     float16 limit admission enforces (65,504), yet gate x up of a normalised hidden state overflows float16."""
     from safetensors.torch import load_file, save_file
 
-    from vllm_bdlora.adapter_files import module_scaling
+    from vllm_bdlora.adapter_lifecycle.files import module_scaling
 
     shutil.copytree(source, path)
     tensors = load_file(path / "adapter_model.safetensors")

@@ -60,9 +60,9 @@ class BdLoraSettings:
     # Paths are resolved (symlinks, "..", relative to the server's working directory) before they are compared.
     allowed_adapter_roots: tuple[str, ...] = ()
     # Host memory for admitted adapters, per worker, in bytes (each worker keeps its own share of every adapter it
-    # admitted, vllm_bdlora/admission.py); past it the least recently used are spilled to unlinked private files
-    # in `adapter_spill_dir` and read back when a request asks for them. None: a fifth of the machine's memory
-    # shared by its workers. A size string ("16GiB", "512MB") is read as bytes.
+    # admitted, vllm_bdlora/adapter_lifecycle/store.py); past it the least recently used are spilled to unlinked
+    # private files in `adapter_spill_dir` and read back when a request asks for them. None: a fifth of the machine's
+    # memory shared by its workers. A size string ("16GiB", "512MB") is read as bytes.
     adapter_host_memory: int | None = None
     # GPU memory for LoRA slots, per GPU, in bytes (or a size string): the server's --max-loras is set to the slots
     # that fit (vllm_bdlora/sizing.py; logged with what a stock vLLM server would fit). None: --max-loras as given.

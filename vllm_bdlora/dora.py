@@ -32,7 +32,7 @@ import torch
 from vllm_bdlora.sharding import localize_magnitude
 
 if TYPE_CHECKING:
-    from vllm_bdlora.loading import StagedModule
+    from vllm_bdlora.adapter_lifecycle.targets import StagedModule
 
 # 1024 input columns per step: a gate_up shard of Llama-3.1-8B at TP=1 (28672 rows) then needs 117 MB of
 # float32 scratch on the GPU at load, well inside the headroom vLLM leaves outside the KV cache.

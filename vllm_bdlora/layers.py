@@ -6,7 +6,7 @@ Each class is vLLM's default (not fully sharded) LoRA layer with two changes:
   `max_lora_rank`; vLLM's shrink/expand kernels work over the whole buffer width, so a full-width buffer
   would hand back the compute BD-LoRA saves;
 * `set_lora` receives tensors that were already cut to this rank's share at adapter load
-  (`vllm_bdlora.loading`), so it only checks and copies them.
+  (`vllm_bdlora.adapter_lifecycle.read_and_cut`), so it only checks and copies them.
 
 The forward pass is vLLM's own: column layers add `B_t(A_t x)` to their output shard, row layers add
 their partial LoRA product before the base layer's all-reduce. No collective is added anywhere.
@@ -287,7 +287,7 @@ class BlockDiagonalLoRALayer:
             raise RuntimeError(
                 f"{type(self).__name__}: LoRA tensors A {tuple(a.shape)}, B {tuple(b.shape)} are not this "
                 f"rank's share (expected A (<= {self.lora_width}, {self.input_size}), B ({height}, <= "
-                f"{self.lora_width})); adapters must be loaded through vllm_bdlora.loading."
+                f"{self.lora_width})); adapters must be loaded through vllm_bdlora.adapter_lifecycle.read_and_cut."
             )
         if a.shape[0] > self.lora_width:
             # Only vLLM's warm-up adapters (all zeros, rank 8) get here: real adapters are width-checked
@@ -474,3 +474,13 @@ def describe_slots(layers: Sequence[object], max_loras: int, on_gpu: bool) -> st
         f"(BD layers {bd / per / 2**20:.2f} MiB a slot, vLLM's other LoRA layers {(total - bd) / per / 2**20:.2f}), "
         "reserved before the KV cache."
     )
+
+
+def base_quantization(layer) -> str | None:
+    """The quantization of a BD layer's base weight (None: unquantized, or not a BD layer)."""
+    return layer.base_quantization() if isinstance(layer, BlockDiagonalLoRALayer) else None
+
+
+def unreadable_base(layer) -> str | None:
+    """Why a BD layer's dequantized base weight cannot be read exactly (None: it can, or not a BD layer)."""
+    return layer.base_weight_unreadable() if isinstance(layer, BlockDiagonalLoRALayer) else None

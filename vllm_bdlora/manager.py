@@ -10,7 +10,14 @@ from contextlib import contextmanager
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.experts import refuse_lora_experts_on_cpu
 from vllm_bdlora.kernels.plans import largest_tile, mixed_batch_limit
-from vllm_bdlora.layers import describe_sharding, describe_slots, selecting_bd_layers, uses_fused_kernels
+from vllm_bdlora.layers import (
+    base_quantization,
+    describe_sharding,
+    describe_slots,
+    selecting_bd_layers,
+    unreadable_base,
+    uses_fused_kernels,
+)
 from vllm_bdlora.sharding import per_rank_width
 
 logger = logging.getLogger("vllm.bdlora")
@@ -28,6 +35,11 @@ def refuse_incompatible(lora_config, model=None) -> None:
         refuse_lora_experts_on_cpu(model, lora_config)
 
 
+def is_first_tp_rank(manager) -> bool:
+    """True on the first tensor-parallel rank only, so each log line appears once per engine."""
+    return all(getattr(layer, "tp_rank", 0) == 0 for layer in manager.modules.values())
+
+
 @contextmanager
 def building_bd_layers(settings: BdLoraSettings, lora_config, model=None) -> Iterator[None]:
     """Inside: vLLM's manager builds BD layers, each holding `settings`."""
@@ -38,8 +50,6 @@ def building_bd_layers(settings: BdLoraSettings, lora_config, model=None) -> Ite
 
 def log_startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) -> None:
     """The start-up report, from the first TP rank only."""
-    from vllm_bdlora.loading import is_first_tp_rank
-
     lines = startup_report(manager, settings, lora_config, vllm_config)
     if is_first_tp_rank(manager):
         for line in lines:
@@ -49,8 +59,6 @@ def log_startup_report(manager, settings: BdLoraSettings, lora_config, vllm_conf
 def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) -> list[str]:
     """One line per BD layer kind and slot budget (`describe_sharding`), then DoRA, kernels and eager steps."""
     from vllm.platforms import current_platform  # resolved once the engine runs
-
-    from vllm_bdlora.loading import base_quantization, unreadable_base
 
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     layers = list(manager.modules.values())

@@ -33,6 +33,7 @@ import time
 from collections import defaultdict
 
 from vllm_bdlora.access import METRICS_OVERFLOW_LABEL
+from vllm_bdlora.adapter_lifecycle.calls import WORKER_METHOD, AdapterFigures
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -114,13 +115,6 @@ class WorkerAdapterStats:
         }
 
 
-def worker_stats(worker_manager) -> WorkerAdapterStats:
-    stats = getattr(worker_manager, "_bdlora_stats", None)
-    if stats is None:
-        stats = worker_manager._bdlora_stats = WorkerAdapterStats()
-    return stats
-
-
 class EngineStepStats:
     """The engine core's step durations (steps that ran the model)."""
 
@@ -163,7 +157,7 @@ class WorkerFigures:
     def current(self, steps: int) -> dict:
         """`steps`: the engine's model steps so far (an executor may run them without a call counted here)."""
         if self.refreshed_at != (self.calls, steps):
-            self.figures = merge_worker_snapshots(self._ask("bdlora_admission", args=("stats", None)))
+            self.figures = merge_worker_snapshots(self._ask(WORKER_METHOD, args=(AdapterFigures(),)))
             self.refreshed_at = (self.calls, steps)
         return self.figures
 

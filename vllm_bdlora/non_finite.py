@@ -1,10 +1,10 @@
 """A request whose logits are not finite ends alone, with an error naming its adapter.
 
-Admission refuses every adapter whose values could overflow (`vllm_bdlora.adapter_values`), but a finite adapter
-can still drive a row's logits to NaN or +Inf in 16-bit arithmetic, and so can weights corrupted after admission.
-vLLM samples such a row anyway: on a GPU its sampling kernels can return an index past the vocabulary, which the
-next step uses to index the embeddings (a device-side assert: the engine dies for every tenant); on the CPU the
-row's answer is silently garbage. Here:
+Admission refuses every adapter whose values could overflow (`vllm_bdlora.adapter_lifecycle.values`), but a finite
+adapter can still drive a row's logits to NaN or +Inf in 16-bit arithmetic, and so can weights corrupted after
+admission. vLLM samples such a row anyway: on a GPU its sampling kernels can return an index past the vocabulary,
+which the next step uses to index the embeddings (a device-side assert: the engine dies for every tenant); on the
+CPU the row's answer is silently garbage. Here:
 
 * in every worker, before sampling: a row holding NaN or +Inf (-Inf is how vLLM masks tokens) is marked NaN in
   the logits vLLM counts (`VLLM_COMPUTE_NANS_IN_LOGITS`, which BD-LoRA servers turn on: per-row counts in the

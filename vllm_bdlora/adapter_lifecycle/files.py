@@ -11,7 +11,7 @@ tells nothing about what exists on the server's disk.
 Each problem becomes one `AdapterRejected` naming the adapter, the file and the fix (HTTP 400; the server keeps
 serving). Checked here: the path is a directory; `adapter_config.json` is a JSON object of at most 1 MiB, nested
 at most 64 deep, whose `r`, `lora_alpha`, `rank_pattern` and `alpha_pattern` are numbers of the right kind and
-whose scales (`lora_alpha / r`, per pattern, rsLoRA's `/ sqrt(r)`) are within `adapter_values.MAX_SCALING`, and
+whose scales (`lora_alpha / r`, per pattern, rsLoRA's `/ sqrt(r)`) are within `values.MAX_SCALING`, and
 whose module-name patterns are ones `vllm_bdlora.name_patterns` matches in linear time; the
 weights are in `adapter_model.safetensors` (pickle files are never loaded); that file's header is well formed,
 holds at most `MAX_TENSORS` floating-point tensors laid end to end without gaps or overlaps, and the file is as

@@ -115,7 +115,7 @@ def check_lora_modules_before_loading(args: argparse.Namespace, settings: BdLora
     import os
 
     from vllm_bdlora.access import PATH_REFUSED, adapter_name_problem, adapter_path_problem, is_allowed_adapter_path
-    from vllm_bdlora.adapter_files import AdapterPathRefused, check_adapter_dir
+    from vllm_bdlora.adapter_lifecycle.files import AdapterPathRefused, check_adapter_dir
     from vllm_bdlora.adapters import AdapterRejected, adapter_format, refuse_unserved_kinds
 
     roots = settings.allowed_adapter_roots

@@ -14,7 +14,7 @@ from vllm_bdlora.patching import UpstreamContractError, original_of, require_par
 
 def patch_dora_magnitude_tensors() -> bool:
     """Let vLLM's checkpoint reader accept magnitude vectors, and keep them aside on the LoRAModel (a `DoraAdapter`,
-    keyed by vLLM module name) for `vllm_bdlora.loading`."""
+    keyed by vLLM module name) for `vllm_bdlora.adapter_lifecycle.read_and_cut`."""
     import vllm.lora.lora_model as lora_model_module
     from vllm.lora.lora_model import LoRAModel
 

@@ -1,7 +1,9 @@
 """Patches on the engine core and its workers: adapters admitted off the engine's step, unloads that reach the
-engine (`vllm_bdlora.engine_admission`, `vllm_bdlora.admission`)."""
+engine (`vllm_bdlora.adapter_lifecycle.engine`, `vllm_bdlora.adapter_lifecycle.worker`)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 from vllm_bdlora.patching import UpstreamContractError, add_method, require_parameters, wrap_function, wrap_method
 
@@ -11,7 +13,7 @@ def patch_engine_core_admission() -> bool:
     adapter is being admitted, and removes an unloaded adapter once its requests are done."""
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
-    from vllm_bdlora.engine_admission import ADMISSION_TICK, EngineAdmissions
+    from vllm_bdlora.adapter_lifecycle import engine as engine_side
 
     contracts = {"add_lora": ("lora_request",), "remove_lora": ("lora_id",),
                  "add_request": ("request", "request_wave"), "abort_requests": ("request_ids",)}  # fmt: skip
@@ -26,46 +28,31 @@ def patch_engine_core_admission() -> bool:
 
     def make_add_lora(original):
         def add_lora(self, lora_request):
-            admissions = EngineAdmissions.of(self)
-            return original(self, lora_request) if admissions is None else admissions.admit(lora_request)
+            return engine_side.add_lora(self, lora_request, partial(original, self))
 
         return add_lora
 
     def make_remove_lora(original):
         def remove_lora(self, lora_id):
-            admissions = EngineAdmissions.of(self)
-            if admissions is None:
-                return original(self, lora_id)
-            return admissions.remove(lora_id, lambda adapter_id: original(self, adapter_id))
+            return engine_side.remove_lora(self, lora_id, partial(original, self))
 
         return remove_lora
 
     def make_add_request(original):
         def add_request(self, request, request_wave=0):
-            admissions = EngineAdmissions.of(self)
-            if admissions is not None and admissions.hold(request, request_wave):
-                return None
-            return original(self, request, request_wave)
+            return engine_side.add_request(self, request, request_wave, partial(original, self))
 
         return add_request
 
     def make_abort_requests(original):
         def abort_requests(self, request_ids):
-            admissions = EngineAdmissions.of(self)
-            if admissions is not None:
-                admissions.drop_held(request_ids)
-            return original(self, request_ids)
+            return engine_side.abort_requests(self, request_ids, partial(original, self))
 
         return abort_requests
 
     def make_handle(original):
         def _handle_client_request(self, request_type, request):
-            if request_type == ADMISSION_TICK:
-                admissions = EngineAdmissions.of(self)
-                if admissions is not None:
-                    admissions.on_tick()
-                return None
-            return original(self, request_type, request)
+            return engine_side.handle_client_request(self, request_type, request, partial(original, self))
 
         return _handle_client_request
 
@@ -83,22 +70,19 @@ def patch_prefix_cache_keyed_by_admission() -> bool:
     """With BD-LoRA on, an adapter's cached KV blocks are keyed by its admission too, not only its name and path."""
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_bdlora.engine_admission import EngineAdmissions, lora_hash_keys_with_generation
+    from vllm_bdlora.adapter_lifecycle import engine as engine_side
 
     require_parameters(EngineCore.preprocess_add_request, ("request",), "EngineCore.preprocess_add_request")
 
     def make_preprocess(original):
         def preprocess_add_request(self, request):
-            admissions = EngineAdmissions.of(self)
-            if admissions is not None:
-                admissions.key_blocks_by_admission()
-            return original(self, request)
+            return engine_side.preprocess_add_request(self, request, partial(original, self))
 
         return preprocess_add_request
 
     def make_hash_keys(original):
         def _gen_lora_extra_hash_keys(request):
-            return lora_hash_keys_with_generation(original(request), request)
+            return engine_side.lora_hash_keys_with_generation(original(request), request)
 
         return _gen_lora_extra_hash_keys
 
@@ -145,11 +129,11 @@ def patch_scheduler_ends_non_finite_requests() -> bool:
     ])  # fmt: skip
 
 
-def bdlora_admission(self, op, payload):
-    """The workers' side of the engine core's admission calls (`vllm_bdlora.loading.admission_rpc`)."""
-    from vllm_bdlora.loading import admission_rpc
+def bdlora_admission(self, call):
+    """The workers' side of the engine core's admission calls (`vllm_bdlora.adapter_lifecycle.calls`)."""
+    from vllm_bdlora.adapter_lifecycle.worker import answer_admission_call
 
-    return admission_rpc(self.model_runner.lora_manager, op, payload)
+    return answer_admission_call(self.model_runner.lora_manager, call)
 
 
 def patch_worker_admission_calls() -> bool:
@@ -157,7 +141,9 @@ def patch_worker_admission_calls() -> bool:
     its own worker methods; no function is pickled)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
-    return add_method(WorkerBase, "bdlora_admission", bdlora_admission)
+    from vllm_bdlora.adapter_lifecycle.calls import WORKER_METHOD
+
+    return add_method(WorkerBase, WORKER_METHOD, bdlora_admission)
 
 
 def bdlora_ping(self) -> bool:

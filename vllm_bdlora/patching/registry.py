@@ -159,10 +159,11 @@ PATCHES: tuple[Patch, ...] = (
         "adapter as dense (wrong output) on a server without BD. vLLM re-reads an adapter's files inside the "
         "engine step after its CPU cache dropped the adapter, where a changed or deleted file stops the engine and "
         "every running request waits for the read.",
-        how="vllm_bdlora.loading.load_adapter: serve the adapter from this worker's store (vllm_bdlora.admission), "
-        "which holds the rank's share as read, checked and cut once at admission: files opened once without "
-        "following symlinks (adapter_files), BD adapters refused when BD is off and DoRA adapters when DoRA is off, "
-        "NaN/Inf and over-large gains refused (adapter_values), every module checked and cut to this rank's share, "
+        how="vllm_bdlora.adapter_lifecycle.worker.load_adapter: serve the adapter from this worker's store "
+        "(adapter_lifecycle.store), which holds the rank's share as read, checked and cut once at admission "
+        "(adapter_lifecycle.read_and_cut): files opened once without following symlinks (adapter_lifecycle.files), "
+        "BD adapters refused when BD is off and DoRA adapters when DoRA is off, NaN/Inf and over-large gains "
+        "refused (adapter_lifecycle.values), every module checked and cut to this rank's share, "
         "B scaled once, DoRA magnitude scales computed; raise AdapterRejected; warn about modules "
         "--lora-target-modules leaves out (vLLM drops them silently). Only an adapter the worker never admitted is "
         "read inside the call. remove_adapter drops what the store keeps.",
@@ -184,7 +185,7 @@ PATCHES: tuple[Patch, ...] = (
         why="vLLM loads an adapter inside the engine core's loop or inside a step: every running request waits for "
         "its disk read, and a read that never returns stops generation for every tenant while /health answers 200. "
         "An unload never reaches the engine's remove_lora.",
-        how="With BD-LoRA on (vllm_bdlora.engine_admission): add_lora asks every worker to begin admitting the "
+        how="With BD-LoRA on (vllm_bdlora.adapter_lifecycle.engine): add_lora asks every worker to begin admitting the "
         "adapter on a thread of its own and answers later (a future, which the engine core supports for utility "
         "calls); between steps a ticker's marker in the input queue makes the engine core poll the workers, complete "
         "the load once every rank read the same files, or refuse it (any rank's refusal, different files, "
@@ -205,7 +206,7 @@ PATCHES: tuple[Patch, ...] = (
         "path, unloaded and loaded again or loaded in place, answered prompts longer than one block from KV its "
         "previous weights computed.",
         how="With BD-LoRA on, the engine core's block hasher gives each LoRA request its adapter's admission "
-        "generation (new at every admission and removal, vllm_bdlora.engine_admission), and the LoRA hash keys "
+        "generation (new at every admission and removal, vllm_bdlora.adapter_lifecycle.engine), and the LoRA hash keys "
         "carry it.",
         removal="vLLM keying LoRA blocks by a per-load identity (a content digest or a load counter).",
         apply=patch_prefix_cache_keyed_by_admission,
@@ -232,8 +233,9 @@ PATCHES: tuple[Patch, ...] = (
         versions="0.26-0.32",
         why="The engine core's admission calls reach workers through collective_rpc, which calls a worker method by "
         "name (a pickled function would need VLLM_ALLOW_INSECURE_SERIALIZATION).",
-        how="Add one method that hands begin / status / forget to vllm_bdlora.loading.admission_rpc; raise at start-up "
-        "if vLLM ever defines a method of that name.",
+        how="Add one method that hands each typed call (vllm_bdlora.adapter_lifecycle.calls: begin, states, forget, "
+        "figures) to vllm_bdlora.adapter_lifecycle.worker.answer_admission_call; raise at start-up if vLLM ever "
+        "defines a method of that name.",
         removal="vLLM loading adapters off the engine's step.",
         apply=patch_worker_admission_calls,
     ),
@@ -267,9 +269,10 @@ PATCHES: tuple[Patch, ...] = (
         "stops reading replies at the first failure: the other ranks' replies stay queued and the next "
         "RPC (e.g. the next adapter load) fails with a stale error. Each rank copies an admitted adapter's files "
         "itself, so files changed during a load could give ranks different adapters.",
-        how="Workers load inside vllm_bdlora.admission.admitting() and return an AdapterLoadFailure reply instead "
-        "of raising, else an AdmissionReceipt with the digest of their copy; Executor.add_lora raises the failure "
-        "after every reply is read, and removes and refuses an adapter whose ranks copied different bytes.",
+        how="Workers load through vllm_bdlora.adapter_lifecycle.worker.add_lora_reporting_failures and return an "
+        "AdapterLoadFailure reply instead of raising, else an AdmissionReceipt with the digest of their copy; "
+        "Executor.add_lora (adapter_lifecycle.engine.add_lora_on_every_rank) raises the failure after every reply "
+        "is read, and removes and refuses an adapter whose ranks copied different bytes.",
         removal="MultiprocExecutor draining all replies before raising a worker failure.",
         apply=patch_add_lora_failures,
     ),

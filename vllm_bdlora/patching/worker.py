@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import logging
+from functools import partial
 
 from vllm_bdlora.compat import cpu_kv_cache_write
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.patching import UpstreamContractError, require_parameters, wrap_function, wrap_method
-
-logger = logging.getLogger("vllm.bdlora")
 
 ADAPTER_FLAGS_WE_INTERPRET = ("use_bdlora", "use_dora")
 
@@ -74,38 +72,28 @@ def patch_lora_manager() -> bool:
 
 
 def patch_adapter_loading() -> bool:
-    """Admit, check and cut every adapter to this rank's share before it can reach a LoRA slot
-    (`vllm_bdlora.loading.load_adapter`); load errors become `AdapterRejected` (HTTP 400)."""
+    """Fill a LoRA slot from what the worker admitted (checked and cut to this rank's share) rather than from the
+    adapter's files, and forget it there on an unload (`vllm_bdlora.adapter_lifecycle.worker`)."""
     from vllm.lora.worker_manager import WorkerLoRAManager
 
-    from vllm_bdlora.loading import load_adapter
+    from vllm_bdlora.adapter_lifecycle.worker import load_adapter, remove_adapter
 
     require_parameters(WorkerLoRAManager._load_adapter, ("lora_request",), "WorkerLoRAManager._load_adapter")
     require_parameters(WorkerLoRAManager.remove_adapter, ("adapter_id",), "WorkerLoRAManager.remove_adapter")
 
     def make_load(original):
         def _load_adapter(self, lora_request):
-            return load_adapter(self, lora_request, lambda request: original(self, request))
+            return load_adapter(self, lora_request, partial(original, self))
 
         return _load_adapter
 
     def make_remove(original):
         # Only an explicit removal (the executor's remove_lora: an unload) lands here: vLLM v1's workers use the LRU
-        # manager, whose per-step adapter application evicts through the model manager and keeps what the worker
-        # admitted for later loads.
-        def remove_adapter(self, adapter_id):
-            removed = original(self, adapter_id)
-            store = getattr(self, "_bdlora_store", None)
-            name = store.forget(adapter_id) if store is not None else None
-            if name is not None:
-                from vllm_bdlora.loading import is_first_tp_rank
+        # manager, whose per-step adapter application evicts through the model manager.
+        def remove_adapter_and_forget(self, adapter_id):
+            return remove_adapter(self, adapter_id, partial(original, self))
 
-                if is_first_tp_rank(self._adapter_manager):
-                    logger.info("vllm-bdlora: adapter '%s' removed from the engine (GPU slot, host cache, what each "
-                                "worker kept of it)", name)  # fmt: skip
-            return bool(removed or name)
-
-        return remove_adapter
+        return remove_adapter_and_forget
 
     loading = wrap_method(WorkerLoRAManager, "_load_adapter", make_load)
     removing = wrap_method(WorkerLoRAManager, "remove_adapter", make_remove)
@@ -118,28 +106,21 @@ def patch_add_lora_failures() -> bool:
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
-    from vllm_bdlora.adapters import AdapterLoadFailure
-    from vllm_bdlora.admission import admission_receipt, admitting, check_admission_replies
+    from vllm_bdlora.adapter_lifecycle.engine import add_lora_on_every_rank
+    from vllm_bdlora.adapter_lifecycle.worker import add_lora_reporting_failures
 
     require_parameters(LoRAModelRunnerMixin.add_lora, ("lora_request",), "LoRAModelRunnerMixin.add_lora")
     require_parameters(Executor.add_lora, ("lora_request",), "Executor.add_lora")
 
     def make_runner_add_lora(original):
         def add_lora(self, lora_request):
-            try:
-                with admitting():
-                    loaded = original(self, lora_request)
-            except Exception as e:
-                return AdapterLoadFailure(str(e))
-            return admission_receipt(self.lora_manager, lora_request, loaded)
+            return add_lora_reporting_failures(self, lora_request, partial(original, self))
 
         return add_lora
 
     def make_executor_add_lora(original):
         def add_lora(self, lora_request):
-            assert lora_request.lora_int_id > 0, "lora_id must be greater than 0."
-            replies = self.collective_rpc("add_lora", args=(lora_request,))
-            return check_admission_replies(replies, lora_request, lambda: self.remove_lora(lora_request.lora_int_id))
+            return add_lora_on_every_rank(self, lora_request)
 
         return add_lora
 
@@ -235,14 +216,11 @@ def patch_adapter_load_order() -> bool:
     its own order, and load-time collectives (DoRA's row-layer norms) would pair different adapters."""
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
-    from vllm_bdlora.compat import without_load_inplace
-    from vllm_bdlora.metrics import worker_stats
+    from vllm_bdlora.adapter_lifecycle.worker import apply_in_id_order
 
     def make(original):
         def _apply_adapters(self, requests):
-            ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
-            worker_stats(self).record_lookups(self._adapter_manager, [r.adapter_id for r in ordered])
-            return original(self, ordered)
+            return apply_in_id_order(self, requests, partial(original, self))
 
         return _apply_adapters
 

@@ -4,9 +4,10 @@ alone (no engine, no model weights), in seconds.
     vllm-bdlora check support=/adapters/support legal=/adapters/legal --model M --tensor-parallel-size 4 \\
         --max-lora-rank 128 [--enable-dora]
 
-It runs the server's own checks (`adapter_files`, the NaN/Inf pass, `sharding.localize` on every tensor-parallel
-rank, the per-GPU width rule and vLLM's rank limits) over the projections of Llama-family layers (q, k, v, o, gate,
-up, down), computing each rank's shard the way vLLM shards them (KV heads replicated when TP exceeds their number).
+It runs the server's own checks (`adapter_lifecycle.files`, the NaN/Inf pass, `sharding.localize` on every tensor-
+parallel rank, the per-GPU width rule and vLLM's rank limits) over the projections of Llama-family layers (q, k, v, o,
+gate, up, down), computing each rank's shard the way vLLM shards them (KV heads replicated when TP exceeds their
+number).
 Modules it does not model (a fused qkv_proj, embeddings) are named and left to the server. Exit status: 0 every
 adapter would be served, 1 some would be refused, 2 bad arguments.
 """
@@ -18,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from vllm_bdlora.adapter_files import check_adapter_dir
+from vllm_bdlora.adapter_lifecycle.files import check_adapter_dir
 from vllm_bdlora.adapters import AdapterRejected, adapter_format
 from vllm_bdlora.sharding import ShardingError, foreign_model_problem, localize
 from vllm_bdlora.sizing import COLUMN, DTYPE_BYTES, ROW, ModelShape, mib, slot_cost, slots_that_fit
@@ -47,10 +48,10 @@ class Verdict:
 
 
 def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_rank: int, dora: bool) -> Verdict:
-    from vllm_bdlora.adapter_files import module_scaling
-    from vllm_bdlora.adapter_values import gain_problems, non_finite_problems
+    from vllm_bdlora.adapter_lifecycle.files import module_scaling
+    from vllm_bdlora.adapter_lifecycle.read_and_cut import width_problem
+    from vllm_bdlora.adapter_lifecycle.values import gain_problems, non_finite_problems
     from vllm_bdlora.compat import allowed_max_lora_ranks
-    from vllm_bdlora.loading import width_problem
 
     try:
         files = check_adapter_dir(path, name)
@@ -115,7 +116,7 @@ def sizing_lines(verdicts: list[Verdict], shape: ModelShape, tp: int, max_lora_r
                  vocabulary: bool, gpu_memory: int | None, host_memory: int | None) -> list[str]:  # fmt: skip
     """What the served adapters cost: the smallest --max-lora-rank, a slot's GPU bytes and what each worker keeps,
     against stock vLLM's, and how many fit the given budgets."""
-    from vllm_bdlora.loading import smallest_max_lora_rank
+    from vllm_bdlora.adapter_lifecycle.read_and_cut import smallest_max_lora_rank
 
     served = [v for v in verdicts if not v.problems]
     if not served:

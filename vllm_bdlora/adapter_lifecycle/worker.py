@@ -1,0 +1,241 @@
+"""The worker's entry points into the adapter lifecycle (every worker process), each called by one patch of vLLM's
+worker-side LoRA machinery, and `WorkerAdapters`, the one object per worker that owns what the worker keeps of its
+adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
+
+* `answer_admission_call`: the engine core's admission calls (`calls.py`): begin reading on admission threads,
+  report states, forget, report figures.
+* `add_lora_reporting_failures`: vLLM's add_lora on one rank, answering a receipt or a failure instead of raising.
+* `load_adapter`: vLLM's `_load_adapter`, which fills a GPU slot: the adapter comes from the store (the result of its
+  admission, kept in host memory or read back from a spill file), never from its files again.
+* `apply_in_id_order`: the adapters a step needs, in the same order on every rank, counted as lookups.
+* `remove_adapter`: an unload: GPU slot and host cache (vLLM's), and everything the store kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from vllm_bdlora.adapter_lifecycle.calls import (
+    AdapterFigures,
+    AdmissionCall,
+    AdmissionReceipt,
+    AdmissionStates,
+    BeginAdmissions,
+    ForgetAdmissions,
+)
+from vllm_bdlora.adapter_lifecycle.finish import finish_admission
+from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter, read_adapter, read_on
+from vllm_bdlora.adapter_lifecycle.store import AdapterStore, host_budget_bytes
+from vllm_bdlora.adapter_lifecycle.targets import tensor_parallel_size
+from vllm_bdlora.adapters import (
+    AdapterFormat,
+    AdapterLoadFailure,
+    AdapterRejected,
+    read_adapter_format,
+    refuse_unserved_kinds,
+)
+from vllm_bdlora.compat import adapter_absolute_path, without_load_inplace
+from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.manager import is_first_tp_rank
+from vllm_bdlora.metrics import WorkerAdapterStats
+
+logger = logging.getLogger("vllm.bdlora")
+
+# True while a worker loads an adapter for an add_lora call (admission), as opposed to a step's request.
+_admitting = contextvars.ContextVar("bdlora_admitting", default=False)
+
+
+@contextlib.contextmanager
+def admitting():
+    token = _admitting.set(True)
+    try:
+        yield
+    finally:
+        _admitting.reset(token)
+
+
+class WorkerAdapters:
+    """One worker's adapters: its store (made on first use, BD-LoRA on only) and its counts. `of` is the one way to
+    reach it from vLLM's worker LoRA manager."""
+
+    ATTRIBUTE = "_bdlora_adapters"  # the one attribute vllm-bdlora sets on vLLM's WorkerLoRAManager
+
+    def __init__(self, worker_manager):
+        self.worker_manager = worker_manager
+        self.stats = WorkerAdapterStats()
+        self.kept: AdapterStore | None = None  # None until BD-LoRA first admits an adapter here
+
+    @classmethod
+    def of(cls, worker_manager) -> WorkerAdapters:
+        adapters = getattr(worker_manager, cls.ATTRIBUTE, None)
+        if adapters is None:
+            adapters = cls(worker_manager)
+            setattr(worker_manager, cls.ATTRIBUTE, adapters)
+        return adapters
+
+    @property
+    def manager(self):
+        """vLLM's LoRA model manager (GPU slots, its host cache)."""
+        return self.worker_manager._adapter_manager
+
+    @property
+    def settings(self) -> BdLoraSettings:
+        return getattr(self.manager, "_bdlora_settings", None) or BdLoraSettings()
+
+    @property
+    def store(self) -> AdapterStore:
+        if self.kept is None:
+            from vllm.platforms import current_platform
+
+            settings = self.settings
+            threads = settings.admission_threads or (1 if current_platform.is_cpu() else 4)
+            budget = host_budget_bytes(settings.adapter_host_memory, tensor_parallel_size(self.manager))
+            self.kept = AdapterStore(budget, settings.adapter_spill_dir, threads)
+        return self.kept
+
+    # -- the engine core's calls ----------------------------------------------------------------------------------
+    def answer(self, call: AdmissionCall):
+        match call:
+            case BeginAdmissions(requests=requests):
+                device = getattr(self.worker_manager, "device", None)
+                for request in requests:
+                    read = functools.partial(read_on, device, self.worker_manager, request, self.settings)
+                    self.store.begin(request.lora_int_id, request.lora_name, read)
+                return True
+            case AdmissionStates(adapter_ids=ids):
+                return self.store.status(list(ids))
+            case ForgetAdmissions(adapter_ids=ids):
+                return [self.store.forget(adapter_id) for adapter_id in ids]
+            case AdapterFigures():
+                return self.stats.snapshot(self.worker_manager, self.kept)
+        raise TypeError(f"vllm-bdlora: not an admission call: {type(call).__name__}")
+
+    def receipt(self, lora_request, loaded: bool) -> AdmissionReceipt:
+        admitted = self.kept.get(lora_request.lora_int_id) if self.kept is not None else None
+        return AdmissionReceipt(bool(loaded), admitted.identity if admitted else None)
+
+    # -- a slot fill ------------------------------------------------------------------------------------------------
+    def load(self, lora_request, read: Callable):
+        """vLLM's `_load_adapter` with vllm-bdlora's rules: `read(request)` is vLLM's own reader, used only with BD-LoRA
+        off. With it on, the adapter comes from the store: the result of its admission (begun by the engine core
+        before this call), or what was kept when it was admitted. Only an adapter this worker never admitted is read
+        here, inside the call (vLLM's own behaviour for a request naming an adapter the engine has not seen, which the
+        engine core holds back until its admission is done where it can)."""
+        settings = self.settings
+        if not settings.enabled:
+            return self._load_unadmitted(lora_request, read, settings)
+        store, stats = self.store, self.stats
+        adapter_id = lora_request.lora_int_id
+        started = time.perf_counter()
+        read_for = store.reading_seconds(adapter_id)
+        admitted = store.take_staged(adapter_id, timeout=settings.adapter_load_timeout_s)
+        if admitted is not None:
+            stats.record_load("admission", read_for or 0.0)
+        if admitted is None and getattr(lora_request, "load_inplace", False) and _admitting.get():
+            store.forget(adapter_id)  # an in-place reload that was not begun ahead: read it again now
+        if admitted is None:
+            spilled = adapter_id in store.spilled_ids()
+            admitted = store.get(adapter_id)
+            if admitted is not None:
+                stats.record_load("restore" if spilled else "reread", time.perf_counter() - started)
+        if admitted is None:
+            admitted = read_adapter(self.worker_manager, lora_request, settings)
+            store.keep(adapter_id, admitted)
+            stats.record_load("in_step", time.perf_counter() - started)
+        try:
+            finish_admission(admitted, adapter_id)
+        except BaseException:
+            store.forget(adapter_id)
+            raise
+        if not admitted.logged:
+            admitted.logged = True
+            if is_first_tp_rank(self.manager):
+                log_admission(admitted)
+        return admitted.fresh_model()
+
+    def _load_unadmitted(self, lora_request, read: Callable, settings: BdLoraSettings):
+        """BD-LoRA off: vLLM's own load, after refusing the adapter kinds this server does not serve; timed for
+        /metrics as it runs (in add_lora, or in a step)."""
+        name = lora_request.lora_name
+        try:
+            fmt = read_adapter_format(adapter_absolute_path(lora_request.lora_path), name)
+        except AdapterRejected:
+            raise
+        except (OSError, ValueError):
+            fmt = AdapterFormat(None, dora=False)  # vLLM's own reader reports missing or unreadable adapters
+        refuse_unserved_kinds(fmt, settings, name)
+        started = time.perf_counter()
+        lora_model = read(lora_request)
+        self.stats.record_load("admission" if _admitting.get() else "in_step", time.perf_counter() - started)
+        return lora_model
+
+    # -- an unload --------------------------------------------------------------------------------------------------
+    def forget_removed(self, adapter_id: int, removed: bool) -> bool:
+        """After vLLM removed `adapter_id` (`removed`: whether it held it): drop what the store kept of it too."""
+        name = self.kept.forget(adapter_id) if self.kept is not None else None
+        if name is not None and is_first_tp_rank(self.manager):
+            logger.info("vllm-bdlora: adapter '%s' removed from the engine (GPU slot, host cache, what each worker "
+                        "kept of it)", name)  # fmt: skip
+        return bool(removed or name)
+
+
+# -- what the patches call ---------------------------------------------------------------------------------------------
+def answer_admission_call(worker_manager, call: AdmissionCall):
+    """The worker method the engine core's admission calls name (`calls.WORKER_METHOD`)."""
+    return WorkerAdapters.of(worker_manager).answer(call)
+
+
+def add_lora_reporting_failures(runner, lora_request, add: Callable):
+    """vLLM's add_lora on this rank (`add`): a failure is returned, not raised (`AdapterLoadFailure`), a load
+    answers a receipt naming the files it was admitted from."""
+    try:
+        with admitting():
+            loaded = add(lora_request)
+    except Exception as e:
+        return AdapterLoadFailure(str(e))
+    return WorkerAdapters.of(runner.lora_manager).receipt(lora_request, loaded)
+
+
+def load_adapter(worker_manager, lora_request, read: Callable):
+    return WorkerAdapters.of(worker_manager).load(lora_request, read)
+
+
+def apply_in_id_order(worker_manager, requests, apply: Callable):
+    """vLLM's per-step `_apply_adapters` (`apply`) over the step's LoRA requests in adapter-id order, as every rank
+    must load them (see `patch_adapter_load_order`), counted as GPU and host-cache lookups for /metrics."""
+    ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
+    adapters = WorkerAdapters.of(worker_manager)
+    adapters.stats.record_lookups(adapters.manager, [r.adapter_id for r in ordered])
+    return apply(ordered)
+
+
+def remove_adapter(worker_manager, adapter_id: int, remove: Callable) -> bool:
+    """An unload (the executor's remove_lora): vLLM's removal (`remove`), then what the store kept. vLLM's per-step
+    eviction from GPU slots does not come here: it goes through the model manager and keeps what was admitted."""
+    removed = remove(adapter_id)
+    return WorkerAdapters.of(worker_manager).forget_removed(adapter_id, removed)
+
+
+def log_admission(admitted: AdmittedAdapter) -> None:
+    """One line when an adapter is admitted (later loads of it are routine), and what --lora-target-modules drops."""
+    logger.info("vllm-bdlora: %s", admitted.summary)
+    if admitted.not_served:
+        logger.warning(
+            "vllm-bdlora: adapter '%s' is served without its LoRA on %d module(s) that --lora-target-modules %s "
+            "leaves out (%s): its outputs differ from the adapter's as trained. Add their names to "
+            "--lora-target-modules to serve it whole.",
+            admitted.name, len(admitted.not_served), " ".join(admitted.deployment_targets or ()),
+            _module_kinds(admitted.not_served),
+        )  # fmt: skip
+
+
+def _module_kinds(modules: list[str]) -> str:
+    """'lm_head, 2 x up_proj' rather than every layer's full name."""
+    kinds = Counter(module.rsplit(".", 1)[-1] for module in modules)
+    return ", ".join(kind if count == 1 else f"{count} x {kind}" for kind, count in sorted(kinds.items()))
