@@ -11,6 +11,8 @@ python3 -m bench.many_adapters --model-shape llama-3.1-8b --tp "$tp" --modes "$m
   --gpu-memory 256MiB --host-memory 16GiB --max-num-seqs 64 --max-model-len 2048 \
   --workloads "single poisson:$rate fixed:1024/128 200" "zipf:1.0 poisson:$rate fixed:1024/128 200" \
               "distinct concurrency:16 fixed:1024/128 96" "distinct concurrency:1 fixed:1024/128 16" \
-  --extra-server-args='--compilation-config {"pass_config":{"fuse_allreduce_rms":false},"max_cudagraph_capture_size":128}' \
+  --extra-server-args="--compilation-config '{\"pass_config\":{\"fuse_allreduce_rms\":false},\"max_cudagraph_capture_size\":128}'" \
   --workdir /root/many --out "$out" > "$out.log" 2>&1
-echo "many-adapters exit $?; $(tail -n 3 "$out.log")"
+status=$?
+echo "many-adapters exit $status; $(tail -n 3 "$out.log")"
+exit $status
