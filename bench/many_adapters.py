@@ -158,6 +158,11 @@ def serve_command(args, mode: str, model: str, port: int, budget: dict) -> list[
     return command + shlex.split(args.extra_server_args)
 
 
+def server_commands(args) -> list[list[str]]:
+    """Every `vllm serve` command a run of `args` starts, the model and the port as placeholders (`bench.dry_run`)."""
+    return [serve_command(args, mode, "MODEL", 8000, budgets(args, mode)) for mode in args.mode_list]
+
+
 def load_adapters(url: str, names: list[str], paths: list[str]) -> float:
     """Load every adapter at runtime, LOADS_AT_ONCE at a time; returns the seconds it took."""
     import requests

@@ -244,6 +244,13 @@ def serve_command(args, config: ServerConfig, model: str, adapters: dict[str, st
     return command + shlex.split(args.extra_server_args)
 
 
+def server_commands(args) -> list[list[str]]:
+    """Every `vllm serve` command a sweep of `args` starts, model, adapters and port as placeholders
+    (`bench.dry_run`)."""
+    return [serve_command(args, config, "MODEL", {f"a{i}": f"ADAPTERS/a{i}" for i in range(config.num_adapters)}, 8000)
+            for config in plan(args)]  # fmt: skip
+
+
 # Engine steps the profiler records once started: a wave of 64 requests of 1024 tokens prefills in 8 steps
 # of 8192 tokens, then decodes; 40 steps cover the prefill burst and the first decode steps after it.
 PROFILED_STEPS = 40

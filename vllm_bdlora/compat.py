@@ -111,6 +111,20 @@ def tenant_gate_hook():
     return None
 
 
+# Where `vllm serve`'s argument parser is built, by release (0.32 moved it).
+SERVE_PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+
+
+def serve_arg_parser():
+    """`vllm serve`'s own argument parser, with the general plugins' flags (this one's included) added."""
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    load_general_plugins()
+    module = modules_with("make_arg_parser", SERVE_PARSER_MODULES)[0]
+    return module.make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
 # Imported only where the server already did: importing it warns that it is deprecated (0.32).
 IMPORTED_ONLY_IF_LOADED = frozenset({"vllm.entrypoints.openai.api_server"})
 

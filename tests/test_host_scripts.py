@@ -1,0 +1,52 @@
+"""The GPU hosts' scripts (`bench/hosts/*.sh`) run here as written, with a `python3` that checks the command lines
+instead of running them (`bench.dry_run`): each benchmark's arguments through its own parser, each `vllm serve` its
+servers would start through vLLM's. A quoting mistake fails CI rather than a run on a GPU host brought up for it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+COMPILATION_CONFIG = """--compilation-config '{"pass_config":{"fuse_allreduce_rms":false}"""
+
+
+def run_script(tmp_path, *args, **env) -> subprocess.CompletedProcess:
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} -m bench.dry_run "$@"\n')
+    (stub / "python3").chmod(0o755)
+    environment = {**os.environ, **env, "PATH": f"{stub}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(["bash", *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300)
+
+
+def served(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("dry-run: vllm serve ")]
+
+
+def test_the_many_adapter_script_starts_servers_vllm_accepts(tmp_path):
+    out = tmp_path / "many"
+    proc = run_script(tmp_path, "bench/hosts/many_adapters.sh", "4", str(out))
+    log = Path(f"{out}.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    servers = served(log)
+    assert len(servers) == 3 and all(COMPILATION_CONFIG in line for line in servers), servers
+    assert "--enable-bdlora" in servers[0] and "--fully-sharded-loras" in servers[2]
+
+
+def test_the_host_sweep_step_starts_servers_vllm_accepts(tmp_path):
+    """gpu_host.sh's sweep (and every queue line, which runs it) with the README's TP=4 arguments."""
+    proc = run_script(tmp_path, "bench/hosts/gpu_host.sh", "sweep", "4", "64", "bdlora,bdfused,slora", "5",
+                      "--concurrency", "64", "--profile-concurrency", "64", OUT=str(tmp_path / "out"))  # fmt: skip
+    servers = served(proc.stdout)
+    assert len(servers) == 3 and all(COMPILATION_CONFIG in line for line in servers), proc.stdout[-3000:]
+    assert "error" not in proc.stdout.lower() and "usage:" not in proc.stdout
+
+
+def test_a_json_argument_whose_quotes_the_split_strips_is_caught(tmp_path):
+    """What the many-adapter script once shipped: the JSON inside --extra-server-args without its own quotes."""
+    argv = ["-m", "bench.many_adapters", "--modes", "bdlora", "--workloads", "single poisson:8 fixed:1024/128 10",
+            "--out", str(tmp_path), "--extra-server-args", '--compilation-config {"pass_config":{}}']  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "bench.dry_run", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 2 and "compilation-config" in proc.stderr, proc.stderr[-2000:]
