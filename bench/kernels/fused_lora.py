@@ -478,14 +478,18 @@ def report(json_path: str) -> str:
                 f"{_or_dash(r.get('cublas_one_adapter_lora_overhead_ms'), '.1f', 1e3)} |"
             )
         lines.append("")
+    lines += per_decoder_layer_lines(rows)
     lines += ["## Targets: the layer op", ""]
     for label, lo, hi, test, goal in (
         ("prefill (1024-8192 tokens): ≥ 1.2× faster than vLLM", 1024, 8192, lambda x: x >= 1.2, "≥ 1.2×"),
         ("decode (1-64 tokens): never slower than vLLM", 1, 64, lambda x: x >= 1.0, "≥ 1.0×"),
     ):
         for layer in dict.fromkeys(r["layer"] for r in rows):
-            picked = [r for r in rows if r["layer"] == layer and lo <= r["tokens"] <= hi and r.get("vllm_ms")]
-            speedups = [r["layer_op_speedup"] for r in picked]
+            in_range = [r for r in rows if r["layer"] == layer and lo <= r["tokens"] <= hi]
+            speedups = [r["layer_op_speedup"] for r in in_range if r.get("vllm_ms")]
+            if not in_range:
+                lines.append(f"- {label}, {layer}: no batch of that size in this run")
+                continue
             if not speedups:  # a host without vLLM times our kernels only
                 lines.append(f"- {label}, {layer}: not measured (no vLLM on the host)")
                 continue
@@ -498,6 +502,47 @@ def report(json_path: str) -> str:
         lines += [f"- {r['layer']}, {r['tokens']} tokens, {r['adapters']} adapter(s), {path}: {r[f'{path}_error']}"
                   for r, path in failed]  # fmt: skip
     return write_report(json_path, "fused_lora", lines)
+
+
+# A decoder layer with this many adapters in its batch should cost at most MANY_ADAPTERS_GOAL x the same layer with one.
+MANY_ADAPTERS, MANY_ADAPTERS_GOAL = 12, 1.15
+
+
+def per_decoder_layer_lines(rows) -> list[str]:
+    """Where a run has several adapter counts: the four layer kinds summed per (adapters, tokens), our layer op against
+    vLLM's and against the same layer op with one adapter in the batch."""
+    counts = sorted({r["adapters"] for r in rows})
+    kinds = len({r["layer"] for r in rows})
+    if len(counts) < 2 or 1 not in counts:
+        return []
+    sums = {}
+    for r in rows:
+        if r.get("layer_op_ms") and r.get("vllm_ms"):
+            total = sums.setdefault((r["adapters"], r["tokens"]), {"n": 0, "base": 0.0, "vllm": 0.0, "op": 0.0})
+            total["n"] += 1
+            total["base"] += r["base_gemm_only_ms"]
+            total["vllm"] += r["vllm_ms"]
+            total["op"] += r["layer_op_ms"]
+    lines = ["## Per decoder layer (the layer kinds summed), by adapters in the batch", "",
+             "µs; × one adapter: the layer op's time over its time with one adapter at the same tokens.", "",
+             "| adapters | tokens | base µs | vLLM µs (×base) | layer op µs (×base) | vs vLLM | × one adapter |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (adapters, tokens), s in sorted(sums.items()):
+        if s["n"] != kinds:
+            continue
+        one = sums.get((1, tokens))
+        ratio = f"{s['op'] / one['op']:.2f}" if one and one["n"] == kinds else "-"
+        lines.append(f"| {adapters} | {tokens} | {s['base'] * 1e3:.1f} | {s['vllm'] * 1e3:.1f} "
+                     f"({s['vllm'] / s['base']:.2f}) | {s['op'] * 1e3:.1f} ({s['op'] / s['base']:.2f}) | "
+                     f"{s['vllm'] / s['op']:.2f}× | {ratio} |")  # fmt: skip
+    goal = [(t, s["op"] / sums[(1, t)]["op"]) for (a, t), s in sorted(sums.items())
+            if a == MANY_ADAPTERS and (1, t) in sums and s["n"] == kinds == sums[(1, t)]["n"]]  # fmt: skip
+    if goal:
+        worst = max(ratio for _, ratio in goal)
+        verdict = "met" if worst <= MANY_ADAPTERS_GOAL else "MISSED"
+        lines += ["", f"- {MANY_ADAPTERS} adapters within {MANY_ADAPTERS_GOAL}× of one adapter, per decoder layer: "
+                  f"up to {worst:.2f}× ({', '.join(f'{t} tokens {r:.2f}×' for t, r in goal)}): {verdict}"]  # fmt: skip
+    return [*lines, ""]
 
 
 def width_loop_lines(rows) -> list[str]:
