@@ -112,6 +112,8 @@ def test_settings(additional_config, enabled):
         ({"one_launch_max_mixed_width": -1}, "must be an integer >= 0"),
         ({"one_launch_max_mixed_width": "256"}, "must be an integer >= 0"),
         ({"one_launch_max_mixed_width": False}, "must be an integer >= 0"),
+        ({"one_launch_max_adapters": -1}, "must be an integer >= 0"),
+        ({"one_launch_max_adapters": 2.5}, "must be an integer >= 0"),
     ],
 )
 def test_bad_settings(section, message):
@@ -132,21 +134,29 @@ def test_dora_and_kernel_settings():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_mixed_width == 256
     wide = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_mixed_width": 4096}})
     assert wide.one_launch_max_mixed_width == 4096
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_adapters == 2
+    many = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 16}})
+    assert many.one_launch_max_adapters == 16
 
 
 def test_the_log_says_which_decode_batches_run_as_one_kernel():
-    """With --max-loras above 1 the one-kernel limit depends on how wide the adapters a batch may mix are; the
-    start-up log states the resulting limit and the setting that moves it."""
-    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH
+    """With --max-loras above 1 the one-kernel limit depends on how many adapters a batch may mix and how wide they
+    are; the start-up log states the resulting limit and the settings that move it."""
+    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_ADAPTERS, DEFAULT_MAX_MIXED_WIDTH
     from vllm_bdlora.manager import one_launch_summary
 
     settings = BdLoraSettings.from_additional_config({"bdlora": {}})
     assert settings.one_launch_max_mixed_width == DEFAULT_MAX_MIXED_WIDTH
+    assert settings.one_launch_max_adapters == DEFAULT_MAX_MIXED_ADAPTERS
     assert one_launch_summary(settings, 1, 512).startswith("Decode batches of up to 64 tokens")
-    assert one_launch_summary(settings, 4, 32).startswith("Decode batches of up to 16 tokens")
+    assert one_launch_summary(settings, 2, 32).startswith("Decode batches of up to 16 tokens")  # mixes 2 at most
+    many = one_launch_summary(settings, 12, 8)  # TP=4, BD r'=32, 12 slots: a batch mixes 2 adapters at most
+    assert many.startswith("Decode batches of up to 2 tokens") and '"one_launch_max_adapters": 2' in many
     two = one_launch_summary(settings, 4, 128)  # TP=1, BD r'=128
     assert two.startswith("Decode batches of up to 2 tokens") and '"one_launch_max_mixed_width": 256' in two
     assert one_launch_summary(settings, 4, 512).startswith("Decode batches take the three kernels")
+    mixing = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 16}})
+    assert one_launch_summary(mixing, 4, 32).startswith("Decode batches of up to 16 tokens")
     limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
     assert one_launch_summary(limited, 1, 128).startswith("Decode batches of up to 16 tokens")
 

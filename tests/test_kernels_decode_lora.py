@@ -64,6 +64,20 @@ def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_
     assert one_launch_plan(table, 17, *qkv, 3, state, 64, 1 << 30) is None  # a multi-slot layer's one tile
 
 
+def test_a_multi_slot_layer_limits_the_adapters_a_one_launch_batch_may_mix():
+    """However narrow, each adapter a batch mixes adds its shrink and B load to the one kernel: a layer's mixed width
+    admits at most "one_launch_max_adapters" adapters of its width, and the configured width where that is less."""
+    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, mixed_batch_limit, mixed_width_limit
+
+    limit = {width: mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 2, width) for width in (8, 32, 128, 512)}
+    assert limit == {8: 16, 32: 64, 128: 256, 512: 256}
+    assert mixed_batch_limit(12, 8, limit[8]) == 2  # TP=4, BD r'=32, 12 slots: two tokens mix two adapters
+    assert mixed_batch_limit(2, 8, limit[8]) == 16  # two slots: no batch mixes more than two
+    assert mixed_batch_limit(1, 8, limit[8]) == 64  # one slot: every tile
+    assert mixed_batch_limit(4, 512, limit[512]) == 0  # one adapter alone is over the configured width
+    assert mixed_batch_limit(12, 8, mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 0, 8)) == 0
+
+
 def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix():
     """Plans are looked up for the adapters a batch may mix: one per token, at most one per slot, and at most as
     many as the mixed-adapter limit lets it; the layer's plans (what warm_up compiles and the state is sized for)

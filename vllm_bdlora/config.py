@@ -56,6 +56,13 @@ class BdLoraSettings:
     # adapter at a time gives up 7-9% per layer at TP=1, r'=128, 4-16 tokens: a larger value keeps those on the one
     # kernel (65536: every batch of up to 16 tokens, as before); 0 keeps multi-slot layers on the three kernels.
     one_launch_max_mixed_width: int = 256
+    # And only while a batch may mix at most this many adapters (one per token, at most --max-loras): the kernel's
+    # time grows with every adapter mixed, however narrow. At TP=4, BD r'=32 (8 columns per GPU) with 12 slots, per
+    # decoder layer at 16 tokens it took 0.94x the three kernels' time with one adapter in the batch, 1.03x with 4 and
+    # 1.40x with 12 (bench/results/kernels/many-adapters-tp4-h100, one H100); 2 lies between the measured 1 and 4.
+    # Traffic that batches one adapter at a time on a multi-slot server gives up ~6% per layer for batches of 3-16
+    # tokens; 0 keeps multi-slot layers on the three kernels.
+    one_launch_max_adapters: int = 2
     # Directories under which runtime adapter loads (every route) may read; empty: any path the server can read.
     # Paths are resolved (symlinks, "..", relative to the server's working directory) before they are compared.
     allowed_adapter_roots: tuple[str, ...] = ()
@@ -161,7 +168,10 @@ class BdLoraSettings:
         }
         threads = section.get("admission_threads", cls.admission_threads)
         max_named = section.get("metrics_max_adapters", cls.metrics_max_adapters)
-        for key, value in (("admission_threads", threads), ("metrics_max_adapters", max_named)):
+        max_mixed = section.get("one_launch_max_adapters", cls.one_launch_max_adapters)
+        counts = (("admission_threads", threads), ("metrics_max_adapters", max_named),
+                  ("one_launch_max_adapters", max_mixed))  # fmt: skip
+        for key, value in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be an integer >= 0, got {value!r}.')
         return cls(
@@ -171,6 +181,7 @@ class BdLoraSettings:
             one_launch_decode=values["one_launch_decode"],
             one_launch_max_tokens=max_tokens,
             one_launch_max_mixed_width=mixed_width,
+            one_launch_max_adapters=max_mixed,
             allowed_adapter_roots=tuple(roots),
             adapter_host_memory=host_memory,
             lora_gpu_memory=gpu_memory,

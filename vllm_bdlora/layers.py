@@ -52,6 +52,7 @@ import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm
 from vllm_bdlora.compat import token_groups
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.kernels.lora_op import layer_decode_state  # also registers torch.ops.vllm_bdlora.fused_lora_slices_
+from vllm_bdlora.kernels.plans import mixed_width_limit
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
 # The settings of the BD-enabled LoRA manager being built, while `selecting_bd_layers` runs: vLLM builds layer
@@ -174,10 +175,11 @@ class BlockDiagonalLoRALayer:
         # Barrier and S buffers of the one-launch decode kernel (DoRA layers compose on the base output, which
         # that kernel never materialises, so they keep the three-kernel path).
         self.decode_state: torch.Tensor | None = None
+        self.one_launch_mixed_width = mixed_width_limit(self.settings.one_launch_max_mixed_width,
+                                                        self.settings.one_launch_max_adapters, width)  # fmt: skip
         if self.fused_kernels and self.settings.one_launch_decode and not dora:
             self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width, max_loras,
-                                                   self.device, len(heights),
-                                                   self.settings.one_launch_max_mixed_width)  # fmt: skip
+                                                   self.device, len(heights), self.one_launch_mixed_width)  # fmt: skip
         self.dora_scale: torch.Tensor | None = None
         if dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
@@ -246,7 +248,7 @@ class BlockDiagonalLoRALayer:
             weight,
             self.decode_state,
             self.settings.one_launch_max_tokens,
-            self.settings.one_launch_max_mixed_width,
+            self.one_launch_mixed_width,
         )
         return output
 

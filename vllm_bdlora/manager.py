@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.experts import refuse_lora_experts_on_cpu
-from vllm_bdlora.kernels.plans import largest_tile, mixed_batch_limit
+from vllm_bdlora.kernels.plans import largest_tile, mixed_batch_limit, mixed_width_limit
 from vllm_bdlora.layers import (
     base_quantization,
     describe_sharding,
@@ -106,13 +106,15 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
 
 def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> str:
     """The report's line on which decode batches run as one kernel per BD layer, `width` LoRA columns per GPU."""
-    mixed_width = settings.one_launch_max_mixed_width
+    max_adapters = settings.one_launch_max_adapters
+    mixed_width = mixed_width_limit(settings.one_launch_max_mixed_width, max_adapters, width)
     limit = min(settings.one_launch_max_tokens, mixed_batch_limit(max_loras, width, mixed_width))
     knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
     if max_loras > 1:
         mixing = (
             f"a batch of t tokens may mix min(t, {max_loras}) adapters of {width} LoRA columns per GPU, and the one "
-            f'kernel serves it while they stay within "one_launch_max_mixed_width": {mixed_width} columns'
+            f'kernel serves it while they are at most "one_launch_max_adapters": {max_adapters} and within '
+            f'"one_launch_max_mixed_width": {settings.one_launch_max_mixed_width} columns'
         )
         if limit == 0:
             return f"Decode batches take the three kernels: with --max-loras {max_loras} {mixing}."

@@ -35,6 +35,8 @@ ROW_TILES = (16, 32, 64)
 DECODE_MAX_TOKENS = ROW_TILES[-1]
 # The default mixed-adapter width of the one-launch kernel (BdLoraSettings.one_launch_max_mixed_width says why).
 DEFAULT_MAX_MIXED_WIDTH = 256
+# The default most adapters a batch the one-launch kernel serves may mix (BdLoraSettings.one_launch_max_adapters).
+DEFAULT_MAX_MIXED_ADAPTERS = 2
 # Stream-K's partial sums and its finish's B loads grow with the tile and the LoRA width: beyond these the
 # default keeps the three-kernel path for layers no whole column blocks fit.
 STREAM_K_MAX_ROWS, STREAM_K_MAX_WIDTH = 16, 256
@@ -159,6 +161,13 @@ def mixed_batch_limit(slots: int, width: int, max_width: int) -> int:
     if slots <= 1 or slots * width <= max_width:
         return largest_tile(slots)
     return min(largest_tile(slots), max_width // max(width, 1))
+
+
+def mixed_width_limit(max_width: int, max_adapters: int, width: int) -> int:
+    """The mixed-adapter width a layer of `width` LoRA columns per slice and slot runs the one-launch kernel under:
+    the configured width, and no more than `max_adapters` adapters of its width (the kernel's cost grows with each
+    adapter a batch mixes, however narrow)."""
+    return min(max_width, max_adapters * width)
 
 
 def batch_adapters(slots: int, width: int, max_width: int) -> int:
