@@ -196,7 +196,9 @@ class EngineHost:
             self.kill()
             return None
         reply = json.loads(line)
-        if not reply["ok"]:
+        if reply.get("discard"):  # the host's engine must serve nothing more: it goes, workers and all
+            self.kill()
+        elif not reply["ok"]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=ENGINE_CLOSE_TIMEOUT_S)  # it exits after a failure, having logged why
             self.kill()

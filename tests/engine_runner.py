@@ -7,8 +7,9 @@ The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); an engi
 here too (the "uni" executor), a larger one spawns its workers as `vllm serve` does. A spec whose engine arguments
 equal the live engine's runs on it; any other spec first shuts the live engine down. So a test pays vLLM's imports
 once per run and an engine start once per distinct configuration. For each request a line goes to REPLY_FD:
-{"ok": true, "new_engine": bool} or {"ok": false, "error": text}; after a failure the process exits, so that no
-half-built engine can touch the next spec.
+{"ok": true, "new_engine": bool, "discard": bool} or {"ok": false, "error": text}; after a failure the process
+exits, so that no half-built engine can touch the next spec, and after "discard" (a poisoned engine) it waits to be
+killed with its workers.
 
 SPEC: {"engine": {LLM kwargs}, "env": {variable: value} (set before the engine starts), "adapters": {name: path},
 "requests": [{"adapter": name|null, "prompt_token_ids": [...]}], "max_tokens": N, "top_logprobs": K (default 1),
@@ -18,8 +19,8 @@ SPEC: {"engine": {LLM kwargs}, "env": {variable: value} (set before the engine s
 RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...], "top_logprobs": [{token: logprob}]}],
 "collectives": {probe: [per-worker {op: count}]}, "errors": {adapter name: message or null},
 "after": [outputs], "kv_non_finite": [per-worker count]}. "poison" admits that adapter, then sets every weight
-of its LoRA slot to NaN on every worker (what admission refuses, written past it) before the batch runs; the engine
-is shut down after that spec, so no other spec meets the poisoned slot.
+of its LoRA slot to NaN on every worker (what admission refuses, written past it) before the batch runs; the host
+is discarded after that spec, so no other spec meets the poisoned slot.
 """
 
 import gc
@@ -224,9 +225,6 @@ def main(reply_fd: int) -> None:
             result = run_spec(engine, spec)
             with open(request["result"], "w") as f:
                 json.dump(result, f)
-            if spec.get("poison"):
-                engine.close()
-                engine = None
         except BaseException:
             traceback.print_exc()
             sys.stdout.flush()
@@ -235,7 +233,13 @@ def main(reply_fd: int) -> None:
             os._exit(1)  # a half-built or failed engine must not serve the next spec
         sys.stdout.flush()
         sys.stderr.flush()
-        replies.write(json.dumps({"ok": True, "new_engine": new_engine}) + "\n")
+        # A poisoned engine serves nothing after its spec: the caller kills this host and its workers (shutting
+        # such an engine down in process at TP=2 on a GPU did not return within 12 minutes).
+        discard = bool(spec.get("poison"))
+        replies.write(json.dumps({"ok": True, "new_engine": new_engine, "discard": discard}) + "\n")
+        if discard:
+            sys.stdin.read()  # until the caller kills the host
+            return
     if engine is not None:
         engine.close()
 
