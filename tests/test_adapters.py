@@ -134,7 +134,7 @@ def test_dora_and_kernel_settings():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_mixed_width == 256
     wide = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_mixed_width": 4096}})
     assert wide.one_launch_max_mixed_width == 4096
-    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_adapters == 2
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_adapters == 4
     many = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 16}})
     assert many.one_launch_max_adapters == 16
 
@@ -149,14 +149,14 @@ def test_the_log_says_which_decode_batches_run_as_one_kernel():
     assert settings.one_launch_max_mixed_width == DEFAULT_MAX_MIXED_WIDTH
     assert settings.one_launch_max_adapters == DEFAULT_MAX_MIXED_ADAPTERS
     assert one_launch_summary(settings, 1, 512).startswith("Decode batches of up to 64 tokens")
-    assert one_launch_summary(settings, 2, 32).startswith("Decode batches of up to 16 tokens")  # mixes 2 at most
-    many = one_launch_summary(settings, 12, 8)  # TP=4, BD r'=32, 12 slots: a batch mixes 2 adapters at most
-    assert many.startswith("Decode batches of up to 2 tokens") and '"one_launch_max_adapters": 2' in many
+    assert one_launch_summary(settings, 4, 32).startswith("Decode batches of up to 16 tokens")  # mixes 4 at most
+    many = one_launch_summary(settings, 12, 8)  # TP=4, BD r'=32, 12 slots: a batch mixes 4 adapters at most
+    assert many.startswith("Decode batches of up to 4 tokens") and '"one_launch_max_adapters": 4' in many
     two = one_launch_summary(settings, 4, 128)  # TP=1, BD r'=128
     assert two.startswith("Decode batches of up to 2 tokens") and '"one_launch_max_mixed_width": 256' in two
     assert one_launch_summary(settings, 4, 512).startswith("Decode batches take the three kernels")
     mixing = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 16}})
-    assert one_launch_summary(mixing, 4, 32).startswith("Decode batches of up to 16 tokens")
+    assert one_launch_summary(mixing, 12, 8).startswith("Decode batches of up to 16 tokens")
     limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
     assert one_launch_summary(limited, 1, 128).startswith("Decode batches of up to 16 tokens")
 

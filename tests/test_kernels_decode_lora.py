@@ -69,10 +69,12 @@ def test_a_multi_slot_layer_limits_the_adapters_a_one_launch_batch_may_mix():
     admits at most "one_launch_max_adapters" adapters of its width, and the configured width where that is less."""
     from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, mixed_batch_limit, mixed_width_limit
 
-    limit = {width: mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 2, width) for width in (8, 32, 128, 512)}
-    assert limit == {8: 16, 32: 64, 128: 256, 512: 256}
-    assert mixed_batch_limit(12, 8, limit[8]) == 2  # TP=4, BD r'=32, 12 slots: two tokens mix two adapters
-    assert mixed_batch_limit(2, 8, limit[8]) == 16  # two slots: no batch mixes more than two
+    limit = {width: mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 4, width) for width in (8, 32, 128, 512)}
+    assert limit == {8: 32, 32: 128, 128: 256, 512: 256}
+    assert mixed_batch_limit(12, 8, limit[8]) == 4  # TP=4, BD r'=32, 12 slots: four tokens mix four adapters
+    assert mixed_batch_limit(4, 8, limit[8]) == 16  # four slots: no batch mixes more than four
+    assert mixed_batch_limit(4, 32, limit[32]) == 16  # TP=4, BD r'=128, 4 slots: as under the width limit alone
+    assert mixed_batch_limit(4, 128, limit[128]) == 2  # TP=1, BD r'=128: the width limit
     assert mixed_batch_limit(1, 8, limit[8]) == 64  # one slot: every tile
     assert mixed_batch_limit(4, 512, limit[512]) == 0  # one adapter alone is over the configured width
     assert mixed_batch_limit(12, 8, mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 0, 8)) == 0

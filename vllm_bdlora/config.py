@@ -58,11 +58,12 @@ class BdLoraSettings:
     one_launch_max_mixed_width: int = 256
     # And only while a batch may mix at most this many adapters (one per token, at most --max-loras): the kernel's
     # time grows with every adapter mixed, however narrow. At TP=4, BD r'=32 (8 columns per GPU) with 12 slots, per
-    # decoder layer at 16 tokens it took 0.94x the three kernels' time with one adapter in the batch, 1.03x with 4 and
-    # 1.40x with 12 (bench/results/kernels/many-adapters-tp4-h100, one H100); 2 lies between the measured 1 and 4.
-    # Traffic that batches one adapter at a time on a multi-slot server gives up ~6% per layer for batches of 3-16
-    # tokens; 0 keeps multi-slot layers on the three kernels.
-    one_launch_max_adapters: int = 2
+    # decoder layer it took 0.99x the three kernels' time mixing 4 adapters in 4 tokens, 1.04x in 16, and 1.40x
+    # mixing 12 in 16 (bench/results/kernels/many-adapters-tp4-h100); with 4 such limits every batch it serves is
+    # one it serves no slower, BD r'=128 over 4 slots at TP=4 (0.99x mixing 4) keeps every batch of up to 16
+    # tokens, and at TP=1 the width limit holds it to 2 tokens (1.04x mixing 4, 0.92x mixing 2), all on one H100
+    # (bench/results/kernels/one-launch-mixed-adapters-h100). 0 keeps multi-slot layers on the three kernels.
+    one_launch_max_adapters: int = 4
     # Directories under which runtime adapter loads (every route) may read; empty: any path the server can read.
     # Paths are resolved (symlinks, "..", relative to the server's working directory) before they are compared.
     allowed_adapter_roots: tuple[str, ...] = ()

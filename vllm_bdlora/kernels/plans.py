@@ -36,7 +36,7 @@ DECODE_MAX_TOKENS = ROW_TILES[-1]
 # The default mixed-adapter width of the one-launch kernel (BdLoraSettings.one_launch_max_mixed_width says why).
 DEFAULT_MAX_MIXED_WIDTH = 256
 # The default most adapters a batch the one-launch kernel serves may mix (BdLoraSettings.one_launch_max_adapters).
-DEFAULT_MAX_MIXED_ADAPTERS = 2
+DEFAULT_MAX_MIXED_ADAPTERS = 4
 # Stream-K's partial sums and its finish's B loads grow with the tile and the LoRA width: beyond these the
 # default keeps the three-kernel path for layers no whole column blocks fit.
 STREAM_K_MAX_ROWS, STREAM_K_MAX_WIDTH = 16, 256
