@@ -32,7 +32,6 @@ def main(argv: list[str]) -> int:
     parse_args = getattr(module, "parse_args", None)
     if parse_args is None:
         return 0
-    sys.argv[0] = f"python -m {argv[1]}"
     args = parse_args(argv[2:])
     commands = getattr(module, "server_commands", lambda _: [])(args)
     if commands:
