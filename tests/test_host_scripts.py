@@ -40,7 +40,7 @@ def test_the_host_sweep_step_starts_servers_vllm_accepts(tmp_path):
                       "--concurrency", "64", "--profile-concurrency", "64", OUT=str(tmp_path / "out"))  # fmt: skip
     servers = served(proc.stdout)
     assert len(servers) == 3 and all(COMPILATION_CONFIG in line for line in servers), proc.stdout[-3000:]
-    assert "error" not in proc.stdout.lower() and "usage:" not in proc.stdout
+    assert ": error: " not in proc.stdout and "usage:" not in proc.stdout  # argparse's refusals (theirs and vLLM's)
 
 
 def test_a_json_argument_whose_quotes_the_split_strips_is_caught(tmp_path):

@@ -111,8 +111,9 @@ def tenant_gate_hook():
     return None
 
 
-# Where `vllm serve`'s argument parser is built, by release (0.32 moved it).
-SERVE_PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+# Where `vllm serve`'s argument parser is built, by release (0.32 and 0.33 each moved it).
+SERVE_PARSER_MODULES = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args",
+                        "vllm.entrypoints.openai.cli_args")  # fmt: skip
 
 
 def serve_arg_parser():
