@@ -36,6 +36,7 @@ import torch
 from bench.kernels.fused_lora import (
     adapter_bytes,
     add_layer_grid_arguments,
+    column_sums,
     layer_grid,
     layer_op_path,
     make_layer,
@@ -346,7 +347,7 @@ def report(json_path: str) -> str:
 
 def path_sums(rows) -> tuple[float, float, float]:
     """Base GEMM, three kernels and one launch, µs summed over `rows` (a decoder layer's four projections)."""
-    return tuple(sum(r[f"{path}_us"] for r in rows) for path in ("base_gemm", "three_kernels", "one_launch"))
+    return column_sums(rows, ("base_gemm_us", "three_kernels_us", "one_launch_us"))
 
 
 def per_decoder_layer_one_adapter(rows) -> list[str]:

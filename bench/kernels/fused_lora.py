@@ -508,35 +508,34 @@ def report(json_path: str) -> str:
 MANY_ADAPTERS, MANY_ADAPTERS_GOAL = 12, 1.15
 
 
+def column_sums(rows, columns) -> tuple[float, ...]:
+    """Each of `columns` summed over `rows` (a decoder layer's projections: the layer kinds of one batch)."""
+    return tuple(sum(r[column] for r in rows) for column in columns)
+
+
 def per_decoder_layer_lines(rows) -> list[str]:
     """Where a run has several adapter counts: the four layer kinds summed per (adapters, tokens), our layer op against
     vLLM's and against the same layer op with one adapter in the batch."""
-    counts = sorted({r["adapters"] for r in rows})
     kinds = len({r["layer"] for r in rows})
-    if len(counts) < 2 or 1 not in counts:
+    if len({r["adapters"] for r in rows}) < 2 or not any(r["adapters"] == 1 for r in rows):
         return []
-    sums = {}
+    batches = {}
     for r in rows:
-        if r.get("layer_op_ms") and r.get("vllm_ms"):
-            total = sums.setdefault((r["adapters"], r["tokens"]), {"n": 0, "base": 0.0, "vllm": 0.0, "op": 0.0})
-            total["n"] += 1
-            total["base"] += r["base_gemm_only_ms"]
-            total["vllm"] += r["vllm_ms"]
-            total["op"] += r["layer_op_ms"]
+        batches.setdefault((r["adapters"], r["tokens"]), []).append(r)
+    # (base, vLLM, layer op) ms per batch whose every layer kind ran both paths
+    sums = {key: column_sums(picked, ("base_gemm_only_ms", "vllm_ms", "layer_op_ms"))
+            for key, picked in sorted(batches.items())
+            if len(picked) == kinds and all(r.get("layer_op_ms") and r.get("vllm_ms") for r in picked)}  # fmt: skip
     lines = ["## Per decoder layer (the layer kinds summed), by adapters in the batch", "",
              "µs; × one adapter: the layer op's time over its time with one adapter at the same tokens.", "",
              "| adapters | tokens | base µs | vLLM µs (×base) | layer op µs (×base) | vs vLLM | × one adapter |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for (adapters, tokens), s in sorted(sums.items()):
-        if s["n"] != kinds:
-            continue
+    for (adapters, tokens), (base, vllm, op) in sums.items():
         one = sums.get((1, tokens))
-        ratio = f"{s['op'] / one['op']:.2f}" if one and one["n"] == kinds else "-"
-        lines.append(f"| {adapters} | {tokens} | {s['base'] * 1e3:.1f} | {s['vllm'] * 1e3:.1f} "
-                     f"({s['vllm'] / s['base']:.2f}) | {s['op'] * 1e3:.1f} ({s['op'] / s['base']:.2f}) | "
-                     f"{s['vllm'] / s['op']:.2f}× | {ratio} |")  # fmt: skip
-    goal = [(t, s["op"] / sums[(1, t)]["op"]) for (a, t), s in sorted(sums.items())
-            if a == MANY_ADAPTERS and (1, t) in sums and s["n"] == kinds == sums[(1, t)]["n"]]  # fmt: skip
+        ratio = f"{op / one[2]:.2f}" if one else "-"
+        lines.append(f"| {adapters} | {tokens} | {base * 1e3:.1f} | {vllm * 1e3:.1f} ({vllm / base:.2f}) | "
+                     f"{op * 1e3:.1f} ({op / base:.2f}) | {vllm / op:.2f}× | {ratio} |")  # fmt: skip
+    goal = [(t, s[2] / sums[(1, t)][2]) for (a, t), s in sums.items() if a == MANY_ADAPTERS and (1, t) in sums]
     if goal:
         worst = max(ratio for _, ratio in goal)
         verdict = "met" if worst <= MANY_ADAPTERS_GOAL else "MISSED"
