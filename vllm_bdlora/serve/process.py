@@ -122,14 +122,18 @@ def tail(path: str, lines: int = 30) -> str:
 
 def wait_gpu_memory_released(threshold_mib: int = 4000, timeout: float = 120) -> None:
     """After a server stops, its workers may hold GPU memory for a while; the next server must not
-    start before it is free. A no-op without nvidia-smi."""
+    start before it is free. Only the GPUs this process may use (CUDA_VISIBLE_DEVICES) count: servers of other
+    runs on the host's other GPUs are none of its business. A no-op without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    which = ["--id=" + visible] if visible else []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
-        ).stdout.split()
+            ["nvidia-smi", *which, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
         if not out or max(int(x) for x in out) < threshold_mib:
             return
         time.sleep(1)
