@@ -28,6 +28,12 @@
 set -uo pipefail
 OUT=${OUT:-/root/out}
 STEP=${1:?step}
+# VLLM_RELEASE=0.33.0 runs every step on the release that `install-release 0.33.0` put in /opt/vllm-0.33.0 (its
+# own prefix, ahead of the image's packages), so that one host serves two releases side by side.
+if [ -n "${VLLM_RELEASE:-}" ] && [ "$STEP" != install-release ]; then
+  # shellcheck disable=SC1090  # written by install-release
+  . "/opt/vllm-$VLLM_RELEASE/env.sh" || { echo "no /opt/vllm-$VLLM_RELEASE: run install-release $VLLM_RELEASE first"; exit 3; }
+fi
 # vLLM 0.26 turns on FlashInfer's fused all-reduce + RMSNorm (a TP>1, Hopper-only inductor pass) by default;
 # on these VMs it faults with an illegal address (see README.md), so serving keeps it off.
 # CAPTURE_SIZE=N also captures CUDA graphs for batches of up to N tokens (vLLM's default stops at 2 x --max-num-seqs,
@@ -105,6 +111,42 @@ install)
   fi
   python3 -c "import vllm, vllm_bdlora, peft; print('vllm', vllm.__version__, 'peft', peft.__version__)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
+install-release)
+  # install-release VERSION: the bundle of `python -m bench.hosts.bundle pack` (parts pNN and bundle.md5 copied
+  # to /root/pkg/vllm-VERSION, one call per part) unpacked into /opt/vllm-VERSION, with this checkout's wheel
+  # (.whl) and an env.sh that puts the prefix ahead of the image: its own torch, Triton, NCCL and vLLM; the
+  # image's other CUDA libraries (bench/hosts/releases/vllm-VERSION.json says which and why).
+  VERSION=${2:?release, e.g. 0.33.0}; parts=/root/pkg/vllm-$VERSION; prefix=/opt/vllm-$VERSION
+  [ -e "$parts/bundle.md5" ] || { echo "no $parts/bundle.md5; $parts holds: $(ls "$parts" 2>/dev/null | tr '\n' ' ')"; exit 1; }
+  want=$(cut -d' ' -f1 "$parts/bundle.md5")
+  got=$(cat "$parts"/p?? | md5sum | cut -d' ' -f1)
+  [ "$want" = "$got" ] || { echo "bundle md5 $got, want $want: a part is missing or cut ($(ls "$parts" | tr '\n' ' '))"; exit 1; }
+  rm -rf "$prefix" && mkdir -p "$prefix"
+  cat "$parts"/p?? | xz -dc -T0 | tar x -C "$prefix" || { echo "unpacking the bundle failed"; exit 1; }
+  # The release's own tests (`bench.hosts.bundle tests`), for bench/hosts/vllm_lora_suite.py
+  if [ -e "$parts/tests.tar.xz" ]; then tar xJf "$parts/tests.tar.xz" -C /root && echo "vLLM's tests in /root/vllm-$VERSION"; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/plugin-$VERSION .whl/*.whl \
+    && cp -a /tmp/plugin-$VERSION/. "$prefix/" || { echo "installing .whl into $prefix failed"; exit 1; }
+  site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # the prefix's copy of a CUDA library where one travelled (NCCL), else the image's
+  libs=""
+  for lib in "$site"/nvidia/*/lib "$prefix"/nvidia/*/lib; do
+    name=$(basename "$(dirname "$lib")")
+    [[ $lib == "$site"/* && -d $prefix/nvidia/$name/lib ]] || libs+="$lib:"
+  done
+  cat > "$prefix/env.sh" <<ENV
+export PYTHONPATH=$prefix\${PYTHONPATH:+:\$PYTHONPATH}
+export PATH=$prefix/bin:\$PATH
+# CUDA libraries: those that travelled (the prefix's nvidia/, also on torch's RPATH), the image's others
+export LD_LIBRARY_PATH=${libs}\${LD_LIBRARY_PATH:-}
+# the image's cuDNN is a minor release older than torch's pin; it exports every symbol torch imports
+export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+ENV
+  # shellcheck disable=SC1091
+  . "$prefix/env.sh"
+  python3 -c "import torch, triton, vllm, vllm_bdlora; print('vllm', vllm.__version__, 'torch', torch.__version__, \
+'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'cudnn', torch.backends.cudnn.version(), \
+'gpus', torch.cuda.device_count())" || exit 1 ;;
 kernels)
   mkdir -p "$OUT/kernels"
   python3 -m pytest tests/test_kernels_dora_compose.py tests/test_kernels_fused_lora.py -q -p no:cacheprovider 2>&1 \
@@ -168,7 +210,7 @@ rounds)  # rounds OLD.tgz FIRST-LAST "MODULE ARGS" ...: every line (a bench modu
   mkdir -p "$OUT" && tar czf "$OUT/rounds.tgz" -C /root rounds ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
-  RESULTS=tp$TP-${SHAPE##*-}${QUANTIZATION:+-$QUANTIZATION}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}
+  RESULTS=tp$TP-${SHAPE##*-}${QUANTIZATION:+-$QUANTIZATION}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}${VLLM_RELEASE:+-vllm$VLLM_RELEASE}
   # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
   # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
   du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
