@@ -165,15 +165,18 @@ class SimpleIndex:
         self.target, self.url, self.cache = target, url.rstrip("/"), Path(cache)
         self._wheels: dict[str, list[Wheel]] = {}
 
+    def files(self, name: str) -> list[dict]:
+        """The index's entries for every file of a project: filename, url, size, hashes, yanked."""
+        request = urllib.request.Request(
+            f"{self.url}/{canonicalize_name(name)}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.load(response)["files"]
+
     def wheels(self, name: str) -> list[Wheel]:
         if name not in self._wheels:
-            request = urllib.request.Request(
-                f"{self.url}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-            )
-            with urllib.request.urlopen(request, timeout=60) as response:
-                listing = json.load(response)
             files = []
-            for entry in listing["files"]:
+            for entry in self.files(name):
                 filename = entry["filename"]
                 if not filename.endswith(".whl") or entry.get("yanked"):
                     continue
@@ -510,17 +513,12 @@ def pack_tests(release: str, index: SimpleIndex, out: Path) -> Path:
     """The release's own test suite (`tests/` and the pytest settings in `pyproject.toml`, from its source
     distribution; wheels hold no tests) as `out/tests.tar.xz`, unpacked on the host as /root/vllm-VERSION."""
     name, _, version = release.partition("==")
-    request = urllib.request.Request(
-        f"{index.url}/{canonicalize_name(name)}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        files = json.load(response)["files"]
-    sdist = next((f for f in files if f["filename"] == f"{name}-{version}.tar.gz"), None)
+    sdist = next((f for f in index.files(name) if f["filename"] == f"{name}-{version}.tar.gz"), None)
     if sdist is None:
         raise ResolutionError(f"{release}: the index has no source distribution {name}-{version}.tar.gz")
-    wheel = Wheel(name, Version(version), sdist["filename"], sdist["url"], sdist.get("size") or 0,
-                  sdist.get("hashes", {}).get("sha256", ""))  # fmt: skip
-    source = index.download(wheel)
+    # download() takes any file of the index, a source distribution too
+    source = index.download(Wheel(name, Version(version), sdist["filename"], sdist["url"], sdist.get("size") or 0,
+                                  sdist.get("hashes", {}).get("sha256", "")))  # fmt: skip
     top = f"{name}-{version}"
     out.mkdir(parents=True, exist_ok=True)
     archive = out / "tests.tar.xz"
