@@ -125,6 +125,7 @@ install-release)
   cat "$parts"/p?? | xz -dc -T0 | tar x -C "$prefix" || { echo "unpacking the bundle failed"; exit 1; }
   # The release's own tests (`bench.hosts.bundle tests`), for bench/hosts/vllm_lora_suite.py
   if [ -e "$parts/tests.tar.xz" ]; then tar xJf "$parts/tests.tar.xz" -C /root && echo "vLLM's tests in /root/vllm-$VERSION"; fi
+  rm -rf "/tmp/plugin-$VERSION"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/plugin-$VERSION .whl/*.whl \
     && cp -a /tmp/plugin-$VERSION/. "$prefix/" || { echo "installing .whl into $prefix failed"; exit 1; }
   site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
