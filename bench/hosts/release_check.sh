@@ -9,7 +9,10 @@
 # Results in /root/results/vllm-$VLLM_RELEASE/ (one log per step, summary.txt: a line per step with its exit
 # status) and the sweeps' folders beside it. Run it as a queue line, then `watch`:
 #   VLLM_RELEASE=0.33.0 bash bench/hosts/gpu_host.sh queue "run bash bench/hosts/release_check.sh"
+# Step names as arguments run those steps alone, in their streams (e.g. `release_check.sh patching vllm-lora-suite
+# serve-tp2`); the engine-test groups take 16 minutes each on an H100, the sweeps 4 minutes a mode.
 set -uo pipefail
+wanted=("$@")
 release=${VLLM_RELEASE:?set VLLM_RELEASE to the installed release, e.g. 0.33.0}
 out=/root/results/vllm-$release
 mkdir -p "$out"
@@ -17,6 +20,7 @@ if (( $(nvidia-smi -L | wc -l) < 4 )); then echo "release_check.sh spreads its s
 step() {  # NAME COMMAND...: one step of a stream, its output in $out/NAME.txt, its status in summary.txt
   local name=$1 started=$SECONDS
   shift
+  if (( ${#wanted[@]} )) && [[ " ${wanted[*]} " != *" $name "* ]]; then return 0; fi
   "$@" > "$out/$name.txt" 2>&1
   local status=$?
   echo "$name: exit $status after $((SECONDS - started)) s | $(tail -n 1 "$out/$name.txt" | cut -c1-200)" >> "$out/summary.txt"
