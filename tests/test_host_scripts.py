@@ -50,3 +50,29 @@ def test_a_json_argument_whose_quotes_the_split_strips_is_caught(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.dry_run", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 2 and "compilation-config" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_release_check_runs_every_step_with_arguments_its_tools_accept(tmp_path):
+    """release_check.sh on a make-believe four-GPU host with an installed release: every stream's steps run, the
+    sweeps' servers parse with vLLM's parser, vLLM's suite and pytest get arguments their parsers accept."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "nvidia-smi").write_text('#!/bin/sh\nfor i in 0 1 2 3; do echo "GPU $i: stub"; done\n')
+    (stub / "nvidia-smi").chmod(0o755)
+    (tmp_path / "prefixes" / "vllm-0.33.0").mkdir(parents=True)
+    (tmp_path / "prefixes" / "vllm-0.33.0" / "env.sh").write_text("")
+    proc = run_script(tmp_path, "bench/hosts/release_check.sh", VLLM_RELEASE="0.33.0", OUT=str(tmp_path / "out"),
+                      PREFIX_ROOT=str(tmp_path / "prefixes"), RESULTS_ROOT=str(tmp_path / "results"))  # fmt: skip
+    out = tmp_path / "results" / "vllm-0.33.0"
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    steps = (out / "summary.txt").read_text()
+    for step in ("serve-tp1", "vllm-lora-suite", "engine-one-gpu", "patching", "kernels", "engine-two-gpus",
+                 "serve-tp2"):  # fmt: skip
+        assert f"{step}: exit" in steps, steps
+    for tp in (1, 2):
+        sweep = (out / f"serve-tp{tp}.txt").read_text()
+        servers = served(sweep)
+        assert len(servers) == 3 and all(f"--tensor-parallel-size {tp}" in line for line in servers), sweep[-2000:]
+        assert ": error: " not in sweep and "usage:" not in sweep
+    assert "dry-run: python3 -m bench.hosts.vllm_lora_suite" in (out / "vllm-lora-suite.txt").read_text()
+    assert "vllm-lora-suite: exit 0" in steps and "engine-two-gpus: exit 0" in steps, steps

@@ -30,9 +30,10 @@ OUT=${OUT:-/root/out}
 STEP=${1:?step}
 # VLLM_RELEASE=0.33.0 runs every step on the release that `install-release 0.33.0` put in /opt/vllm-0.33.0 (its
 # own prefix, ahead of the image's packages), so that one host serves two releases side by side.
+PREFIX_ROOT=${PREFIX_ROOT:-/opt}
 if [ -n "${VLLM_RELEASE:-}" ] && [ "$STEP" != install-release ]; then
   # shellcheck disable=SC1090  # written by install-release
-  . "/opt/vllm-$VLLM_RELEASE/env.sh" || { echo "no /opt/vllm-$VLLM_RELEASE: run install-release $VLLM_RELEASE first"; exit 3; }
+  . "$PREFIX_ROOT/vllm-$VLLM_RELEASE/env.sh" || { echo "no $PREFIX_ROOT/vllm-$VLLM_RELEASE: run install-release $VLLM_RELEASE first"; exit 3; }
 fi
 # vLLM 0.26 turns on FlashInfer's fused all-reduce + RMSNorm (a TP>1, Hopper-only inductor pass) by default;
 # on these VMs it faults with an illegal address (see README.md), so serving keeps it off.
@@ -116,7 +117,7 @@ install-release)
   # to /root/pkg/vllm-VERSION, one call per part) unpacked into /opt/vllm-VERSION, with this checkout's wheel
   # (.whl) and an env.sh that puts the prefix ahead of the image: its own torch, Triton, NCCL and vLLM; the
   # image's other CUDA libraries (bench/hosts/releases/vllm-VERSION.json says which and why).
-  VERSION=${2:?release, e.g. 0.33.0}; parts=/root/pkg/vllm-$VERSION; prefix=/opt/vllm-$VERSION
+  VERSION=${2:?release, e.g. 0.33.0}; parts=/root/pkg/vllm-$VERSION; prefix=$PREFIX_ROOT/vllm-$VERSION
   [ -e "$parts/bundle.md5" ] || { echo "no $parts/bundle.md5; $parts holds: $(ls "$parts" 2>/dev/null | tr '\n' ' ')"; exit 1; }
   want=$(cut -d' ' -f1 "$parts/bundle.md5")
   got=$(cat "$parts"/p?? | md5sum | cut -d' ' -f1)

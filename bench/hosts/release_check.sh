@@ -14,7 +14,7 @@
 set -uo pipefail
 wanted=("$@")
 release=${VLLM_RELEASE:?set VLLM_RELEASE to the installed release, e.g. 0.33.0}
-out=/root/results/vllm-$release
+out=${RESULTS_ROOT:-/root/results}/vllm-$release
 mkdir -p "$out"
 if (( $(nvidia-smi -L | wc -l) < 4 )); then echo "release_check.sh spreads its streams over four GPUs"; exit 2; fi
 step() {  # NAME COMMAND...: one step of a stream, its output in $out/NAME.txt, its status in summary.txt

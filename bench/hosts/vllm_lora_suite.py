@@ -101,13 +101,17 @@ def compare(stock: dict[str, str], plugin: dict[str, str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.hosts.vllm_lora_suite", description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-source", type=Path, required=True, help="a folder holding the release's tests/")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gpus", default=None, help="GPU per run, e.g. 0,1 (side by side) or 0 (one after the other)")
     parser.add_argument("selection", nargs="*", default=list(SELECTION), help="pytest paths under --vllm-source")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     gpus = args.gpus.split(",") if args.gpus else [None]
