@@ -240,10 +240,13 @@ def test_several_api_servers_serve_adapters_and_export_one_engines_figures(two_a
             response = complete(url, name)
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"].split() == asset_words[name]
+    # Each API server polls the engine every 2 s and writes what it saw to its own metric file, so one poll may
+    # have seen bd64 in its slot and not yet std16: wait for both, not for the first residency line.
+    residency = [f'vllm:lora_adapter_loaded{{adapter_name="{name}",level="gpu",pinned="false"}}' for name in sent]
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # each API server polls the engine every 2 s
+    while time.monotonic() < deadline:
         text = requests.get(f"{url}/metrics", timeout=10).text
-        if "vllm:lora_adapter_loaded{" in text:
+        if all(key in text for key in residency):
             break
         time.sleep(1)
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
