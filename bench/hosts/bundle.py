@@ -34,6 +34,7 @@ import email.parser
 import hashlib
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -130,6 +131,12 @@ class Wheel:
     url: str
     size: int
     sha256: str
+
+    @classmethod
+    def of_entry(cls, entry: dict) -> Wheel:
+        """A wheel as a lock entry records it (an image package's entry has no file)."""
+        return cls(entry["name"], Version(entry["version"]), entry.get("filename", ""), entry.get("url", ""),
+                   entry.get("size", 0), entry.get("sha256", ""))  # fmt: skip
 
 
 class Index(Protocol):
@@ -351,8 +358,8 @@ def _resolve_once(roots, image, index, leave_out, use_image, stricter) -> Resolu
                 f"(Python {target.python}, glibc {target.glibc}, {target.machine})"
                 + (f"; the image has {in_image}" if in_image else "")
             )
-        pick = Pick(name, wheel.version, "carried", wheel, index.requirements(wheel), [f"{parent}: {requirement}"])
-        pick.extras = set(extras)
+        pick = Pick(name, wheel.version, "carried", wheel, index.requirements(wheel), [f"{parent}: {requirement}"],
+                    extras=set(extras))  # fmt: skip
         picks[name] = pick
         expand(pick, extras, only_extras=False)
     return Resolution(list(roots), image, picks, left_out, instead)
@@ -416,13 +423,9 @@ class RecordedIndex:
         self._wheels: dict[str, list[Wheel]] = {}
         self._requires: dict[tuple[str, str], list[str]] = {}
         for entry in lock["carried"] + lock["from_image"]:
-            version = Version(entry["version"])
-            wheel = Wheel(
-                entry["name"], version, entry.get("filename", ""), entry.get("url", ""), entry.get("size", 0),
-                entry.get("sha256", ""),
-            )  # fmt: skip
-            self._wheels.setdefault(entry["name"], []).append(wheel)
-            self._requires[(entry["name"], str(version))] = entry.get("requires", [])
+            wheel = Wheel.of_entry(entry)
+            self._wheels.setdefault(wheel.name, []).append(wheel)
+            self._requires[(wheel.name, str(wheel.version))] = entry.get("requires", [])
 
     def wheels(self, name: str) -> list[Wheel]:
         return self._wheels.get(name, [])
@@ -460,17 +463,10 @@ def pack(lock: dict, image: Image, index: SimpleIndex, out: Path, part_mib: int)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("p[0-9][0-9]"):
         stale.unlink()
-    paths = []
-    for entry in lock["carried"]:
-        wheel = Wheel(
-            entry["name"], Version(entry["version"]), entry["filename"], entry["url"], entry["size"], entry["sha256"]
-        )
-        path = index.download(wheel)
-        if sha256_of(path) != entry["sha256"]:
-            raise ResolutionError(f"{path}: sha256 differs from the lock's")
-        paths.append(str(path))
+    # download() checks each file against the lock's sha256 (a cached one too)
+    paths = [str(index.download(Wheel.of_entry(entry))) for entry in lock["carried"]]
     stage = out / "prefix"
-    subprocess.run(["rm", "-rf", str(stage)], check=True)
+    shutil.rmtree(stage, ignore_errors=True)
     target = image.target
     platform_args = [arg for platform in target.platforms() for arg in ("--platform", platform)]
     subprocess.run(
@@ -505,7 +501,7 @@ def pack(lock: dict, image: Image, index: SimpleIndex, out: Path, part_mib: int)
             parts.append(part)
     (out / "bundle.md5").write_text(f"{digest.hexdigest()}  bundle.tar.xz\n")
     archive.unlink()
-    subprocess.run(["rm", "-rf", str(stage)], check=True)
+    shutil.rmtree(stage)
     return parts
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -115,19 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     gpus = args.gpus.split(",") if args.gpus else [None]
-    runs = []
-    for position, side in enumerate(SIDES):
-        gpu = gpus[position % len(gpus)]
-        log = open(args.out / f"{side}.txt", "w")
-        process = subprocess.Popen(
-            command(side, args.selection, args.out), cwd=args.vllm_source, env=environment(side, gpu), stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        runs.append((side, process))
-        if len(gpus) == 1:
+    with contextlib.ExitStack() as logs:
+        runs = []
+        for position, side in enumerate(SIDES):
+            log = logs.enter_context(open(args.out / f"{side}.txt", "w"))
+            process = subprocess.Popen(
+                command(side, args.selection, args.out), cwd=args.vllm_source,
+                env=environment(side, gpus[position % len(gpus)]), stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            runs.append(process)
+            if len(gpus) == 1:  # one GPU: one run after the other
+                process.wait()
+        for process in runs:
             process.wait()
-    for _, process in runs:
-        process.wait()
     missing = [side for side in SIDES if not (args.out / f"{side}.xml").exists()]
     if missing:
         print(f"no JUnit results from {', '.join(missing)}: see {args.out}/<side>.txt")
