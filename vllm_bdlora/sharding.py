@@ -128,6 +128,27 @@ def _check_shapes(
         )
 
 
+def owned_pieces(owned: tuple[tuple[int, int], ...], span: int) -> tuple[list[tuple[int, int, int, int]], int]:
+    """The owned ranges split at block boundaries (blocks `span` wide): (block, start, stop, local offset) per piece,
+    and how many indices are owned in all."""
+    pieces, offset = [], 0
+    for start, stop in owned:
+        while start < stop:
+            block = start // span
+            end = min(stop, (block + 1) * span)
+            pieces.append((block, start, end, offset))
+            offset += end - start
+            start = end
+    return pieces, offset
+
+
+def _copy(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """A new contiguous tensor of `tensors` joined along `dim` (never a view of the adapter's mapped file)."""
+    if len(tensors) == 1:
+        return tensors[0].clone(memory_format=torch.contiguous_format)
+    return torch.cat(tensors, dim)
+
+
 def localize(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
@@ -135,7 +156,8 @@ def localize(
     factor: Literal["a", "b"] | None = None,
     nblocks: int = 1,
 ) -> LocalFactors:
-    """This rank's dense (A, B) for one module, built only from the blocks that touch its shard."""
+    """This rank's dense (A, B) for one module, built only from the blocks that touch its shard. Each piece of the
+    shard lies in one block, so the cut is slices of the stored factors (an admission cuts a few hundred modules)."""
     _check_shapes(lora_a, lora_b, geometry, factor, nblocks)
     if geometry.parallelism == "column" and factor == "a":
         lora_a, factor = densify(lora_a, nblocks), None
@@ -143,27 +165,38 @@ def localize(
         lora_b, factor = densify(lora_b, nblocks), None
     n = nblocks if factor else 1
     rank_per_block = lora_a.shape[0] // n
-    owned = geometry.owned_indices()
     span = (geometry.output_size if geometry.parallelism == "column" else geometry.input_size) // n
-    block_of = torch.div(owned, span, rounding_mode="floor")
-    blocks = torch.unique(block_of)
-    position = torch.searchsorted(blocks, block_of)
+    pieces, owned = owned_pieces(geometry.owned, span)
+    blocks = sorted({block for block, *_ in pieces})
     # Local rank column j*rank_per_block + i holds rank column k*rank_per_block + i of block k = blocks[j].
-    rank_cols = (blocks[:, None] * rank_per_block + torch.arange(rank_per_block)).reshape(-1)
-    local_cols = position[:, None] * rank_per_block + torch.arange(rank_per_block)  # (owned, rank_per_block)
+    position = {block: j for j, block in enumerate(blocks)}
     width = len(blocks) * rank_per_block
 
+    def rank_columns(block: int) -> slice:
+        return slice(block * rank_per_block, (block + 1) * rank_per_block)
+
+    def local_columns(block: int) -> slice:
+        return rank_columns(position[block])
+
     if geometry.parallelism == "column":
-        # A (r, in) is dense: keep the rank rows of the touched blocks. B rows are block-local already.
-        local_a = lora_a[rank_cols]
-        local_b = lora_b.new_zeros(len(owned), width)
-        local_b.scatter_(1, local_cols, lora_b[owned])
+        # A (r, in) is dense: keep the rank rows of the touched blocks. B's rows are block-local already
+        # (rank_per_block columns each).
+        local_a = _copy([lora_a[rank_columns(block)] for block in blocks], 0)
+        if len(blocks) == 1:
+            local_b = _copy([lora_b[start:stop] for _, start, stop, _ in pieces], 0)
+        else:
+            local_b = lora_b.new_zeros(owned, width)
+            for block, start, stop, offset in pieces:
+                local_b[offset : offset + stop - start, local_columns(block)] = lora_b[start:stop]
     else:
-        # B (out, r) is dense: keep the rank columns of the touched blocks. A columns are block-local.
-        local_b = lora_b[:, rank_cols]
-        source_cols = owned - block_of * span
-        source_rows = block_of[:, None] * rank_per_block + torch.arange(rank_per_block)
-        values = lora_a[source_rows, source_cols[:, None]]  # (owned, rank_per_block)
-        local_a = lora_a.new_zeros(width, len(owned))
-        local_a[local_cols, torch.arange(len(owned))[:, None]] = values
-    return LocalFactors(local_a.contiguous(), local_b.contiguous(), tuple(blocks.tolist()), n)
+        # B (out, r) is dense: keep the rank columns of the touched blocks. A's columns are block-local.
+        local_b = _copy([lora_b[:, rank_columns(block)] for block in blocks], 1)
+        if len(blocks) == 1:
+            local_a = _copy([lora_a[rank_columns(block), start - block * span : stop - block * span]
+                             for block, start, stop, _ in pieces], 1)  # fmt: skip
+        else:
+            local_a = lora_a.new_zeros(width, owned)
+            for block, start, stop, offset in pieces:
+                source = lora_a[rank_columns(block), start - block * span : stop - block * span]
+                local_a[local_columns(block), offset : offset + stop - start] = source
+    return LocalFactors(local_a, local_b, tuple(blocks), n)
