@@ -43,6 +43,7 @@ from vllm_bdlora.adapter_lifecycle.files import (
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore, StoreFull
 from vllm_bdlora.adapter_lifecycle.values import (
     MAX_GAIN,
+    all_finite,
     config_scale_problems,
     gain_problems,
     module_gain,
@@ -218,10 +219,11 @@ def test_modules_whose_gain_would_overflow_the_serving_dtype_are_named(scale, dt
     assert math.isfinite(MAX_GAIN)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("factor", ["lora_a", "lora_b"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_factors_are_named(factor, value):
-    weights = {"lora_a": torch.randn(4, 8), "lora_b": torch.randn(8, 4)}
+def test_non_finite_factors_are_named(factor, value, dtype):
+    weights = {"lora_a": torch.randn(4, 8, dtype=dtype), "lora_b": torch.randn(8, 4, dtype=dtype)}
     weights[factor][1, 2] = value
     finite = SimpleNamespace(lora_a=torch.randn(4, 8), lora_b=torch.randn(8, 4))
     model = SimpleNamespace(
@@ -230,6 +232,16 @@ def test_non_finite_factors_are_named(factor, value):
     name = "lora_A" if factor == "lora_a" else "lora_B"
     problems = non_finite_problems((m, w.lora_a, w.lora_b) for m, w in model.loras.items())
     assert problems == [f"model.layers.0.mlp.up_proj: {name} holds NaN or Inf"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_largest_finite_factors_are_finite(dtype):
+    """The finiteness check is one float64 norm: every entry at the dtype's largest value must not overflow it."""
+    factor = torch.full((512, 4096), torch.finfo(dtype).max, dtype=dtype)
+    factor[::2] *= -1
+    assert all_finite(factor)
+    factor[511, 4095] = float("nan")
+    assert not all_finite(factor)
 
 
 @pytest.mark.parametrize("name", ["support-bd128", "org/adapter:v1.2", "a", "x" * ADAPTER_NAME_MAX, "tenant_7@eu+1"])
