@@ -860,3 +860,15 @@ def test_prefill_profile_sorts_kernels_by_kind_and_reports_each_case_against_the
     assert "| bd-eager | 512 | 75.0 | 2.50 |" in text and "| 7.3 | 2.9 |" in text and "| 128 | 300 |" in text
     assert "NVIDIA H100" in text and "| `triton_poi_fused_fused_lora_slices__mul_silu_slice_1` | other | 32 |" in text
     assert "## bd-eager: kernels by GPU time" in text and "| `_fused_expand_kernel` | lora_ours | 128 | 3.250 |" in text
+
+
+def test_admission_stage_benchmark_times_every_stage_and_stocks_read(tmp_path):
+    from bench import admission_stages
+
+    admission_stages.main(["--shape", "tiny", "--tp", "2", "--adapters", "2", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "stages.json").read_text())
+    assert list(result["bd_admission_ms"]) == ["open and map", "cut to the rank", "check values",
+                                               "LoRAModel in host memory", "total"]  # fmt: skip
+    assert all(ms > 0 for ms in result["bd_admission_ms"].values())
+    assert result["stock_read_ms"]["from_local_checkpoint"] > 0
+    assert "| BD: cut to the rank |" in (tmp_path / "stages.md").read_text()

@@ -1,0 +1,177 @@
+"""Where one rank's admission of an adapter spends its time, stage by stage, beside what stock vLLM's reader costs the
+same rank for a standard adapter of the same model.
+
+An admission (`vllm_bdlora.adapter_lifecycle.read_and_cut`) opens the files and maps the weights, cuts every module
+to the rank's share (`vllm_bdlora.sharding.localize`, with the rank's shard of each Llama projection), checks the
+values (`values.non_finite_problems`, `values.gain_problems`) and hands the shares to vLLM's
+`LoRAModel.from_lora_tensors` in host memory (pinned where a GPU copies from it). Stock vLLM's worker reads the whole
+adapter on every rank with `LoRAModel.from_local_checkpoint`. Neither needs the model, so the stages run at any
+shape on any machine; the whole admission over HTTP is `bench/many_adapters.py`'s load phase.
+
+    python -m bench.admission_stages --shape llama-3.1-8b --tp 4 --adapters 8 --out OUT
+
+writes OUT/stages.json and OUT/stages.md: milliseconds per adapter (median over the adapters, after one warm-up
+adapter of each kind) for each stage, on one torch thread as a vLLM GPU worker runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.adapters import bd_rank_for, write_adapter
+from bench.shapes import SHAPES, LlamaShape
+from vllm_bdlora.tiny import ALL_PROJECTIONS, BD_A
+
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def rank_geometry(shape: LlamaShape, module: str, tp: int, rank: int):
+    """The shard of `module` that tensor-parallel `rank` owns (vLLM's even split of rows or columns)."""
+    from vllm_bdlora.sharding import ShardGeometry
+
+    d_in, d_out = shape.projections()[module]
+    if module in ROW_PARALLEL:
+        share = d_in // tp
+        return ShardGeometry("row", d_in, d_out, ((rank * share, (rank + 1) * share),))
+    share = d_out // tp
+    return ShardGeometry("column", d_in, d_out, ((rank * share, (rank + 1) * share),))
+
+
+def module_kind(tensor_name: str) -> str:
+    return tensor_name.split(".")[-3]
+
+
+def bd_admission(path: str, shape: LlamaShape, tp: int, nblocks: int) -> dict[str, float]:
+    """Seconds per stage of one rank-0 admission of the BD adapter at `path`."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from vllm_bdlora.adapter_lifecycle.files import open_adapter
+    from vllm_bdlora.adapter_lifecycle.values import gain_problems, non_finite_problems
+    from vllm_bdlora.adapters import adapter_format
+    from vllm_bdlora.sharding import localize
+
+    seconds = {}
+    started = time.perf_counter()
+    with open_adapter(path, "bench") as opened:
+        adapter_format(opened.config, "bench")
+        config = opened.config
+        views = opened.tensor_views()
+        seconds["open and map"] = time.perf_counter() - started
+        started = time.perf_counter()
+        tensors = {}
+        for a_name, lora_a in views.items():
+            if not a_name.endswith(".lora_A.weight"):
+                continue
+            b_name = a_name.replace(".lora_A.", ".lora_B.")
+            module = module_kind(a_name)
+            factor = "a" if module in BD_A else "b"
+            local = localize(lora_a, views[b_name], rank_geometry(shape, module, tp, 0), factor, nblocks)
+            tensors[a_name], tensors[b_name] = local.lora_a, local.lora_b
+        seconds["cut to the rank"] = time.perf_counter() - started
+        del views
+    started = time.perf_counter()
+    pairs = [
+        (name, tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")]) for name in tensors if ".lora_A." in name
+    ]
+    assert not non_finite_problems(pairs)
+    assert not gain_problems([(name, a, b, 1.0) for name, a, b in pairs], torch.bfloat16)
+    seconds["check values"] = time.perf_counter() - started
+    started = time.perf_counter()
+    LoRAModel.from_lora_tensors(lora_model_id=1, tensors=tensors, peft_helper=PEFTHelper.from_dict(config),
+                                device="cpu", dtype=torch.bfloat16)  # fmt: skip
+    seconds["LoRAModel in host memory"] = time.perf_counter() - started
+    return seconds
+
+
+def stock_read(path: str) -> dict[str, float]:
+    """Seconds of stock vLLM's read of the standard adapter at `path` on one rank (the whole adapter)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    started = time.perf_counter()
+    helper = PEFTHelper.from_local_dir(path, None)
+    LoRAModel.from_local_checkpoint(path, set(ALL_PROJECTIONS), helper, lora_model_id=1, device="cpu",
+                                    dtype=torch.bfloat16)  # fmt: skip
+    return {"from_local_checkpoint": time.perf_counter() - started}
+
+
+def median_ms(runs: list[dict[str, float]]) -> dict[str, float]:
+    stages = list(runs[0])
+    table = {stage: 1000 * statistics.median(run[stage] for run in runs) for stage in stages}
+    table["total"] = 1000 * statistics.median(sum(run.values()) for run in runs)
+    return table
+
+
+def machine() -> dict:
+    import platform
+
+    import vllm
+
+    found = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+             "vllm": vllm.__version__, "torch threads": torch.get_num_threads(),
+             "pinned host memory": torch.cuda.is_available()}  # fmt: skip
+    if torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--tp", type=int, default=4, help="tensor-parallel size whose rank 0 is timed")
+    parser.add_argument("--rank", type=int, default=16, help="standard rank (BD: the paper's pair, e.g. 16 -> 32)")
+    parser.add_argument("--adapters", type=int, default=8, help="adapters timed per kind (one more warms up)")
+    parser.add_argument("--adapter-dir", default=None, help="where adapters are written (default: OUT/adapters)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: as vLLM's GPU workers run, OMP_NUM_THREADS=1 unless set)",
+    )
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = SHAPES[args.shape]
+    adapter_dir = args.adapter_dir or os.path.join(args.out, "adapters")
+    bd_rank = bd_rank_for(args.rank)
+    count = args.adapters + 1
+    bd = [
+        write_adapter(shape, os.path.join(adapter_dir, f"bd{bd_rank}-{i}"), bd_rank, args.tp, seed=i)
+        for i in range(count)
+    ]
+    standard = [
+        write_adapter(shape, os.path.join(adapter_dir, f"r{args.rank}-{i}"), args.rank, seed=i) for i in range(count)
+    ]
+    bd_runs = [bd_admission(path, shape, args.tp, args.tp) for path in bd][1:]
+    stock_runs = [stock_read(path) for path in standard][1:]
+    result = {
+        "command": "python -m bench.admission_stages " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "shape": args.shape, "tp": args.tp, "bd_rank": bd_rank, "nblocks": args.tp, "standard_rank": args.rank,
+        "adapters": args.adapters, "machine": machine(),
+        "bd_admission_ms": median_ms(bd_runs), "stock_read_ms": median_ms(stock_runs),
+    }  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "stages.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"# One rank's adapter admission, {args.shape} at TP={args.tp} (rank 0)", "",
+             f"`{result['command']}`; {json.dumps(result['machine'])}", "",
+             f"BD r'={bd_rank} in {args.tp} blocks (vllm-bdlora's admission) and standard r={args.rank} (stock vLLM's "
+             f"read, every rank the whole adapter); median ms per adapter over {args.adapters}.", "",
+             "| stage | ms |", "|---|---|"]  # fmt: skip
+    lines += [f"| BD: {stage} | {ms:.1f} |" for stage, ms in result["bd_admission_ms"].items()]
+    lines += [f"| stock: {stage} | {ms:.1f} |" for stage, ms in result["stock_read_ms"].items() if stage != "total"]
+    with open(os.path.join(args.out, "stages.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
