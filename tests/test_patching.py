@@ -2,9 +2,13 @@
 the upstream vLLM contracts each patch relies on still hold. Behaviour is tested end to end in
 test_engine_vs_peft.py / test_server.py; the `PATCH_TESTS` map says where."""
 
+import functools
 import importlib.metadata
 import inspect
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,16 +119,26 @@ PATCH_TESTS = {
 }
 
 
+@functools.cache
 def ray_serve_patch_unavailable() -> str | None:
-    """Why the Ray Serve patch cannot be checked here, or None: Ray Serve LLM does not run over this vLLM, or Ray is
-    not installed (a GPU host's release bundle carries what vLLM needs, and Ray is not among it; the dev extra
-    installs it, and tests/test_ray_serve.py fails where it is missing)."""
-    try:
-        return ray_serve_llm_unavailable()
-    except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] != "ray":
-            raise
-        return "Ray is not installed here"
+    """Why the Ray Serve patch cannot be checked here, or None: Ray Serve LLM does not run over this vLLM, or Ray or
+    Ray Serve's own requirements are not installed (a GPU host's release bundle carries Ray for vLLM's tests, not
+    the `serve` extra; the dev extra installs both, and tests/test_ray_serve.py fails where either is missing).
+
+    Asked in a child process first: a Ray Serve import that fails half-way leaves Ray's logging filter on vLLM's
+    loggers, which then fails every later log line in this process (seen on a host with Ray but not ray[serve])."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "from tests.conftest import ray_serve_llm_unavailable as u; print(u() or '')"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        missing = re.findall(r"No module named '([^']+)'", probe.stderr)
+        if not missing:
+            raise RuntimeError(f"probing Ray Serve LLM failed:\n{probe.stderr[-2000:]}")
+        return f"Ray Serve LLM cannot be imported here (no module {missing[-1]})"
+    if probe.stdout.strip():
+        return probe.stdout.strip()
+    return ray_serve_llm_unavailable()
 
 
 @pytest.fixture(scope="module", autouse=True)
