@@ -76,3 +76,26 @@ def test_the_release_check_runs_every_step_with_arguments_its_tools_accept(tmp_p
         assert ": error: " not in sweep and "usage:" not in sweep
     assert "dry-run: python3 -m bench.hosts.vllm_lora_suite" in (out / "vllm-lora-suite.txt").read_text()
     assert "vllm-lora-suite: exit 0" in steps and "engine-two-gpus: exit 0" in steps, steps
+
+
+def test_stopping_a_server_that_ignores_sigterm_ends_its_whole_process_group(tmp_path):
+    """A server stopped while still starting (a start timeout) may not act on SIGTERM: killing only its API server
+    left its engine and workers holding the GPUs, and the next server of the sweep found no memory."""
+    import time
+
+    from vllm_bdlora.serve.process import launch, stop_server
+
+    child_pid = tmp_path / "child.pid"
+    script = f"trap '' TERM; sleep 300 & echo $! > {child_pid}; wait"
+    proc = launch(["bash", "-c", script], str(tmp_path / "server.log"), 1, fixed_cpu_settings=False)
+    deadline = time.monotonic() + 10
+    while not child_pid.exists() or not child_pid.read_text().strip():
+        assert time.monotonic() < deadline, "the stand-in server did not start its child"
+        time.sleep(0.05)
+    pid = int(child_pid.read_text())
+    stop_server(proc, grace_s=1)
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text():
+        assert time.monotonic() < deadline, "the server's child outlived stop_server"
+        time.sleep(0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -35,12 +36,13 @@ def launch(
 ) -> subprocess.Popen:
     """Start `command` with its output in `log_path`, in `env` (default: this process's environment) and, where
     `fixed_cpu_settings`, `cpu_defaults(workers)` under it; without them the server runs as a user's `vllm serve` would
-    (the demo's servers run the commands it prints)."""
+    (the demo's servers run the commands it prints). The server leads a process group of its own, so that
+    `stop_server` reaches its engine and worker processes too."""
     environment = dict(env if env is not None else os.environ)
     if fixed_cpu_settings:
         environment = cpu_defaults(workers) | environment
     with open(log_path, "w") as log:
-        return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_healthy(
@@ -86,12 +88,19 @@ def running_server(command: list[str], log_path: str, tp: int, env: dict[str, st
             stop_server(proc)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """SIGTERM to the server (it shuts its engine down), SIGKILL after `grace_s`; then SIGKILL to whatever of its
+    process group is left. A server stopped while it was still starting (a start timeout) may not act on SIGTERM,
+    and killing only its API server left the engine and workers holding the GPUs, so the next server found no
+    memory."""
     proc.terminate()
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 # What a starting server's log says it is doing, latest milestone first (a phrase of vLLM's or the plugin's log).
@@ -120,12 +129,13 @@ def tail(path: str, lines: int = 30) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def wait_gpu_memory_released(threshold_mib: int = 4000, timeout: float = 120) -> None:
+def wait_gpu_memory_released(threshold_mib: int = 4000, timeout: float = 120) -> bool:
     """After a server stops, its workers may hold GPU memory for a while; the next server must not
     start before it is free. Only the GPUs this process may use (CUDA_VISIBLE_DEVICES) count: servers of other
-    runs on the host's other GPUs are none of its business. A no-op without nvidia-smi."""
+    runs on the host's other GPUs are none of its business. False (and a line saying so) if it was still in use at
+    `timeout`. A no-op without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
-        return
+        return True
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     which = ["--id=" + visible] if visible else []
     deadline = time.monotonic() + timeout
@@ -135,5 +145,8 @@ def wait_gpu_memory_released(threshold_mib: int = 4000, timeout: float = 120) ->
             capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         if not out or max(int(x) for x in out) < threshold_mib:
-            return
+            return True
         time.sleep(1)
+    print(f"GPU memory still in use after {timeout:.0f} s ({', '.join(out)} MiB on GPUs {visible or 'all'}): the next "
+          "server may not find enough; `nvidia-smi` names the processes", flush=True)  # fmt: skip
+    return False
