@@ -268,3 +268,15 @@ def test_a_server_without_runtime_loading_says_how_to_turn_it_on(two_api_servers
                                   timeout=30)  # fmt: skip
         assert answer.status_code == 404, (path, answer.text)
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in answer.json()["error"]["message"], (path, answer.text)
+
+
+def test_a_cpu_hit_is_an_adapter_in_host_memory_in_vllms_cache_or_in_what_the_worker_kept():
+    """With BD-LoRA the host tier is the worker's store (vLLM's host cache holds a few adapters): an adapter kept
+    there in memory is a CPU hit, as one in vLLM's cache is; one read back from a spill file is a miss."""
+    from vllm_bdlora.metrics import WorkerAdapterStats
+
+    manager = SimpleNamespace(_active_adapters={1: object()}, list_adapters=lambda: {1: None, 2: None})
+    stats = WorkerAdapterStats()
+    stats.record_lookups(manager, [1, 2, 3, 4], kept_in_memory={3})
+    assert stats.lookups == {"gpu": 4, "cpu": 3}
+    assert stats.hits == {"gpu": 1, "cpu": 2}  # 2 in vLLM's cache, 3 kept by the worker; 4 nowhere in memory

@@ -8,7 +8,8 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   unchanged: `vllm:lora_adapter_loaded{adapter_name,level="gpu"|"cpu",pinned}` (1 while the adapter holds a GPU
   slot, or is kept in host memory), `vllm:num_gpu_loaded_lora_adapters`, `vllm:num_cpu_loaded_lora_adapters`,
   `vllm:lora_cache_lookups_total{level}` / `vllm:lora_cache_hits_total{level}` (one lookup per adapter per engine step
-  at the GPU level, one per slot fill at the CPU level). A name vLLM registers itself is left to vLLM.
+  at the GPU level, one per slot fill at the CPU level, a hit where the adapter is in host memory: vLLM's host cache
+  or what the worker kept of it, not a spill file). A name vLLM registers itself is left to vLLM.
 * `vllm_bdlora:lora_slots{state="used"|"total"}`, `vllm_bdlora:adapters_kept{where="memory"|"spilled"}`,
   `vllm_bdlora:adapter_host_bytes`, `vllm_bdlora:adapter_loads_total{kind}` and `vllm_bdlora:adapter_load_seconds{kind}`
   (kind "admission": files read, checked and cut, off the engine's step; "reread": a load from what a worker kept;
@@ -80,8 +81,11 @@ class WorkerAdapterStats:
         self.hits = defaultdict(int)
         self.loads = {kind: Histogram(LOAD_BUCKETS) for kind in LOAD_KINDS}
 
-    def record_lookups(self, manager, adapter_ids) -> None:
-        """Per step, per adapter the step needs: in a GPU slot already (a hit), else kept by vLLM's host cache."""
+    def record_lookups(self, manager, adapter_ids, kept_in_memory=frozenset()) -> None:
+        """Per step, per adapter the step needs: in a GPU slot already (a GPU hit), else in host memory (a CPU hit):
+        vLLM's host cache or, with BD-LoRA, what the worker kept at admission (`kept_in_memory`; a spilled adapter
+        is read back from disk, a miss as stock's read from the adapter's files is). So the CPU hit rate means the
+        same with BD-LoRA, whose host tier is its store and not vLLM's cache, as without."""
         active = getattr(manager, "_active_adapters", {})
         registered = manager.list_adapters()
         with self.lock:
@@ -91,7 +95,7 @@ class WorkerAdapterStats:
                     self.hits["gpu"] += 1
                     continue
                 self.lookups["cpu"] += 1
-                self.hits["cpu"] += adapter_id in registered
+                self.hits["cpu"] += adapter_id in registered or adapter_id in kept_in_memory
 
     def record_load(self, kind: str, seconds: float) -> None:
         with self.lock:
