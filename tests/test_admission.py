@@ -320,6 +320,58 @@ def test_the_store_spills_past_its_budget_and_reads_back_exactly(tmp_path):
     assert store.ids() == set() and store.resident_bytes == 0
 
 
+def test_a_spilled_adapter_is_read_back_ahead_of_the_step_and_a_load_meanwhile_waits_for_it(tmp_path, monkeypatch):
+    store = AdapterStore(host_budget=kept("x", 0).nbytes * 2, spill_dir=str(tmp_path))
+    for i in (1, 2, 3):
+        store.keep(i, kept(f"id{i}", float(i)))
+    assert store.spilled_ids() == {1} and store.needs_restore(1)
+    reading, release = threading.Event(), threading.Event()
+    preadv = os.preadv
+
+    def slow_preadv(*args):  # hold the read-back until the test has asked for the adapter
+        reading.set()
+        release.wait(10)
+        return preadv(*args)
+
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    timings = []
+    assert store.restore_ahead([1, 2, 9], timings.append) == [1]  # only the spilled one is read back
+    assert reading.wait(10) and store.needs_restore(1)
+    assert store.restore_ahead([1]) == []  # already under way
+    got = []
+    loader = threading.Thread(target=lambda: got.append(store.get(1)))
+    loader.start()
+    loader.join(0.2)
+    assert loader.is_alive()  # a load waits for the read-back rather than reading the spill file a second time
+    release.set()
+    loader.join(10)
+    assert torch.equal(got[0].template.loras["m"].lora_a, torch.full((4, 256), 1.0))
+    assert not store.needs_restore(1) and 1 in store.resident_ids() and len(timings) == 1
+    assert store.resident_bytes <= store.host_budget  # another adapter was spilled to make room
+
+
+@pytest.mark.parametrize("then", ["forget", "reload"])
+def test_an_adapter_forgotten_or_reloaded_while_read_back_ahead_is_never_served_stale(tmp_path, monkeypatch, then):
+    store = AdapterStore(host_budget=kept("x", 0).nbytes, spill_dir=str(tmp_path))
+    store.keep(1, kept("a", 1.0))
+    store.keep(2, kept("b", 2.0))
+    release = threading.Event()
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *args: release.wait(10) and preadv(*args))
+    assert store.restore_ahead([1]) == [1]
+    change = (lambda: store.forget(1)) if then == "forget" else (lambda: store.keep(1, kept("a2", 3.0)))
+    changing = threading.Thread(target=change)
+    changing.start()
+    changing.join(0.2)
+    assert changing.is_alive()  # it waits for the read-back, which would otherwise land after it
+    release.set()
+    changing.join(10)
+    if then == "forget":
+        assert 1 not in store.ids() and store.get(1) is None
+    else:
+        assert store.get(1).identity == "a2"
+
+
 def test_a_spill_that_finds_no_space_keeps_the_adapter_and_says_why(tmp_path, monkeypatch):
     store = AdapterStore(host_budget=kept("x", 0).nbytes, spill_dir=str(tmp_path))
     store.keep(1, kept("a", 1.0))

@@ -86,7 +86,7 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     out = tmp_path / "out"
     status = many_adapters.main([
         "--model-shape", "tiny", "--tp", "2", "--modes", "bdlora", "--adapters", "64", "--rank", "16",
-        "--distinct-files", "4", "--gpu-memory", "1MiB", "--host-memory", "64MiB", "--dtype", "float32",
+        "--distinct-files", "4", "--gpu-memory", "1MiB", "--host-memory", "2MiB", "--dtype", "float32",
         "--max-model-len", "256", "--max-num-seqs", "8", "--extra-server-args=--enforce-eager",
         "--workloads", "zipf:1.0 poisson:20 fixed:16/8 60", "distinct concurrency:4 fixed:16/8 40",
         "--workdir", str(tmp_path / "work"), "--out", str(out),
@@ -105,6 +105,9 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     slots = int(re.search(r"--max-loras (\d+)", server["bd_slots_line"]).group(1))
     assert distinct["gpu_misses"] >= 40 - slots > 0
     assert distinct["loads_reread"] + distinct.get("loads_restore", 0) > 0
+    # 2 MiB of host memory per worker holds some of the 64 adapters; the others are spilled, and a request naming
+    # one has its workers read it back ahead of the step that fills its slot
+    assert sum(row.get("loads_restore_ahead", 0) for row in rows) > 0, rows
     lines = (out / "requests.csv").read_text().splitlines()
     assert len(lines) == 1 + 100
     summary = (out / "summary.md").read_text()

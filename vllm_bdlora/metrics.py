@@ -13,7 +13,8 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
 * `vllm_bdlora:lora_slots{state="used"|"total"}`, `vllm_bdlora:adapters_kept{where="memory"|"spilled"}`,
   `vllm_bdlora:adapter_host_bytes`, `vllm_bdlora:adapter_loads_total{kind}` and `vllm_bdlora:adapter_load_seconds{kind}`
   (kind "admission": files read, checked and cut, off the engine's step; "reread": a load from what a worker kept;
-  "restore": read back from a spill file; "in_step": an adapter the engine had not admitted, read inside a step),
+  "restore": read back from a spill file inside a step; "restore_ahead": read back from a spill file off the step,
+  when a request named it; "in_step": an adapter the engine had not admitted, read inside a step),
   `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
 * per adapter, from the API server's own requests: `vllm_bdlora:adapter_requests_total`,
   `vllm_bdlora:adapter_prompt_tokens_total`, `vllm_bdlora:adapter_generation_tokens_total`,
@@ -48,7 +49,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5,
                 10.0, 15.0, 20.0, 30.0, 60.0)  # fmt: skip
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-LOAD_KINDS = ("admission", "reread", "restore", "in_step")
+LOAD_KINDS = ("admission", "reread", "restore", "restore_ahead", "in_step")
 
 
 class Histogram:

@@ -7,6 +7,7 @@ worker), each rank's answers, and the rules that turn the ranks' answers into on
     AdmissionStates(ids)           ------------>  {id: Reading | Ready | Failed | Unknown}
     ForgetAdmissions(ids)          ------------>  drop everything of them
     AdapterFigures()               ------------>  what it holds where, and its counts (/metrics)
+    RestoreAhead(ids)              ------------>  read spilled ones back into memory on a thread, ahead of a step
     vLLM's add_lora(request)       ------------>  AdmissionReceipt | AdapterLoadFailure
 
 Ranks must have read the same files (`files_differ_refusal`): each reports the digest of what it opened.
@@ -50,7 +51,14 @@ class AdapterFigures:
     """What the worker holds where, and its counts (`vllm_bdlora.metrics`)."""
 
 
-AdmissionCall = BeginAdmissions | AdmissionStates | ForgetAdmissions | AdapterFigures
+@dataclass(frozen=True)
+class RestoreAhead:
+    """Adapters that requests just named: read back into host memory, off the step, any of them that was spilled."""
+
+    adapter_ids: Sequence[int]
+
+
+AdmissionCall = BeginAdmissions | AdmissionStates | ForgetAdmissions | AdapterFigures | RestoreAhead
 
 
 # -- a rank's state of one admission --------------------------------------------------------------------------------

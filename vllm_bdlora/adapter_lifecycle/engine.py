@@ -15,6 +15,8 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
 * `hold`: a request naming an adapter the engine has not admitted (the Python API's `generate(...,
   lora_request=...)`) is held back while its adapter is admitted the same way, then handed to the scheduler; the
   others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
+* `restore_ahead`: a request naming an admitted adapter asks every worker to read it back into memory, off the
+  step, if the worker spilled it to disk (at most once a second per adapter).
 * `remove` (an unload): the adapter is removed on every rank (GPU slot, host cache, what its workers kept) once no
   request of it is left; new requests cannot name it any more (the API server forgot the name first).
 * `generation`: each admission (an in-place reload included) and each removal gives the adapter a new generation,
@@ -49,6 +51,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     BeginAdmissions,
     ForgetAdmissions,
     Ready,
+    RestoreAhead,
     Unknown,
     check_admission_replies,
     load_timeout_refusal,
@@ -59,6 +62,7 @@ logger = logging.getLogger("vllm.bdlora")
 
 ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
 TICK_SECONDS = 0.01
+RESTORE_AHEAD_EVERY_S = 1.0  # per adapter: a busy adapter's requests ask the workers at most this often
 GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side Request when it is first hashed
 
 
@@ -79,6 +83,7 @@ class EngineAdmissions:
         self.pending: dict[int, _Pending] = {}
         self.removals: set[int] = set()
         self.generations: dict[int, int] = {}
+        self._restore_asked: dict[int, float] = {}
         self._generation_counter = itertools.count(1)
         self._wake = threading.Event()
         self._tick_queued = False
@@ -128,12 +133,27 @@ class EngineAdmissions:
     def hold(self, request, wave) -> bool:
         """True if `request` waits for its adapter's admission (it is handed to the scheduler once admitted)."""
         lora = request.lora_request
-        if lora is None or lora.lora_int_id in self.ready or not self.defers:
+        if lora is None:
+            return False
+        if lora.lora_int_id in self.ready:
+            self.restore_ahead(lora.lora_int_id)
+            return False
+        if not self.defers:
             return False
         pending = self.pending.get(lora.lora_int_id) or self._begin(lora)
         pending.held.append((request, wave))
         self._start_ticking()
         return True
+
+    def restore_ahead(self, adapter_id: int) -> None:
+        """A request named an admitted adapter: workers that spilled it to disk read it back into memory now, on a
+        thread, so that the step that fills its slot does not wait for the read (a request waits in the scheduler's
+        queue for a slot far longer than a read-back takes)."""
+        now = time.monotonic()
+        if now - self._restore_asked.get(adapter_id, float("-inf")) < RESTORE_AHEAD_EVERY_S:
+            return
+        self._restore_asked[adapter_id] = now
+        self._rpc(RestoreAhead([adapter_id]))
 
     def drop_held(self, request_ids) -> None:
         ids = set(request_ids)
@@ -145,6 +165,7 @@ class EngineAdmissions:
         left; an admission in flight is given up."""
         self._next_generation(adapter_id)
         self.ready.discard(adapter_id)
+        self._restore_asked.pop(adapter_id, None)
         pending = self.pending.pop(adapter_id, None)
         if pending is not None:
             self._rpc(ForgetAdmissions([adapter_id]))

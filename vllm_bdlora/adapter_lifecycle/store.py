@@ -76,6 +76,7 @@ class AdapterStore:
         self._admitted: OrderedDict[int, object] = OrderedDict()  # least recently used first
         self._spilled: dict[int, _Spilled] = {}
         self._staging: dict[int, _Staging] = {}
+        self._restoring: dict[int, threading.Event] = {}  # spilled adapters being read back
         self._slots = threading.Semaphore(max(1, threads))
         self.resident_bytes = 0
 
@@ -167,18 +168,57 @@ class AdapterStore:
             raise StoreFull(f"LoRA adapter '{getattr(admitted, 'name', adapter_id)}' not admitted: {e}") from e
 
     def get(self, adapter_id: int):
-        """The admitted adapter (read back from its spill file if it was spilled), or None."""
+        """The admitted adapter (read back from its spill file if it was spilled, or once a read-back ahead of the
+        step has finished), or None."""
         with self._lock:
             admitted = self._admitted.get(adapter_id)
             if admitted is not None:
                 self._admitted.move_to_end(adapter_id)
                 return admitted
             spilled = adapter_id in self._spilled
+            restoring = self._restoring.get(adapter_id)
+        if restoring is not None:
+            restoring.wait()
+            return self.get(adapter_id)
         if not spilled:
             return None
         admitted = self._restore(adapter_id)
         self._enforce_budget(keep=adapter_id)
         return admitted
+
+    def needs_restore(self, adapter_id: int) -> bool:
+        """Whether a load of `adapter_id` now would wait for a read from its spill file."""
+        with self._lock:
+            return adapter_id in self._spilled or adapter_id in self._restoring
+
+    def restore_ahead(self, adapter_ids, record: Callable[[float], None] | None = None) -> list[int]:
+        """Read each spilled adapter of `adapter_ids` back into memory on a thread of its own, so that the step that
+        needs it finds it there (a load meanwhile waits for it, `get`); `record(seconds)` hears each one's time.
+        Returns the ids whose read-back began."""
+        begun = []
+        for adapter_id in adapter_ids:
+            with self._lock:
+                if adapter_id not in self._spilled or adapter_id in self._restoring:
+                    continue
+                done = self._restoring[adapter_id] = threading.Event()
+            begun.append(adapter_id)
+            threading.Thread(target=self._restore_in_background, args=(adapter_id, done, record),
+                             name=f"bdlora-restore-{adapter_id}", daemon=True).start()  # fmt: skip
+        return begun
+
+    def _restore_in_background(self, adapter_id: int, done: threading.Event, record) -> None:
+        started = time.perf_counter()
+        try:
+            if self._restore(adapter_id, wait_for_others=False) is not None:
+                self._enforce_budget(keep=adapter_id)
+                if record is not None:
+                    record(time.perf_counter() - started)
+        except Exception:  # StoreFull, OSError: a load that needs it reads it back (or fails) as it would have
+            pass
+        finally:
+            with self._lock:
+                self._restoring.pop(adapter_id, None)
+            done.set()
 
     def forget(self, adapter_id: int) -> str | None:
         """Drop everything of `adapter_id`: its admission in progress, its tensors, its spill file. Returns its name,
@@ -225,6 +265,10 @@ class AdapterStore:
             self.forget(adapter_id)
 
     def _drop(self, adapter_id: int) -> str | None:
+        with self._lock:
+            restoring = self._restoring.get(adapter_id)
+        if restoring is not None:  # a read-back ahead of the step ends by putting it in memory: drop it after that
+            restoring.wait()
         with self._lock:
             admitted = self._admitted.pop(adapter_id, None)
             if admitted is not None:
@@ -285,13 +329,13 @@ class AdapterStore:
         with self._lock:
             self._spilled[adapter_id] = _Spilled(admitted, fd, places)
 
-    def _restore(self, adapter_id: int):
+    def _restore(self, adapter_id: int, wait_for_others: bool = True):
         import torch
 
         with self._lock:
             spilled = self._spilled.pop(adapter_id, None)
-        if spilled is None:  # read back by another thread meanwhile
-            return self.get(adapter_id)
+        if spilled is None:  # read back by another thread meanwhile (a read-back ahead does not wait on itself)
+            return self.get(adapter_id) if wait_for_others else None
         admitted = spilled.admitted
         try:
             for module, attribute, offset, shape, dtype, pinned in spilled.places:

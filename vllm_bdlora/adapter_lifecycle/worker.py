@@ -3,7 +3,7 @@ worker-side LoRA machinery, and `WorkerAdapters`, the one object per worker that
 adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
 
 * `answer_admission_call`: the engine core's admission calls (`calls.py`): begin reading on admission threads,
-  report states, forget, report figures.
+  report states, forget, report figures, read spilled adapters back ahead of the steps that need them.
 * `add_lora_reporting_failures`: vLLM's add_lora on one rank, answering a receipt or a failure instead of raising.
 * `load_adapter`: vLLM's `_load_adapter`, which fills a GPU slot: the adapter comes from the store (the result of its
   admission, kept in host memory or read back from a spill file), never from its files again.
@@ -28,6 +28,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     AdmissionStates,
     BeginAdmissions,
     ForgetAdmissions,
+    RestoreAhead,
 )
 from vllm_bdlora.adapter_lifecycle.finish import finish_admission
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter, read_adapter, read_on
@@ -114,6 +115,12 @@ class WorkerAdapters:
                 return [self.store.forget(adapter_id) for adapter_id in ids]
             case AdapterFigures():
                 return self.stats.snapshot(self.worker_manager, self.kept)
+            case RestoreAhead(adapter_ids=ids):
+                if self.kept is None:
+                    return []
+                return self.kept.restore_ahead(
+                    list(ids), lambda seconds: self.stats.record_load("restore_ahead", seconds)
+                )
         raise TypeError(f"vllm-bdlora: not an admission call: {type(call).__name__}")
 
     def receipt(self, lora_request, loaded: bool) -> AdmissionReceipt:
@@ -140,7 +147,7 @@ class WorkerAdapters:
         if admitted is None and getattr(lora_request, "load_inplace", False) and _admitting.get():
             store.forget(adapter_id)  # an in-place reload that was not begun ahead: read it again now
         if admitted is None:
-            spilled = adapter_id in store.spilled_ids()
+            spilled = store.needs_restore(adapter_id)
             admitted = store.get(adapter_id)
             if admitted is not None:
                 stats.record_load("restore" if spilled else "reread", time.perf_counter() - started)
