@@ -21,6 +21,7 @@ against the few that run at a time.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 
 from vllm_bdlora.access import STORE_FULL
 from vllm_bdlora.adapter_lifecycle.calls import AdmissionState, Failed, Reading, Ready, Unknown
+
+logger = logging.getLogger("vllm.bdlora")
 
 
 class StoreFull(RuntimeError):
@@ -213,8 +216,9 @@ class AdapterStore:
                 self._enforce_budget(keep=adapter_id)
                 if record is not None:
                     record(time.perf_counter() - started)
-        except Exception:  # StoreFull, OSError: a load that needs it reads it back (or fails) as it would have
-            pass
+        except Exception as e:  # StoreFull, OSError: a load that needs it reads it again (or fails), as in a step
+            logger.warning("vllm-bdlora: reading adapter %d back from its spill file ahead of its step failed: %s",
+                           adapter_id, e)  # fmt: skip
         finally:
             with self._lock:
                 self._restoring.pop(adapter_id, None)

@@ -63,7 +63,6 @@ def config_scale_problems(config: dict) -> list[str]:
 
 def non_finite_problems(modules: Iterable[tuple[str, object, object]]) -> list[str]:
     """One pass over every (module, lora_A, lora_B): NaN or Inf in a LoRA factor."""
-
     problems = []
     for module, lora_a, lora_b in modules:
         for factor, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
