@@ -11,7 +11,8 @@ shape on any machine; the whole admission over HTTP is `bench/many_adapters.py`'
     python -m bench.admission_stages --shape llama-3.1-8b --tp 4 --adapters 8 --out OUT
 
 writes OUT/stages.json and OUT/stages.md: milliseconds per adapter (median over the adapters, after one warm-up
-adapter of each kind) for each stage, on one torch thread as a vLLM GPU worker runs.
+adapter of each kind) for each stage, on one torch thread as a vLLM GPU worker runs, with every adapter's files read
+into the page cache first.
 """
 
 from __future__ import annotations
@@ -29,19 +30,13 @@ from bench.adapters import bd_rank_for, write_adapter
 from bench.shapes import SHAPES, LlamaShape
 from vllm_bdlora.tiny import ALL_PROJECTIONS, BD_A
 
-ROW_PARALLEL = ("o_proj", "down_proj")
 
+def model_shape(shape: LlamaShape):
+    """The shape as the sizing rules see it (`ModelShape.geometry`: each TP rank's shard, as vLLM shards it)."""
+    from vllm_bdlora.sizing import ModelShape
 
-def rank_geometry(shape: LlamaShape, module: str, tp: int, rank: int):
-    """The shard of `module` that tensor-parallel `rank` owns (vLLM's even split of rows or columns)."""
-    from vllm_bdlora.sharding import ShardGeometry
-
-    d_in, d_out = shape.projections()[module]
-    if module in ROW_PARALLEL:
-        share = d_in // tp
-        return ShardGeometry("row", d_in, d_out, ((rank * share, (rank + 1) * share),))
-    share = d_out // tp
-    return ShardGeometry("column", d_in, d_out, ((rank * share, (rank + 1) * share),))
+    return ModelShape(shape.hidden_size, shape.intermediate_size, shape.num_attention_heads,
+                      shape.num_key_value_heads, shape.head_dim)  # fmt: skip
 
 
 def module_kind(tensor_name: str) -> str:
@@ -58,6 +53,7 @@ def bd_admission(path: str, shape: LlamaShape, tp: int, nblocks: int) -> dict[st
     from vllm_bdlora.adapters import adapter_format
     from vllm_bdlora.sharding import localize
 
+    sizing_shape = model_shape(shape)
     seconds = {}
     started = time.perf_counter()
     with open_adapter(path, "bench") as opened:
@@ -73,7 +69,7 @@ def bd_admission(path: str, shape: LlamaShape, tp: int, nblocks: int) -> dict[st
             b_name = a_name.replace(".lora_A.", ".lora_B.")
             module = module_kind(a_name)
             factor = "a" if module in BD_A else "b"
-            local = localize(lora_a, views[b_name], rank_geometry(shape, module, tp, 0), factor, nblocks)
+            local = localize(lora_a, views[b_name], sizing_shape.geometry(module, tp, 0), factor, nblocks)
             tensors[a_name], tensors[b_name] = local.lora_a, local.lora_b
         seconds["cut to the rank"] = time.perf_counter() - started
         del views
@@ -150,6 +146,11 @@ def main(argv=None) -> None:
     standard = [
         write_adapter(shape, os.path.join(adapter_dir, f"r{args.rank}-{i}"), args.rank, seed=i) for i in range(count)
     ]
+    for path in bd + standard:  # every file in the page cache first: the stages time the work, not the disk
+        for name in os.listdir(path):
+            with open(os.path.join(path, name), "rb") as f:
+                while f.read(1 << 24):
+                    pass
     bd_runs = [bd_admission(path, shape, args.tp, args.tp) for path in bd][1:]
     stock_runs = [stock_read(path) for path in standard][1:]
     result = {
