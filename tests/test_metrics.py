@@ -277,6 +277,6 @@ def test_a_cpu_hit_is_an_adapter_in_host_memory_in_vllms_cache_or_in_what_the_wo
 
     manager = SimpleNamespace(_active_adapters={1: object()}, list_adapters=lambda: {1: None, 2: None})
     stats = WorkerAdapterStats()
-    stats.record_lookups(manager, [1, 2, 3, 4], kept_in_memory={3})
+    stats.record_lookups(manager, [1, 2, 3, 4], kept_in_memory={3}.__contains__)
     assert stats.lookups == {"gpu": 4, "cpu": 3}
     assert stats.hits == {"gpu": 1, "cpu": 2}  # 2 in vLLM's cache, 3 kept by the worker; 4 nowhere in memory

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from vllm_bdlora.access import METRICS_OVERFLOW_LABEL
 from vllm_bdlora.adapter_lifecycle.calls import WORKER_METHOD, AdapterFigures
@@ -82,11 +83,11 @@ class WorkerAdapterStats:
         self.hits = defaultdict(int)
         self.loads = {kind: Histogram(LOAD_BUCKETS) for kind in LOAD_KINDS}
 
-    def record_lookups(self, manager, adapter_ids, kept_in_memory=frozenset()) -> None:
+    def record_lookups(self, manager, adapter_ids, kept_in_memory: Callable[[int], bool] | None = None) -> None:
         """Per step, per adapter the step needs: in a GPU slot already (a GPU hit), else in host memory (a CPU hit):
-        vLLM's host cache or, with BD-LoRA, what the worker kept at admission (`kept_in_memory`; a spilled adapter
-        is read back from disk, a miss as stock's read from the adapter's files is). So the CPU hit rate means the
-        same with BD-LoRA, whose host tier is its store and not vLLM's cache, as without."""
+        vLLM's host cache or, with BD-LoRA, what the worker kept at admission (`kept_in_memory(id)`, asked only on a
+        GPU miss; a spilled adapter is read back from disk, a miss as stock's read from the adapter's files is). So the
+        CPU hit rate means the same with BD-LoRA, whose host tier is its store and not vLLM's cache, as without."""
         active = getattr(manager, "_active_adapters", {})
         registered = manager.list_adapters()
         with self.lock:
@@ -96,7 +97,7 @@ class WorkerAdapterStats:
                     self.hits["gpu"] += 1
                     continue
                 self.lookups["cpu"] += 1
-                self.hits["cpu"] += adapter_id in registered or adapter_id in kept_in_memory
+                self.hits["cpu"] += adapter_id in registered or bool(kept_in_memory and kept_in_memory(adapter_id))
 
     def record_load(self, kind: str, seconds: float) -> None:
         with self.lock:

@@ -238,6 +238,10 @@ class AdapterStore:
         with self._lock:
             return set(self._admitted) | set(self._spilled)
 
+    def in_memory(self, adapter_id: int) -> bool:
+        with self._lock:
+            return adapter_id in self._admitted
+
     def resident_ids(self) -> set[int]:
         with self._lock:
             return set(self._admitted)

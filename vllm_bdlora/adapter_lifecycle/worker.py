@@ -218,7 +218,7 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     must load them (see `patch_adapter_load_order`), counted as GPU and host-cache lookups for /metrics."""
     ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
     adapters = WorkerAdapters.of(worker_manager)
-    kept = adapters.kept.resident_ids() if adapters.kept is not None else frozenset()
+    kept = adapters.kept.in_memory if adapters.kept is not None else None
     adapters.stats.record_lookups(adapters.manager, [r.adapter_id for r in ordered], kept)
     return apply(ordered)
 
