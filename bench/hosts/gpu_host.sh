@@ -72,6 +72,21 @@ bring_back_compile_caches() {
   split -b 15M -d -a 2 /root/compile-cache.tgz "$OUT/compile-cache-"
   echo "compile caches: $size_mib MiB compressed, in $(ls "$OUT"/compile-cache-?? | wc -l) part(s) compile-cache-NN"
 }
+# restore_flashinfer_cache SITE DIR: a FlashInfer JIT cache brought back by an earlier host's `watch` (copied to
+# .gpu/ and carried to DIR like a bundle part) spares a fresh host's first server FlashInfer's compiles (~90 s of
+# sampler on 0.26; sampler and the all-reduce kernels, minutes, on 0.33). Ninja rebuilds an object when a source is
+# newer than the object's build-log entry, and the install has just written FlashInfer's (and tvm_ffi's) sources
+# under SITE with today's mtimes: it rebuilt everything when the cache was simply unpacked. So the freshly
+# installed sources are dated back first (checked with ninja 1.11). The cache's build files name the sources by
+# absolute path, so it serves only an install at the same SITE as the host that built it.
+restore_flashinfer_cache() {
+  local site=$1 caches=("$2"/flashinfer-cache*.tgz) cache
+  [ -e "${caches[0]}" ] || return 0
+  find "$site/flashinfer" "$site/tvm_ffi" -exec touch -h -d 2020-01-01 {} + 2>/dev/null
+  for cache in "${caches[@]}"; do
+    tar xzf "$cache" -C /root && echo "restored $cache (FlashInfer sources under $site dated back)"
+  done
+}
 restore_compile_caches() {
   local parts=(/root/pkg/compile-cache-??)
   [ -e "${parts[0]}" ] || return 0
@@ -91,17 +106,7 @@ install)
     echo "this call must carry .gpu/install_bundle.sh and .whl"
     exit 1
   fi
-  # A FlashInfer JIT cache brought back by an earlier host's `watch` (copied to .gpu/ and carried to /root/pkg
-  # like a bundle part) should spare a fresh host's first server its ~90 s sampler compile (README.md). Ninja
-  # rebuilds an object when a source is newer than the object's build-log entry, and the install has just written
-  # FlashInfer's (and tvm_ffi's) sources with today's mtimes: it rebuilt everything when the cache was simply
-  # unpacked. So the freshly installed sources are dated back first (checked with ninja 1.11 here).
-  caches=(/root/pkg/flashinfer-cache*.tgz)
-  if [ -e "${caches[0]}" ]; then
-    site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    find "$site/flashinfer" "$site/tvm_ffi" -exec touch -h -d 2020-01-01 {} + 2>/dev/null
-    for cache in "${caches[@]}"; do tar xzf "$cache" -C /root && echo "restored $cache (FlashInfer sources dated back)"; done
-  fi
+  restore_flashinfer_cache "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" /root/pkg
   restore_compile_caches
   # Wheels a run needs beyond the bundle (Ray, tblib) travel as parts w00..wNN of a tar holding the wheels and a
   # requirements.txt naming what to install; pip takes the rest of their needs from the host (README.md).
@@ -126,6 +131,7 @@ install-release)
   cat "$parts"/p?? | xz -dc -T0 | tar x -C "$prefix" || { echo "unpacking the bundle failed"; exit 1; }
   # The release's own tests (`bench.hosts.bundle tests`), for bench/hosts/vllm_lora_suite.py
   if [ -e "$parts/tests.tar.xz" ]; then tar xJf "$parts/tests.tar.xz" -C /root && echo "vLLM's tests in /root/vllm-$VERSION"; fi
+  restore_flashinfer_cache "$prefix" "$parts"
   rm -rf "/tmp/plugin-$VERSION"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/plugin-$VERSION .whl/*.whl \
     && cp -a /tmp/plugin-$VERSION/. "$prefix/" || { echo "installing .whl into $prefix failed"; exit 1; }
