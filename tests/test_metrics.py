@@ -280,3 +280,32 @@ def test_a_cpu_hit_is_an_adapter_in_host_memory_in_vllms_cache_or_in_what_the_wo
     stats.record_lookups(manager, [1, 2, 3, 4], kept_in_memory={3}.__contains__)
     assert stats.lookups == {"gpu": 4, "cpu": 3}
     assert stats.hits == {"gpu": 1, "cpu": 2}  # 2 in vLLM's cache, 3 kept by the worker; 4 nowhere in memory
+
+
+def test_a_step_that_fills_slots_is_timed_once_per_filled_slot_and_one_that_fills_none_is_not():
+    """The time vLLM's per-step adapter apply takes where it copies adapters into GPU slots is what the step's requests
+    wait for fills: counted once per filled slot, the step's time shared among them; a step whose adapters all hold
+    slots records nothing."""
+    import time
+
+    from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order
+
+    active = {1: object()}
+    manager = SimpleNamespace(_active_adapters=active, list_adapters=lambda: {1: None, 2: None, 3: None})
+    worker_manager = SimpleNamespace(_adapter_manager=manager)
+    applied = []
+
+    def apply(ordered):
+        applied.append([r.adapter_id for r in ordered])
+        time.sleep(0.03)
+        active.update({r.adapter_id: object() for r in ordered})
+
+    def request(adapter_id):
+        return SimpleNamespace(adapter_id=adapter_id, lora_int_id=adapter_id, load_inplace=False)
+
+    apply_in_id_order(worker_manager, [request(3), request(1), request(2)], apply)
+    fills = WorkerAdapters.of(worker_manager).stats.loads["slot_fill"]
+    assert applied == [[1, 2, 3]]
+    assert fills.count == 2 and 0.03 <= fills.total < 1.0  # adapters 2 and 3 took slots; 1 held one already
+    apply_in_id_order(worker_manager, [request(1), request(3)], apply)  # both in slots now: nothing filled
+    assert fills.count == 2

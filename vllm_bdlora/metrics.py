@@ -14,7 +14,9 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   `vllm_bdlora:adapter_host_bytes`, `vllm_bdlora:adapter_loads_total{kind}` and `vllm_bdlora:adapter_load_seconds{kind}`
   (kind "admission": files read, checked and cut, off the engine's step; "reread": a load from what a worker kept;
   "restore": read back from a spill file inside a step; "restore_ahead": read back from a spill file off the step,
-  when a request named it; "in_step": an adapter the engine had not admitted, read inside a step),
+  when a request named it; "in_step": an adapter the engine had not admitted, read inside a step; "slot_fill": one
+  per adapter a step copied into a GPU slot, the host time that step spent making its adapters resident shared evenly
+  among them, including any reread, restore or in_step load within it: what the step's requests waited for fills),
   `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
 * per adapter, from the API server's own requests: `vllm_bdlora:adapter_requests_total`,
   `vllm_bdlora:adapter_prompt_tokens_total`, `vllm_bdlora:adapter_generation_tokens_total`,
@@ -50,7 +52,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5,
                 10.0, 15.0, 20.0, 30.0, 60.0)  # fmt: skip
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-LOAD_KINDS = ("admission", "reread", "restore", "restore_ahead", "in_step")
+LOAD_KINDS = ("admission", "reread", "restore", "restore_ahead", "in_step", "slot_fill")
 
 
 class Histogram:
@@ -83,21 +85,33 @@ class WorkerAdapterStats:
         self.hits = defaultdict(int)
         self.loads = {kind: Histogram(LOAD_BUCKETS) for kind in LOAD_KINDS}
 
-    def record_lookups(self, manager, adapter_ids, kept_in_memory: Callable[[int], bool] | None = None) -> None:
+    def record_lookups(self, manager, adapter_ids, kept_in_memory: Callable[[int], bool] | None = None) -> int:
         """Per step, per adapter the step needs: in a GPU slot already (a GPU hit), else in host memory (a CPU hit):
         vLLM's host cache or, with BD-LoRA, what the worker kept at admission (`kept_in_memory(id)`, asked only on a
         GPU miss; a spilled adapter is read back from disk, a miss as stock's read from the adapter's files is). So the
-        CPU hit rate means the same with BD-LoRA, whose host tier is its store and not vLLM's cache, as without."""
+        CPU hit rate means the same with BD-LoRA, whose host tier is its store and not vLLM's cache, as without.
+        Returns the GPU misses: the slots the step is about to fill."""
         active = getattr(manager, "_active_adapters", {})
         registered = manager.list_adapters()
+        misses = 0
         with self.lock:
             for adapter_id in adapter_ids:
                 self.lookups["gpu"] += 1
                 if adapter_id in active:
                     self.hits["gpu"] += 1
                     continue
+                misses += 1
                 self.lookups["cpu"] += 1
                 self.hits["cpu"] += adapter_id in registered or bool(kept_in_memory and kept_in_memory(adapter_id))
+        return misses
+
+    def record_fills(self, fills: int, seconds: float) -> None:
+        """A step that copied `fills` adapters into GPU slots and spent `seconds` making its adapters resident: one
+        "slot_fill" load per adapter, each its even share (the step's total, which is what its requests waited, is
+        exact; vLLM copies a step's adapters in one call, so no finer split is measured)."""
+        with self.lock:
+            for _ in range(fills):
+                self.loads["slot_fill"].observe(seconds / fills)
 
     def record_load(self, kind: str, seconds: float) -> None:
         with self.lock:

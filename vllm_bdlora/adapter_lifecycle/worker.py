@@ -215,12 +215,17 @@ def load_adapter(worker_manager, lora_request, read: Callable):
 
 def apply_in_id_order(worker_manager, requests, apply: Callable):
     """vLLM's per-step `_apply_adapters` (`apply`) over the step's LoRA requests in adapter-id order, as every rank
-    must load them (see `patch_adapter_load_order`), counted as GPU and host-cache lookups for /metrics."""
+    must load them (see `patch_adapter_load_order`), counted as GPU and host-cache lookups for /metrics, and where it
+    fills GPU slots, timed as the step's slot fills."""
     ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
     adapters = WorkerAdapters.of(worker_manager)
     kept = adapters.kept.in_memory if adapters.kept is not None else None
-    adapters.stats.record_lookups(adapters.manager, [r.adapter_id for r in ordered], kept)
-    return apply(ordered)
+    fills = adapters.stats.record_lookups(adapters.manager, [r.adapter_id for r in ordered], kept)
+    started = time.perf_counter()
+    applied = apply(ordered)
+    if fills:
+        adapters.stats.record_fills(fills, time.perf_counter() - started)
+    return applied
 
 
 def remove_adapter(worker_manager, adapter_id: int, remove: Callable) -> bool:
