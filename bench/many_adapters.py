@@ -268,8 +268,11 @@ def run_mode(args, mode: str, model: str, vocab: int, writer, csv_file) -> tuple
         wait_healthy(proc, url, log_path, args.start_timeout)
         server["start_s"] = round(time.monotonic() - started, 1)
         if names:
+            before_load = settled_scrape(url)
             server["load_all_s"] = round(load_adapters(url, names, paths), 1)
             print(f"[many] {mode}: {len(names)} adapters loaded in {server['load_all_s']} s", flush=True)
+            # where the load phase's time went: reads on admission threads, vLLM's add_lora in the engine loop
+            server["load_figures"] = server_figures(before_load, settled_scrape(url))
         log = open(log_path, errors="replace").read()
         for line in log.splitlines():
             if "--max-loras" in line and "vllm-bdlora" in line:

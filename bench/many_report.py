@@ -47,16 +47,17 @@ def summary_lines(rows: list[dict], servers: list[dict], environment: dict) -> l
               f"{environment.get('torch')}, vllm-bdlora {environment.get('vllm_bdlora')}.", ""]  # fmt: skip
     lines += ["## Servers (equal memory)", "",
               "| mode | --max-lora-rank | slot per GPU | --max-loras | host per adapter per worker | host entries | "
-              "start | load all adapters |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "start | load all adapters | its loads (first worker; add_lora: the engine loop's wait) |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in servers:
         if s["mode"] == "base":
-            lines.append(f"| base | - | - | - | - | - | {fmt(s.get('start_s'), 0, ' s')} | - |")
+            lines.append(f"| base | - | - | - | - | - | {fmt(s.get('start_s'), 0, ' s')} | - | - |")
             continue
         lines.append(
             f"| {s['mode']} | {s['max_lora_rank']} | {fmt(s['slot_bytes'] / 2**20, 1, ' MiB')} | {s['max_loras']} | "
             f"{fmt(s['host_bytes_per_adapter'] / 2**20, 1, ' MiB')} | {s['host_entries']} | "
-            f"{fmt(s.get('start_s'), 0, ' s')} | {fmt(s.get('load_all_s'), 0, ' s')} |"
-            + (f" failed: {s['failure']}" if "failure" in s else "")
+            f"{fmt(s.get('start_s'), 0, ' s')} | {fmt(s.get('load_all_s'), 0, ' s')} | "
+            f"{load_figures(s.get('load_figures') or {})} |" + (f" failed: {s['failure']}" if "failure" in s else "")
         )
     by_workload = defaultdict(list)
     for row in rows:

@@ -97,6 +97,9 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     assert [r["completed"] for r in rows] == [60, 40] and all(r["failed"] == 0 for r in rows)
     server = servers[0]
     assert "--max-loras" in server["bd_slots_line"] and server["max_loras"] >= 1  # the plugin sized the slots
+    # the load phase's time split: 64 reads on admission threads, 64 add_lora calls the engine loop waited for
+    load = server["load_figures"]
+    assert load["loads_admission"] == load["loads_add_lora"] == 64 and load["load_add_lora_mean_ms"] > 0, load
     zipf, distinct = rows
     assert 0 <= zipf["gpu_hit_rate"] <= 1 and zipf["steps"] > 0 and zipf["step_p99_ms"] > 0
     # distinct through few slots: every request's adapter fills a slot (a lookup per step and adapter: the steps after
@@ -114,4 +117,5 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     assert len(lines) == 1 + 100
     summary = (out / "summary.md").read_text()
     assert "## Servers (equal memory)" in summary and "| bdlora | 64 | 60/60 |" in summary
+    assert "add_lora 64 (" in summary
     assert (out / "plots" / "ttft_cdf_zipf1.0_poisson20_fixed16-8_60.png").exists(), sys.argv

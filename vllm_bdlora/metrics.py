@@ -16,7 +16,10 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   "restore": read back from a spill file inside a step; "restore_ahead": read back from a spill file off the step,
   when a request named it; "in_step": an adapter the engine had not admitted, read inside a step; "slot_fill": one
   per adapter a step copied into a GPU slot, the host time that step spent making its adapters resident shared evenly
-  among them, including any reread, restore or in_step load within it: what the step's requests waited for fills),
+  among them, including any reread, restore or in_step load within it: what the step's requests waited for fills;
+  "add_lora": vLLM's add_lora on a worker for a load request, which the engine loop makes one at a time and waits
+  for: with BD-LoRA taking what the admission thread read, keeping it in vLLM's host cache and copying it into a GPU
+  slot; without, reading the files too (also counted as "admission") before the same),
   `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
 * per adapter, from the API server's own requests: `vllm_bdlora:adapter_requests_total`,
   `vllm_bdlora:adapter_prompt_tokens_total`, `vllm_bdlora:adapter_generation_tokens_total`,
@@ -52,7 +55,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5,
                 10.0, 15.0, 20.0, 30.0, 60.0)  # fmt: skip
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-LOAD_KINDS = ("admission", "reread", "restore", "restore_ahead", "in_step", "slot_fill")
+LOAD_KINDS = ("admission", "add_lora", "reread", "restore", "restore_ahead", "in_step", "slot_fill")
 
 
 class Histogram:

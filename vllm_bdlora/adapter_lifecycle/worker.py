@@ -200,13 +200,17 @@ def answer_admission_call(worker_manager, call: AdmissionCall):
 
 def add_lora_reporting_failures(runner, lora_request, add: Callable):
     """vLLM's add_lora on this rank (`add`): a failure is returned, not raised (`AdapterLoadFailure`), a load
-    answers a receipt naming the files it was admitted from."""
+    answers a receipt naming the files it was admitted from and is timed (kind "add_lora": what the engine loop,
+    which makes these calls one at a time, waits for per adapter)."""
+    started = time.perf_counter()
     try:
         with admitting():
             loaded = add(lora_request)
     except Exception as e:
         return AdapterLoadFailure(str(e))
-    return WorkerAdapters.of(runner.lora_manager).receipt(lora_request, loaded)
+    adapters = WorkerAdapters.of(runner.lora_manager)
+    adapters.stats.record_load("add_lora", time.perf_counter() - started)
+    return adapters.receipt(lora_request, loaded)
 
 
 def load_adapter(worker_manager, lora_request, read: Callable):
