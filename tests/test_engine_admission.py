@@ -232,3 +232,16 @@ def test_an_in_process_engine_waits_for_its_admissions():
     workers.reads[(1, 15)] = AdapterRejected("ad15", ["x: bad"])
     with pytest.raises(RuntimeError, match="'ad15'"):
         admissions.admit(lora(15))
+
+
+def test_a_burst_of_admissions_logs_where_the_engine_loops_time_went(caplog):
+    """Eight loads in flight at once: when the last is answered one line says how many were admitted and how long the
+    engine loop's own calls (begin, polls, vLLM's add_lora one adapter at a time) took of the burst's time."""
+    _, workers, admissions = engine()
+    answers = [admissions.admit(lora(i)) for i in range(1, 9)]
+    with caplog.at_level(logging.INFO, logger="vllm.bdlora"):
+        poll_until(admissions, lambda: all(a.done() for a in answers))
+    lines = [r.getMessage() for r in caplog.records if "admitted 8 adapter(s) in" in r.getMessage()]
+    assert len(lines) == 1 and "polls" in lines[0] and "vLLM's add_lora" in lines[0], caplog.text
+    assert sorted(workers.added) == list(range(1, 9))
+    assert admissions.timeline.started is None  # the next burst starts a timeline of its own

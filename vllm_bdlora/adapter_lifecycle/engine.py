@@ -67,6 +67,37 @@ GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side
 
 
 @dataclass
+class AdmissionTimeline:
+    """Where the engine loop's time went while admissions were in flight, from the first begun until none was left:
+    the calls it made one at a time (begin, the polls, vLLM's add_lora per adapter); the rest of the wall time the
+    loop was free (reads on the workers' threads, model steps, other requests). Logged when the burst ends."""
+
+    started: float | None = None
+    admitted: int = 0
+    polls: int = 0
+    seconds: dict = field(default_factory=lambda: {"begin": 0.0, "poll": 0.0, "add_lora": 0.0})
+
+    def timed(self, part: str, call: Callable):
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.seconds[part] += time.perf_counter() - started
+
+    def line(self) -> str:
+        wall = time.perf_counter() - self.started
+        s = self.seconds
+        return (f"admitted {self.admitted} adapter(s) in {wall:.1f} s; the engine loop's own calls took "
+                f"{sum(s.values()):.1f} s of it: begin {s['begin']:.2f} s, {self.polls} polls {s['poll']:.2f} s, "
+                f"vLLM's add_lora {s['add_lora']:.2f} s ({1e3 * s['add_lora'] / max(self.admitted, 1):.1f} ms per "
+                "adapter, one at a time)")  # fmt: skip
+
+
+# A burst of at least this many admissions gets its timeline logged at INFO (fewer: DEBUG).
+TIMELINE_INFO_ADMISSIONS = 8
+
+
+@dataclass
 class _Pending:
     request: object  # the LoRARequest
     future: Future | None = None
@@ -88,6 +119,7 @@ class EngineAdmissions:
         self._wake = threading.Event()
         self._tick_queued = False
         self._thread: threading.Thread | None = None
+        self.timeline = AdmissionTimeline()
 
     _creation = threading.Lock()  # the engine core's input thread asks too (`key_blocks_by_admission`)
 
@@ -171,6 +203,8 @@ class EngineAdmissions:
             self._rpc(ForgetAdmissions([adapter_id]))
             self._settle(pending, RuntimeError(f"LoRA adapter '{pending.request.lora_name}' was unloaded while it "
                                                "was being loaded"))  # fmt: skip
+            if not self.pending:
+                self._end_timeline()
             return True
         if self._in_use(adapter_id):
             self.removals.add(adapter_id)
@@ -186,11 +220,14 @@ class EngineAdmissions:
     def poll(self) -> None:
         if self.pending:
             ids = list(self.pending)
-            replies = self._rpc(AdmissionStates(ids))
+            replies = self.timeline.timed("poll", lambda: self._rpc(AdmissionStates(ids)))
+            self.timeline.polls += 1
             for adapter_id in ids:
                 pending = self.pending.get(adapter_id)
                 if pending is not None:
                     self._advance(adapter_id, pending, [reply.get(adapter_id, Unknown()) for reply in replies])
+            if not self.pending:
+                self._end_timeline()
         for adapter_id in list(self.removals):
             if not self._in_use(adapter_id):
                 self.removals.discard(adapter_id)
@@ -211,11 +248,12 @@ class EngineAdmissions:
     def _complete(self, adapter_id: int, pending: _Pending) -> None:
         del self.pending[adapter_id]
         try:
-            loaded = self.core.model_executor.add_lora(pending.request)
+            loaded = self.timeline.timed("add_lora", lambda: self.core.model_executor.add_lora(pending.request))
         except Exception as e:
             self._rpc(ForgetAdmissions([adapter_id]))
             self._settle(pending, e)
             return
+        self.timeline.admitted += 1
         self._next_generation(adapter_id)
         self.ready.add(adapter_id)
         self.removals.discard(adapter_id)
@@ -241,13 +279,22 @@ class EngineAdmissions:
     def _begin(self, lora_request) -> _Pending:
         adapter_id = lora_request.lora_int_id
         previous = self.pending.pop(adapter_id, None)
-        self._rpc(BeginAdmissions([lora_request]))
+        if self.timeline.started is None:
+            self.timeline.started = time.perf_counter()
+        self.timeline.timed("begin", lambda: self._rpc(BeginAdmissions([lora_request])))
         pending = _Pending(lora_request)
         if previous is not None:  # an in-place reload supersedes the admission in flight; its waiters get this one
             pending.future, pending.held = previous.future, previous.held
         self.pending[adapter_id] = pending
         self.removals.discard(adapter_id)
         return pending
+
+    def _end_timeline(self) -> None:
+        timeline, self.timeline = self.timeline, AdmissionTimeline()
+        if timeline.started is None or not timeline.admitted:
+            return
+        level = logging.INFO if timeline.admitted >= TIMELINE_INFO_ADMISSIONS else logging.DEBUG
+        logger.log(level, "vllm-bdlora: %s", timeline.line())
 
     # -- what prefix caching keys an adapter's blocks by ---------------------------------------------------------
     def _next_generation(self, adapter_id: int) -> None:
