@@ -31,14 +31,6 @@ from bench.shapes import SHAPES, LlamaShape
 from vllm_bdlora.tiny import ALL_PROJECTIONS, BD_A
 
 
-def model_shape(shape: LlamaShape):
-    """The shape as the sizing rules see it (`ModelShape.geometry`: each TP rank's shard, as vLLM shards it)."""
-    from vllm_bdlora.sizing import ModelShape
-
-    return ModelShape(shape.hidden_size, shape.intermediate_size, shape.num_attention_heads,
-                      shape.num_key_value_heads, shape.head_dim)  # fmt: skip
-
-
 def module_kind(tensor_name: str) -> str:
     return tensor_name.split(".")[-3]
 
@@ -53,7 +45,7 @@ def bd_admission(path: str, shape: LlamaShape, tp: int, nblocks: int) -> dict[st
     from vllm_bdlora.adapters import adapter_format
     from vllm_bdlora.sharding import localize
 
-    sizing_shape = model_shape(shape)
+    sizing_shape = shape.sizing_shape()  # its `geometry`: each TP rank's shard, as vLLM shards it
     seconds = {}
     started = time.perf_counter()
     with open_adapter(path, "bench") as opened:

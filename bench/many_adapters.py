@@ -116,12 +116,10 @@ def budgets(args, mode: str) -> dict:
     from bench.adapters import trainable_params
     from vllm_bdlora.compat import allowed_max_lora_ranks
     from vllm_bdlora.config import parse_bytes
-    from vllm_bdlora.sizing import ModelShape, slot_cost, slots_that_fit
+    from vllm_bdlora.sizing import slot_cost, slots_that_fit
 
     shape_spec = SHAPES[args.model_shape]
-    shape = ModelShape(shape_spec.hidden_size, shape_spec.intermediate_size, shape_spec.num_attention_heads,
-                       shape_spec.num_key_value_heads, shape_spec.head_dim, args.dtype, shape_spec.num_hidden_layers,
-                       shape_spec.vocab_size)  # fmt: skip
+    shape = shape_spec.sizing_shape(args.dtype)
     gpu, host = parse_bytes(args.gpu_memory, "--gpu-memory"), parse_bytes(args.host_memory, "--host-memory")
     rank, nblocks = mode_adapter(args, mode)
     max_lora_rank = next(r for r in allowed_max_lora_ranks() if r >= rank and r % args.tp == 0)

@@ -38,6 +38,14 @@ class LlamaShape:
             "down_proj": (i, h),
         }
 
+    def sizing_shape(self, dtype: str = "bfloat16"):
+        """The shape as vllm-bdlora's sizing rules see it (`vllm_bdlora.sizing.ModelShape`: slot costs, each TP
+        rank's shard of a projection)."""
+        from vllm_bdlora.sizing import ModelShape
+
+        return ModelShape(self.hidden_size, self.intermediate_size, self.num_attention_heads, self.num_key_value_heads,
+                          self.head_dim, dtype, self.num_hidden_layers, self.vocab_size)  # fmt: skip
+
 
 SHAPES = {
     "llama-3.1-8b": LlamaShape(4096, 14336, 32, 32, 8, 128, 128256),
