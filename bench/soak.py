@@ -313,15 +313,21 @@ def watch_health(server: Server, fault: dict) -> None:
     exits, 60 s at most). A server that notices the dead engine stops listening at once, so a refused connection
     counts as much as a 503: what a load balancer sees either way is a server that is not healthy."""
     fault["unhealthy_monotonic"], fault["unhealthy_answer"] = None, None
+    polls = fault["health_polls"] = []  # (sent, answered) seconds after the kill, and the answer
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.proc.poll() is None:
+        sent = time.monotonic()
         try:
             status = requests.get(f"{server.url}/health", timeout=2).status_code
             answer = None if status == 200 else str(status)
+            seen = str(status)
         except requests.ConnectionError:
-            answer = "connection refused"
-        except requests.RequestException:
-            answer = None  # a slow answer says nothing yet
+            answer = seen = "connection refused"
+        except requests.RequestException as error:
+            answer, seen = None, type(error).__name__  # a slow answer says nothing yet
+        polls.append(
+            (round(sent - fault["killed_monotonic"], 3), round(time.monotonic() - fault["killed_monotonic"], 3), seen)
+        )
         if answer is not None:
             fault["unhealthy_monotonic"], fault["unhealthy_answer"] = time.monotonic(), answer
             return

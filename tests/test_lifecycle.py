@@ -12,7 +12,7 @@ import psutil
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_bdlora.compat import pending_engine_calls
-from vllm_bdlora.serve.lifecycle import EXIT_ENGINE_DIED, fail_pending_engine_calls
+from vllm_bdlora.serve.lifecycle import EXIT_ENGINE_DIED, EngineStallWatch, fail_pending_engine_calls
 
 
 def test_calls_waiting_on_a_dead_engine_are_answered_with_engine_dead_error():
@@ -34,6 +34,46 @@ def test_calls_waiting_on_a_dead_engine_are_answered_with_engine_dead_error():
     assert done == {load} and isinstance(load.exception(), EngineDeadError)
     assert answered.result() == "adapter loaded"
     assert pending_engine_calls(object()) == {}
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _Dead(Exception):
+    pass
+
+
+def _health_check(alive, answers_ping: bool, timeout_s: float = 60.0):
+    """One health check of an engine core whose ping is answered at once or never; the outcome's class, or None."""
+
+    class Client:
+        class engine_core:
+            @staticmethod
+            async def call_utility_async(method):
+                if not answers_ping:
+                    await asyncio.Event().wait()
+                return None
+
+    async def scenario():
+        try:
+            await EngineStallWatch(alive).check(Client(), timeout_s, _Stalled, _Dead)
+        except (_Stalled, _Dead) as outcome:
+            return type(outcome)
+        return None
+
+    return asyncio.run(scenario())
+
+
+def test_health_check_that_began_before_a_worker_died_answers_dead_not_healthy():
+    # The engine core cannot answer a ping once a worker it waits on is gone; a check that began while every process
+    # was alive must not wait out the ping and answer healthy.
+    calls = iter([True, True, True])
+    assert _health_check(lambda: next(calls, False), answers_ping=False) is _Dead
+    assert _health_check(lambda: True, answers_ping=False) is None  # alive, not yet past the stall bound
+    assert _health_check(lambda: True, answers_ping=False, timeout_s=0.5) is _Stalled
+    assert _health_check(lambda: True, answers_ping=True) is None
+    assert _health_check(lambda: False, answers_ping=True) is _Dead
 
 
 def test_server_exits_with_status_1_by_the_deadline_and_kills_its_engine_processes(tmp_path):

@@ -224,7 +224,6 @@ def patch_engine_death_exit_status() -> bool:
         EXIT_ENGINE_DIED,
         EngineStallWatch,
         engine_died,
-        engine_processes_alive,
         exit_without_teardown,
         fail_pending_engine_calls,
         note_engine_death,
@@ -274,11 +273,9 @@ def patch_engine_death_exit_status() -> bool:
     def make_check_health(original):
         async def check_health(self):
             await original(self)
-            if not engine_processes_alive():
-                raise EngineDeadError()
             settings = BdLoraSettings.from_vllm_config(getattr(self, "vllm_config", None))
             timeout = settings.engine_stall_timeout_s if settings.enabled else stall_timeout
-            await stall_watch.check(self, timeout, EngineStalled)
+            await stall_watch.check(self, timeout, EngineStalled, EngineDeadError)
 
         return check_health
 

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -137,19 +138,27 @@ def engine_processes_stopped() -> bool:
 
 ENGINE_PING = "bdlora_ping"  # the engine core's utility method (vllm_bdlora.patching.engine)
 PING_WAIT_S = 1.0  # how long one health check waits for the answer before it looks at the ping's age instead
+# While it waits, a health check looks at the engine's processes this often: a check that began just before a worker
+# died answers 503 within this, not after the whole wait (the engine core cannot answer a ping once a worker it
+# waits on is gone).
+LIVENESS_EVERY_S = 0.1
 
 
 class EngineStallWatch:
     """Whether the engine core comes back to its requests: one ping in flight at a time; the engine is stalled once a
-    ping has waited longer than the bound. A health check itself never waits more than `PING_WAIT_S`."""
+    ping has waited longer than the bound. A health check itself never waits more than `PING_WAIT_S`, and raises
+    `dead` as soon as `alive()` says an engine process is gone, during the wait too."""
 
-    def __init__(self):
+    def __init__(self, alive: Callable[[], bool] | None = None):
         self._ping = None
         self._sent = 0.0
+        self._alive = alive or engine_processes_alive
 
-    async def check(self, engine_client, timeout_s: float, stalled: type[Exception]) -> None:
+    async def check(self, engine_client, timeout_s: float, stalled: type[Exception], dead: type[Exception]) -> None:
         import asyncio
 
+        if not self._alive():
+            raise dead()
         if engine_processes_stopped():
             raise stalled("an engine process is stopped")
         core = getattr(engine_client, "engine_core", None)
@@ -158,12 +167,18 @@ class EngineStallWatch:
         if self._ping is None or self._ping.done():
             self._ping = asyncio.ensure_future(core.call_utility_async(ENGINE_PING))
             self._sent = time.monotonic()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._ping), min(PING_WAIT_S, timeout_s))
-            return
-        except asyncio.TimeoutError:
-            pass
-        except Exception:  # answered with an error: the dead-engine checks say what it means
+        wait_until = time.monotonic() + min(PING_WAIT_S, timeout_s)
+        while (left := wait_until - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._ping), min(LIVENESS_EVERY_S, left))
+            except asyncio.TimeoutError:
+                if not self._alive():
+                    raise dead() from None
+                continue
+            except Exception:  # answered with an error: the dead-engine checks say what it means
+                pass
+            if not self._alive():
+                raise dead()
             return
         waited = time.monotonic() - self._sent
         if waited > timeout_s:
