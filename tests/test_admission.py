@@ -219,6 +219,17 @@ def test_modules_whose_gain_would_overflow_the_serving_dtype_are_named(scale, dt
     assert math.isfinite(MAX_GAIN)
 
 
+@pytest.mark.parametrize(("entry", "refused"), [(6e4, False), (7e4, True)])
+def test_a_scaled_lora_b_entry_float16_cannot_hold_is_named_though_the_gain_is_small(entry, refused):
+    # vLLM multiplies B by s in the serving dtype: one entry over float16's 65504 overflows whatever A is
+    a, b = torch.full((4, 16), 1e-4), torch.zeros(16, 4)
+    b[3, 1] = entry / 2
+    problems = gain_problems([("model.layers.0.self_attn.o_proj", a, b, 2.0)], torch.float16)
+    assert module_gain(a, b, 2.0) < 1e3
+    assert problems == ([f"model.layers.0.self_attn.o_proj: scaling 2 x the largest lora_B entry is {entry:.3g}, "
+                         "more than float16 holds"] if refused else [])  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("factor", ["lora_a", "lora_b"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])

@@ -29,7 +29,7 @@ from vllm_bdlora.adapter_lifecycle.targets import (
     on_other_pipeline_stage,
     tensor_parallel_size,
 )
-from vllm_bdlora.adapter_lifecycle.values import GAIN_HINT, NON_FINITE_HINT, gain_problems, non_finite_problems
+from vllm_bdlora.adapter_lifecycle.values import GAIN_HINT, NON_FINITE_HINT, value_problems
 from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, adapter_format, refuse_unserved_kinds
 from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks
 from vllm_bdlora.config import BdLoraSettings
@@ -264,13 +264,11 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
 
 def check_values(lora_model, adapter: str, dtype) -> None:
     """NaN/Inf in any factor, then every module's gain (`values.py`), on what this rank serves."""
-    loras = lora_model.loras
-    problems = non_finite_problems((m, w.lora_a, w.lora_b) for m, w in loras.items())
-    if problems:
-        raise AdapterRejected(adapter, problems, NON_FINITE_HINT)
-    problems = gain_problems(((m, w.lora_a, w.lora_b, w.scaling) for m, w in loras.items()), dtype)
-    if problems:
-        raise AdapterRejected(adapter, problems, GAIN_HINT)
+    non_finite, gains = value_problems(((m, w.lora_a, w.lora_b, w.scaling) for m, w in lora_model.loras.items()), dtype)
+    if non_finite:
+        raise AdapterRejected(adapter, non_finite, NON_FINITE_HINT)
+    if gains:
+        raise AdapterRejected(adapter, gains, GAIN_HINT)
 
 
 def rank_limit_hint(message: str, manager) -> str | None:

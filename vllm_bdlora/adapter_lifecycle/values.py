@@ -61,25 +61,70 @@ def config_scale_problems(config: dict) -> list[str]:
     return problems
 
 
-def non_finite_problems(modules: Iterable[tuple[str, object, object]]) -> list[str]:
-    """One pass over every (module, lora_A, lora_B): NaN or Inf in a LoRA factor."""
-    problems = []
-    for module, lora_a, lora_b in modules:
+def value_problems(modules: Iterable[tuple[str, object, object, float]], dtype) -> tuple[list[str], list[str]]:
+    """(NaN or Inf in a factor, gains the serving `dtype` cannot hold safely) for every (module, lora_A, lora_B,
+    scaling), in one pass: each factor's float64 norm answers both (a NaN or Inf makes it non-finite, and the gain is
+    their product), so an admission reduces each factor once, not once per check. `dtype` None: finiteness only."""
+    import torch
+
+    limit, largest = (gain_limit(dtype), float(torch.finfo(dtype).max)) if dtype is not None else (None, None)
+    non_finite, gains = [], []
+    for module, lora_a, lora_b, scaling in modules:
+        norms = {}
         for factor, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
-            if tensor is not None and not all_finite(tensor):
-                problems.append(f"{module}: {factor} holds NaN or Inf")
-    return problems
+            if tensor is None:
+                continue
+            norm, finite = _norm_and_finite(tensor)
+            if not finite:
+                non_finite.append(f"{module}: {factor} holds NaN or Inf")
+            norms[factor] = norm if finite else None
+        if dtype is None or len(norms) < 2 or None in norms.values():
+            continue
+        if not math.isfinite(scaling):
+            gains.append(f"{module}: its scaling {scaling} is not finite")
+            continue
+        gain = abs(float(scaling)) * norms["lora_A"] * norms["lora_B"]
+        if not math.isfinite(gain) or gain > limit:
+            gains.append(
+                f"{module}: gain {gain:.3g} (scaling {scaling:.3g} x ||lora_A|| x ||lora_B||) is over the limit of "
+                f"{limit:.3g} for {str(dtype).removeprefix('torch.')}"
+            )
+        elif abs(scaling) * norms["lora_B"] > largest:  # only then can s x max|B| exceed it: max|B| <= ||B||_F
+            scaled_b = abs(scaling) * float(torch.linalg.vector_norm(lora_b, ord=math.inf))
+            if scaled_b > largest:
+                gains.append(
+                    f"{module}: scaling {scaling:.3g} x the largest lora_B entry is {scaled_b:.3g}, more than "
+                    f"{str(dtype).removeprefix('torch.')} holds"
+                )
+    return non_finite, gains
+
+
+def non_finite_problems(modules: Iterable[tuple[str, object, object]]) -> list[str]:
+    """NaN or Inf in a LoRA factor of any (module, lora_A, lora_B)."""
+    return value_problems(((module, a, b, 1.0) for module, a, b in modules), None)[0]
+
+
+def gain_problems(modules: Iterable[tuple[str, object, object, float]], dtype) -> list[str]:
+    """Every (module, lora_A, lora_B, scaling) of finite factors whose gain or scaled B `dtype` cannot hold safely."""
+    return value_problems(modules, dtype)[1]
+
+
+def _norm_and_finite(tensor) -> tuple[float, bool]:
+    """The factor's float64 Frobenius norm, and whether every entry is finite: for floating dtypes of at most 32 bits
+    the norm of finite values cannot overflow (a square is at most ~1.2e77), so a non-finite norm means a NaN or Inf
+    entry; float64 factors are checked element-wise."""
+    import torch
+
+    norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    if tensor.dtype == torch.float64 or not tensor.is_floating_point():
+        return norm, bool(torch.isfinite(tensor).all())
+    return norm, math.isfinite(norm)
 
 
 def all_finite(tensor) -> bool:
-    """Whether every entry is finite, in one reduction: the float64 norm of finite values of at most 32 bits cannot
-    overflow (a square is at most ~1.2e77), and a NaN or Inf makes it non-finite. An element-wise isfinite pass costs
-    several times as much on CPU for half-precision factors, and an admission checks a few hundred modules."""
-    import torch
-
-    if tensor.dtype == torch.float64 or not tensor.is_floating_point():
-        return bool(torch.isfinite(tensor).all())
-    return math.isfinite(float(torch.linalg.vector_norm(tensor, dtype=torch.float64)))
+    """Whether every entry is finite, in one reduction (an element-wise isfinite pass costs several times as much on
+    CPU for half-precision factors, and an admission checks a few hundred modules)."""
+    return _norm_and_finite(tensor)[1]
 
 
 def gain_limit(dtype) -> float:
@@ -91,38 +136,7 @@ def gain_limit(dtype) -> float:
 
 def module_gain(lora_a, lora_b, scaling: float) -> float:
     """|s| * ||A||_F * ||B||_F in float64: no input x gives ||s B A x|| above it times ||x||."""
-    import torch
-
-    norm_a = float(torch.linalg.vector_norm(lora_a, dtype=torch.float64))
-    norm_b = float(torch.linalg.vector_norm(lora_b, dtype=torch.float64))
-    return abs(float(scaling)) * norm_a * norm_b
-
-
-def gain_problems(modules: Iterable[tuple[str, object, object, float]], dtype) -> list[str]:
-    """Every (module, lora_A, lora_B, scaling) whose gain or scaled B the serving `dtype` cannot hold safely."""
-    import torch
-
-    limit, largest = gain_limit(dtype), float(torch.finfo(dtype).max)
-    problems = []
-    for module, lora_a, lora_b, scaling in modules:
-        if lora_a is None or lora_b is None:
-            continue
-        if not math.isfinite(scaling):
-            problems.append(f"{module}: its scaling {scaling} is not finite")
-            continue
-        gain = module_gain(lora_a, lora_b, scaling)
-        scaled_b = abs(scaling) * float(lora_b.abs().max()) if lora_b.numel() else 0.0
-        if not math.isfinite(gain) or gain > limit:
-            problems.append(
-                f"{module}: gain {gain:.3g} (scaling {scaling:.3g} x ||lora_A|| x ||lora_B||) is over the limit of "
-                f"{limit:.3g} for {str(dtype).removeprefix('torch.')}"
-            )
-        elif scaled_b > largest:
-            problems.append(
-                f"{module}: scaling {scaling:.3g} x the largest lora_B entry is {scaled_b:.3g}, more than "
-                f"{str(dtype).removeprefix('torch.')} holds"
-            )
-    return problems
+    return abs(float(scaling)) * _norm_and_finite(lora_a)[0] * _norm_and_finite(lora_b)[0]
 
 
 def dora_scale_problems(scales: dict) -> list[str]:

@@ -50,7 +50,7 @@ class Verdict:
 def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_rank: int, dora: bool) -> Verdict:
     from vllm_bdlora.adapter_lifecycle.files import module_scaling
     from vllm_bdlora.adapter_lifecycle.read_and_cut import width_problem
-    from vllm_bdlora.adapter_lifecycle.values import gain_problems, non_finite_problems
+    from vllm_bdlora.adapter_lifecycle.values import value_problems
     from vllm_bdlora.compat import allowed_max_lora_ranks
 
     try:
@@ -67,10 +67,9 @@ def check_adapter(name: str, path: str, shape: ModelShape, tp: int, max_lora_ran
     width_limit = max_lora_rank // tp
     widths, unmodelled = set(), []
     modules = module_tensors(os.path.join(path, "adapter_model.safetensors"))
-    problems += non_finite_problems((m, t.get("lora_A"), t.get("lora_B")) for m, t in modules.items())
-    if not problems:
-        scaled = ((m, t.get("lora_A"), t.get("lora_B"), module_scaling(files.config, m)) for m, t in modules.items())
-        problems += gain_problems(scaled, shape.dtype)
+    scaled = ((m, t.get("lora_A"), t.get("lora_B"), module_scaling(files.config, m)) for m, t in modules.items())
+    non_finite, gains = value_problems(scaled, shape.dtype)
+    problems += non_finite or gains
     element = DTYPE_BYTES[shape.dtype_name]
     kept = dense = stored = 0
     for module, tensors in modules.items():
