@@ -870,5 +870,8 @@ def test_admission_stage_benchmark_times_every_stage_and_stocks_read(tmp_path):
     assert list(result["bd_admission_ms"]) == ["open and map", "cut to the rank", "check values",
                                                "LoRAModel in host memory", "total"]  # fmt: skip
     assert all(ms > 0 for ms in result["bd_admission_ms"].values())
+    beside = result["bd_admission_beside_spinning_reader_ms"]
+    assert list(beside) == list(result["bd_admission_ms"]) and all(ms > 0 for ms in beside.values())
     assert result["stock_read_ms"]["from_local_checkpoint"] > 0
-    assert "| BD: cut to the rank |" in (tmp_path / "stages.md").read_text()
+    text = (tmp_path / "stages.md").read_text()
+    assert "| BD: cut to the rank |" in text and "| BD on a thread beside a spinning reader: total |" in text
