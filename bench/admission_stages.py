@@ -129,8 +129,8 @@ def machine() -> dict:
     return found
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.admission_stages", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp", type=int, default=4, help="tensor-parallel size whose rank 0 is timed")
     parser.add_argument("--rank", type=int, default=16, help="standard rank (BD: the paper's pair, e.g. 16 -> 32)")
@@ -143,7 +143,11 @@ def main(argv=None) -> None:
         help="torch threads (1: as vLLM's GPU workers run, OMP_NUM_THREADS=1 unless set)",
     )
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     adapter_dir = args.adapter_dir or os.path.join(args.out, "adapters")

@@ -32,6 +32,8 @@ def test_the_many_adapter_script_starts_servers_vllm_accepts(tmp_path):
     servers = served(log)
     assert len(servers) == 3 and all(COMPILATION_CONFIG in line for line in servers), servers
     assert "--enable-bdlora" in servers[0] and "--fully-sharded-loras" in servers[2]
+    stages = (out / "admission-stages.log").read_text()
+    assert "dry-run: python3 -m bench.admission_stages --adapters 8" in stages, stages
 
 
 def test_the_host_sweep_step_starts_servers_vllm_accepts(tmp_path):

@@ -7,6 +7,10 @@
 set -uo pipefail
 tp=${1:?tp}; out=${2:?out}; modes=${3:-bdlora,nfs,slora}; rate=${4:-8}
 mkdir -p "$out"
+# One rank's admission stage by stage on this host, alone and beside a spinning reader (as a worker admits), first:
+# it says what the load phase's per-adapter cost is made of.
+python3 -m bench.admission_stages --adapters 8 --adapter-dir /root/admission-adapters --out "$out/admission-stages" \
+  > "$out/admission-stages.log" 2>&1 || echo "admission stages exit $? (see $out/admission-stages.log)"
 python3 -m bench.many_adapters --model-shape llama-3.1-8b --tp "$tp" --modes "$modes" --adapters 1024 --rank 16 \
   --gpu-memory 256MiB --host-memory 16GiB --max-num-seqs 64 --max-model-len 2048 \
   --workloads "single poisson:$rate fixed:1024/128 200" "zipf:1.0 poisson:$rate fixed:1024/128 200" \
