@@ -14,14 +14,16 @@ import pytest
 
 from vllm_bdlora.adapter_lifecycle.calls import (
     WORKER_METHOD,
+    AdmissionReceipt,
     AdmissionStates,
     BeginAdmissions,
+    CompleteAdmissions,
     ForgetAdmissions,
     Unknown,
 )
 from vllm_bdlora.adapter_lifecycle.engine import ADMISSION_TICK, EngineAdmissions
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore
-from vllm_bdlora.adapters import AdapterRejected
+from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
 
 
 def lora(adapter_id, name=None):
@@ -36,7 +38,9 @@ class Workers:
     def __init__(self, ranks=2, threads=2):
         self.stores = [AdapterStore(2**30, threads=threads) for _ in range(ranks)]
         self.reads = {}
+        self.add_failures = {}  # (rank, id): the message that rank's add_lora fails with
         self.added, self.removed = [], []
+        self.calls = []  # the type of every call the engine made, in order
 
     def work(self, rank, request):
         def read():
@@ -53,6 +57,7 @@ class Workers:
     def collective_rpc(self, method, args=()):
         assert method == WORKER_METHOD
         (call,) = args
+        self.calls.append(type(call).__name__)
         replies = []
         for rank, store in enumerate(self.stores):
             match call:
@@ -64,13 +69,21 @@ class Workers:
                     replies.append(store.status(list(ids)))
                 case ForgetAdmissions(adapter_ids=ids):
                     replies.append([store.forget(i) for i in ids])
+                case CompleteAdmissions(requests=requests):
+                    replies.append([self.add_lora_on(rank, store, request) for request in requests])
+        if isinstance(call, CompleteAdmissions):
+            for index, request in enumerate(call.requests):
+                if all(isinstance(reply[index], AdmissionReceipt) for reply in replies):
+                    self.added.append(request.lora_int_id)
         return replies
 
-    def add_lora(self, request):
-        for store in self.stores:
-            store.take_staged(request.lora_int_id, timeout=5)
-        self.added.append(request.lora_int_id)
-        return True
+    def add_lora_on(self, rank, store, request):
+        """One rank's add_lora as `worker.add_lora_reporting_failures` answers it: a receipt or a failure."""
+        admitted = store.take_staged(request.lora_int_id, timeout=5)
+        failure = self.add_failures.get((rank, request.lora_int_id))
+        if failure is not None:
+            return AdapterLoadFailure(failure)
+        return AdmissionReceipt(True, admitted.identity)
 
     def remove_lora(self, adapter_id):
         self.removed.append(adapter_id)
@@ -245,3 +258,36 @@ def test_a_burst_of_admissions_logs_where_the_engine_loops_time_went(caplog):
     assert len(lines) == 1 and "polls" in lines[0] and "vLLM's add_lora" in lines[0], caplog.text
     assert sorted(workers.added) == list(range(1, 9))
     assert admissions.timeline.started is None  # the next burst starts a timeline of its own
+
+
+def test_a_burst_of_loads_is_begun_and_completed_in_one_call_each():
+    """Loads that arrive between two ticks are begun in one call, and the adapters one poll finds ready are completed
+    (vLLM's add_lora of each) in one call: the engine loop's calls per burst do not grow with its size."""
+    _, workers, admissions = engine()
+    ids, gate = list(range(1, 13)), threading.Event()
+    workers.reads.update({(0, i): gate for i in ids})
+    answers = [admissions.admit(lora(i)) for i in ids]
+    assert workers.calls == []  # nothing is sent before the engine loop's next tick
+    admissions.poll()
+    assert workers.calls == ["BeginAdmissions", "AdmissionStates"]
+    gate.set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(  # every rank's reads done: the next poll finds all twelve ready
+        all(type(state).__name__ == "Ready" for state in store.status(ids).values()) for store in workers.stores
+    ):
+        time.sleep(0.01)
+    admissions.poll()
+    assert workers.calls == ["BeginAdmissions", "AdmissionStates", "AdmissionStates", "CompleteAdmissions"]
+    assert sorted(workers.added) == ids and all(a.result(timeout=0) is True for a in answers)
+
+
+def test_one_adapters_failed_add_lora_refuses_it_alone():
+    _, workers, admissions = engine()
+    workers.add_failures[(1, 2)] = "LoRA rank 64 is greater than max_lora_rank 32"
+    answers = {i: admissions.admit(lora(i)) for i in (1, 2, 3)}
+    poll_until(admissions, lambda: all(a.done() for a in answers.values()))
+    with pytest.raises(RuntimeError, match="greater than max_lora_rank"):
+        answers[2].result()
+    assert answers[1].result() is True and answers[3].result() is True
+    assert sorted(workers.added) == [1, 3] and admissions.ready == {1, 3}
+    assert all(2 not in store.ids() for store in workers.stores)  # forgotten on every rank

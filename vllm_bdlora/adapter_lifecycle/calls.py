@@ -8,7 +8,8 @@ worker), each rank's answers, and the rules that turn the ranks' answers into on
     ForgetAdmissions(ids)          ------------>  drop everything of them
     AdapterFigures()               ------------>  what it holds where, and its counts (/metrics)
     RestoreAhead(ids)              ------------>  read spilled ones back into memory on a thread, ahead of a step
-    vLLM's add_lora(request)       ------------>  AdmissionReceipt | AdapterLoadFailure
+    CompleteAdmissions(requests)   ------------>  vLLM's add_lora of each, in order: AdmissionReceipt |
+                                                  AdapterLoadFailure each
 
 Ranks must have read the same files (`files_differ_refusal`): each reports the digest of what it opened.
 """
@@ -58,7 +59,17 @@ class RestoreAhead:
     adapter_ids: Sequence[int]
 
 
-AdmissionCall = BeginAdmissions | AdmissionStates | ForgetAdmissions | AdapterFigures | RestoreAhead
+@dataclass(frozen=True)
+class CompleteAdmissions:
+    """vLLM's add_lora of each LoRARequest, in order (adapters every rank has read): the ready adapters of one poll
+    in one call, where the executor's add_lora takes a call per adapter."""
+
+    requests: Sequence
+
+
+AdmissionCall = (
+    BeginAdmissions | AdmissionStates | ForgetAdmissions | AdapterFigures | RestoreAhead | CompleteAdmissions
+)
 
 
 # -- a rank's state of one admission --------------------------------------------------------------------------------

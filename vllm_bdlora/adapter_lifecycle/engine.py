@@ -5,10 +5,11 @@ naming an adapter the engine has not seen), so every running request waits for i
 returns stops the whole engine. With BD-LoRA on, the engine core instead:
 
 * `admit` (a load request, `--lora-modules`, Ray Serve's multiplexing): asks every worker to begin admitting the
-  adapter on a thread of its own (`calls.BeginAdmissions`, `worker.py`), and answers the call later (a future,
-  which vLLM's engine core supports for its utility calls). Between steps it polls the workers; once every rank has
-  read the same files it completes the load with vLLM's own `add_lora`, now a copy from what the workers kept, and
-  answers.
+  adapter on a thread of its own (`calls.BeginAdmissions`, `worker.py`; the loads that arrived since the last tick
+  in one call), and answers the call later (a future, which vLLM's engine core supports for its utility calls).
+  Between steps it polls the workers; once every rank has read the same files it completes the load with vLLM's own
+  `add_lora`, now a copy from what the workers kept (`calls.CompleteAdmissions`: the adapters one poll found ready
+  in one call), and answers. The engine loop's calls per burst of loads are so a handful, not two per adapter.
   A refusal on any rank, ranks that read different files, or a rank reading for longer than
   `adapter_load_timeout_s` (time queued behind other admissions does not count) answers with the refusal, and every
   rank forgets the adapter. The engine keeps stepping meanwhile.
@@ -35,6 +36,7 @@ The functions at the end are what the patches of vLLM's engine core and executor
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -49,6 +51,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     AdmissionState,
     AdmissionStates,
     BeginAdmissions,
+    CompleteAdmissions,
     ForgetAdmissions,
     Ready,
     RestoreAhead,
@@ -69,16 +72,17 @@ GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side
 @dataclass
 class AdmissionTimeline:
     """Where the engine loop's time went while admissions were in flight, from the first begun until none was left:
-    the calls it made one at a time (begin, the polls, vLLM's add_lora per adapter); the rest of the wall time the
-    loop was free (reads on the workers' threads, model steps, other requests). Logged when the burst ends."""
+    the calls it made (begin, the polls, vLLM's add_lora of the ready adapters), each counted; the rest of the wall
+    time the loop was free (reads on the workers' threads, model steps, other requests). Logged when the burst ends."""
 
     started: float | None = None
     admitted: int = 0
-    polls: int = 0
     seconds: dict = field(default_factory=lambda: {"begin": 0.0, "poll": 0.0, "add_lora": 0.0})
+    calls: dict = field(default_factory=lambda: {"begin": 0, "poll": 0, "add_lora": 0})
 
     def timed(self, part: str, call: Callable):
         started = time.perf_counter()
+        self.calls[part] += 1
         try:
             return call()
         finally:
@@ -86,11 +90,11 @@ class AdmissionTimeline:
 
     def line(self) -> str:
         wall = time.perf_counter() - self.started
-        s = self.seconds
+        s, n = self.seconds, self.calls
         return (f"admitted {self.admitted} adapter(s) in {wall:.1f} s; the engine loop's own calls took "
-                f"{sum(s.values()):.1f} s of it: begin {s['begin']:.2f} s, {self.polls} polls {s['poll']:.2f} s, "
-                f"vLLM's add_lora {s['add_lora']:.2f} s ({1e3 * s['add_lora'] / max(self.admitted, 1):.1f} ms per "
-                "adapter, one at a time)")  # fmt: skip
+                f"{sum(s.values()):.1f} s of it: {n['begin']} begin {s['begin']:.2f} s, {n['poll']} polls "
+                f"{s['poll']:.2f} s, {n['add_lora']} of vLLM's add_lora {s['add_lora']:.2f} s "
+                f"({1e3 * s['add_lora'] / max(self.admitted, 1):.1f} ms per adapter)")  # fmt: skip
 
 
 # A burst of at least this many admissions gets its timeline logged at INFO (fewer: DEBUG).
@@ -102,6 +106,7 @@ class _Pending:
     request: object  # the LoRARequest
     future: Future | None = None
     held: list = field(default_factory=list)  # (engine request, wave) waiting for the adapter
+    begun: bool = False  # the workers were asked to read it (the loads of one tick are begun in one call)
 
 
 class EngineAdmissions:
@@ -151,7 +156,7 @@ class EngineAdmissions:
 
     # -- calls ------------------------------------------------------------------------------------------------------
     def admit(self, lora_request) -> Future | bool:
-        pending = self._begin(lora_request)
+        pending = self._enqueue(lora_request)
         if pending.future is None:
             pending.future = Future()
         if self.defers:
@@ -172,7 +177,7 @@ class EngineAdmissions:
             return False
         if not self.defers:
             return False
-        pending = self.pending.get(lora.lora_int_id) or self._begin(lora)
+        pending = self.pending.get(lora.lora_int_id) or self._enqueue(lora)
         pending.held.append((request, wave))
         self._start_ticking()
         return True
@@ -200,7 +205,7 @@ class EngineAdmissions:
         self._restore_asked.pop(adapter_id, None)
         pending = self.pending.pop(adapter_id, None)
         if pending is not None:
-            self._rpc(ForgetAdmissions([adapter_id]))
+            self._rpc(ForgetAdmissions([adapter_id]))  # an admission it superseded may be in flight on the workers
             self._settle(pending, RuntimeError(f"LoRA adapter '{pending.request.lora_name}' was unloaded while it "
                                                "was being loaded"))  # fmt: skip
             if not self.pending:
@@ -218,14 +223,18 @@ class EngineAdmissions:
         self.poll()
 
     def poll(self) -> None:
+        self._begin_queued()
         if self.pending:
-            ids = list(self.pending)
-            replies = self.timeline.timed("poll", lambda: self._rpc(AdmissionStates(ids)))
-            self.timeline.polls += 1
+            ids = [adapter_id for adapter_id, pending in self.pending.items() if pending.begun]
+            replies = self.timeline.timed("poll", lambda: self._rpc(AdmissionStates(ids))) if ids else []
+            ready = []
             for adapter_id in ids:
                 pending = self.pending.get(adapter_id)
-                if pending is not None:
-                    self._advance(adapter_id, pending, [reply.get(adapter_id, Unknown()) for reply in replies])
+                states = [reply.get(adapter_id, Unknown()) for reply in replies]
+                if pending is not None and self._advance(adapter_id, pending, states):
+                    ready.append((adapter_id, self.pending.pop(adapter_id)))
+            if ready:
+                self._complete(ready)
             if not self.pending:
                 self._end_timeline()
         for adapter_id in list(self.removals):
@@ -233,7 +242,8 @@ class EngineAdmissions:
                 self.removals.discard(adapter_id)
                 self.core.model_executor.remove_lora(adapter_id)
 
-    def _advance(self, adapter_id: int, pending: _Pending, states: list[AdmissionState]) -> None:
+    def _advance(self, adapter_id: int, pending: _Pending, states: list[AdmissionState]) -> bool:
+        """Settle a refused or timed-out admission; True when every rank is ready for it."""
         name = pending.request.lora_name
         failed, reading = verdict(name, states)
         if failed is None and reading > self.timeout_s:  # time queued behind other admissions does not count
@@ -242,22 +252,34 @@ class EngineAdmissions:
             del self.pending[adapter_id]
             self._rpc(ForgetAdmissions([adapter_id]))
             self._settle(pending, RuntimeError(failed))
-        elif all(isinstance(state, Ready) for state in states):
-            self._complete(adapter_id, pending)
+            return False
+        return all(isinstance(state, Ready) for state in states)
 
-    def _complete(self, adapter_id: int, pending: _Pending) -> None:
-        del self.pending[adapter_id]
+    def _complete(self, ready: list[tuple[int, _Pending]]) -> None:
+        """vLLM's add_lora of every adapter one poll found ready on every rank, in one call; each adapter's replies are
+        judged alone (`check_admission_replies`), so one rank's failure refuses that adapter only."""
+        requests = [pending.request for _, pending in ready]
         try:
-            loaded = self.timeline.timed("add_lora", lambda: self.core.model_executor.add_lora(pending.request))
+            replies = self.timeline.timed("add_lora", lambda: self._rpc(CompleteAdmissions(requests)))
         except Exception as e:
-            self._rpc(ForgetAdmissions([adapter_id]))
-            self._settle(pending, e)
+            self._rpc(ForgetAdmissions([adapter_id for adapter_id, _ in ready]))
+            for _, pending in ready:
+                self._settle(pending, e)
             return
-        self.timeline.admitted += 1
-        self._next_generation(adapter_id)
-        self.ready.add(adapter_id)
-        self.removals.discard(adapter_id)
-        self._settle(pending, None, loaded)
+        for index, (adapter_id, pending) in enumerate(ready):
+            try:
+                remove_everywhere = functools.partial(self.core.model_executor.remove_lora, adapter_id)
+                replies_of_adapter = [rank_replies[index] for rank_replies in replies]
+                loaded = check_admission_replies(replies_of_adapter, pending.request, remove_everywhere)
+            except Exception as e:
+                self._rpc(ForgetAdmissions([adapter_id]))
+                self._settle(pending, e)
+                continue
+            self.timeline.admitted += 1
+            self._next_generation(adapter_id)
+            self.ready.add(adapter_id)
+            self.removals.discard(adapter_id)
+            self._settle(pending, None, loaded)
 
     def _settle(self, pending: _Pending, error: BaseException | None, result=True) -> None:
         if pending.future is not None and not pending.future.done():
@@ -276,18 +298,34 @@ class EngineAdmissions:
         for request, _ in held:
             self.core._send_abort_outputs_to_client([request.request_id], request.client_index)
 
-    def _begin(self, lora_request) -> _Pending:
+    def _enqueue(self, lora_request) -> _Pending:
+        """An admission to begin at the next poll (with the others that arrived meanwhile)."""
         adapter_id = lora_request.lora_int_id
         previous = self.pending.pop(adapter_id, None)
         if self.timeline.started is None:
             self.timeline.started = time.perf_counter()
-        self.timeline.timed("begin", lambda: self._rpc(BeginAdmissions([lora_request])))
         pending = _Pending(lora_request)
         if previous is not None:  # an in-place reload supersedes the admission in flight; its waiters get this one
             pending.future, pending.held = previous.future, previous.held
         self.pending[adapter_id] = pending
         self.removals.discard(adapter_id)
         return pending
+
+    def _begin_queued(self) -> None:
+        """Ask every worker to begin reading the admissions not yet begun, in one call (an admission of the same id
+        in flight on a worker is replaced, as an in-place reload needs)."""
+        queued = [pending for pending in self.pending.values() if not pending.begun]
+        if not queued:
+            return
+        try:
+            self.timeline.timed("begin", lambda: self._rpc(BeginAdmissions([p.request for p in queued])))
+        except Exception as e:
+            for pending in queued:
+                del self.pending[pending.request.lora_int_id]
+                self._settle(pending, e)
+            return
+        for pending in queued:
+            pending.begun = True
 
     def _end_timeline(self) -> None:
         timeline, self.timeline = self.timeline, AdmissionTimeline()

@@ -3,7 +3,8 @@ worker-side LoRA machinery, and `WorkerAdapters`, the one object per worker that
 adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
 
 * `answer_admission_call`: the engine core's admission calls (`calls.py`): begin reading on admission threads,
-  report states, forget, report figures, read spilled adapters back ahead of the steps that need them.
+  report states, complete the ready ones (vLLM's add_lora of each), forget, report figures, read spilled adapters
+  back ahead of the steps that need them.
 * `add_lora_reporting_failures`: vLLM's add_lora on one rank, answering a receipt or a failure instead of raising.
 * `load_adapter`: vLLM's `_load_adapter`, which fills a GPU slot: the adapter comes from the store (the result of its
   admission, kept in host memory or read back from a spill file), never from its files again.
@@ -27,6 +28,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     AdmissionReceipt,
     AdmissionStates,
     BeginAdmissions,
+    CompleteAdmissions,
     ForgetAdmissions,
     RestoreAhead,
 )
@@ -101,8 +103,11 @@ class WorkerAdapters:
         return self.kept
 
     # -- the engine core's calls ----------------------------------------------------------------------------------
-    def answer(self, call: AdmissionCall):
+    def answer(self, call: AdmissionCall, add_lora: Callable | None = None):
+        """`add_lora`: the worker's own add_lora (vLLM's, through `add_lora_reporting_failures`)."""
         match call:
+            case CompleteAdmissions(requests=requests):
+                return [add_lora(request) for request in requests]
             case BeginAdmissions(requests=requests):
                 device = getattr(self.worker_manager, "device", None)
                 for request in requests:
@@ -193,9 +198,9 @@ class WorkerAdapters:
 
 
 # -- what the patches call ---------------------------------------------------------------------------------------------
-def answer_admission_call(worker_manager, call: AdmissionCall):
-    """The worker method the engine core's admission calls name (`calls.WORKER_METHOD`)."""
-    return WorkerAdapters.of(worker_manager).answer(call)
+def answer_admission_call(worker_manager, call: AdmissionCall, add_lora: Callable | None = None):
+    """The worker method the engine core's admission calls name (`calls.WORKER_METHOD`); `add_lora` is the worker's."""
+    return WorkerAdapters.of(worker_manager).answer(call, add_lora)
 
 
 def add_lora_reporting_failures(runner, lora_request, add: Callable):

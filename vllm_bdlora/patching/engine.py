@@ -133,7 +133,7 @@ def bdlora_admission(self, call):
     """The workers' side of the engine core's admission calls (`vllm_bdlora.adapter_lifecycle.calls`)."""
     from vllm_bdlora.adapter_lifecycle.worker import answer_admission_call
 
-    return answer_admission_call(self.model_runner.lora_manager, call)
+    return answer_admission_call(self.model_runner.lora_manager, call, self.add_lora)
 
 
 def patch_worker_admission_calls() -> bool:

@@ -187,8 +187,9 @@ PATCHES: tuple[Patch, ...] = (
         "An unload never reaches the engine's remove_lora.",
         how="With BD-LoRA on (vllm_bdlora.adapter_lifecycle.engine): add_lora asks every worker to begin admitting the "
         "adapter on a thread of its own and answers later (a future, which the engine core supports for utility "
-        "calls); between steps a ticker's marker in the input queue makes the engine core poll the workers, complete "
-        "the load once every rank read the same files, or refuse it (any rank's refusal, different files, "
+        "calls); between steps a ticker's marker in the input queue makes the engine core begin the loads that "
+        "arrived since, poll the workers, complete the loads every rank read the same files for (one call for a "
+        "poll's ready adapters), or refuse one (any rank's refusal, different files, "
         "adapter_load_timeout_s passed). A request naming an adapter not yet admitted is held back until it is "
         "(aborted if it is refused); remove_lora waits until no request of the adapter is left.",
         removal="vLLM loading adapters off the engine's step (vLLM #31941, #41785) and unloading them in the engine.",
@@ -233,9 +234,10 @@ PATCHES: tuple[Patch, ...] = (
         versions="0.26-0.33",
         why="The engine core's admission calls reach workers through collective_rpc, which calls a worker method by "
         "name (a pickled function would need VLLM_ALLOW_INSECURE_SERIALIZATION).",
-        how="Add one method that hands each typed call (vllm_bdlora.adapter_lifecycle.calls: begin, states, forget, "
-        "figures) to vllm_bdlora.adapter_lifecycle.worker.answer_admission_call; raise at start-up if vLLM ever "
-        "defines a method of that name.",
+        how="Add one method that hands each typed call (vllm_bdlora.adapter_lifecycle.calls: begin, states, complete "
+        "(the worker's own add_lora of each ready adapter), forget, figures, restore ahead) to "
+        "vllm_bdlora.adapter_lifecycle.worker.answer_admission_call; raise at start-up if vLLM ever defines a method "
+        "of that name.",
         removal="vLLM loading adapters off the engine's step.",
         apply=patch_worker_admission_calls,
     ),
