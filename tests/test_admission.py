@@ -43,11 +43,10 @@ from vllm_bdlora.adapter_lifecycle.files import (
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore, StoreFull
 from vllm_bdlora.adapter_lifecycle.values import (
     MAX_GAIN,
-    all_finite,
     config_scale_problems,
-    gain_problems,
     module_gain,
-    non_finite_problems,
+    norm_and_finite,
+    value_problems,
 )
 from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
 
@@ -200,7 +199,7 @@ def test_gain_bounds_what_a_module_can_add_to_any_input():
     for _ in range(20):
         x = torch.randn(64)
         assert (scaling * b @ (a @ x)).norm() <= gain * x.norm() * (1 + 1e-6)
-    assert gain_problems([("m", a, b, scaling)], torch.float32) == []
+    assert value_problems([("m", a, b, scaling)], torch.float32) == ([], [])
 
 
 @pytest.mark.parametrize(
@@ -212,8 +211,8 @@ def test_gain_bounds_what_a_module_can_add_to_any_input():
 def test_modules_whose_gain_would_overflow_the_serving_dtype_are_named(scale, dtype, refused):
     # ||A||_F = ||B||_F = 0.8: a gain of 0.64 x scale
     a, b = torch.full((4, 16), 0.1, dtype=torch.float64), torch.full((16, 4), 0.1, dtype=torch.float64)
-    problems = gain_problems([("model.layers.0.mlp.up_proj", a, b * scale, 1.0)], dtype)
-    assert bool(problems) == refused
+    non_finite, problems = value_problems([("model.layers.0.mlp.up_proj", a, b * scale, 1.0)], dtype)
+    assert non_finite == [] and bool(problems) == refused
     if refused:
         assert problems[0].startswith("model.layers.0.mlp.up_proj: ")
     assert math.isfinite(MAX_GAIN)
@@ -224,8 +223,8 @@ def test_a_scaled_lora_b_entry_float16_cannot_hold_is_named_though_the_gain_is_s
     # vLLM multiplies B by s in the serving dtype: one entry over float16's 65504 overflows whatever A is
     a, b = torch.full((4, 16), 1e-4), torch.zeros(16, 4)
     b[3, 1] = entry / 2
-    problems = gain_problems([("model.layers.0.self_attn.o_proj", a, b, 2.0)], torch.float16)
-    assert module_gain(a, b, 2.0) < 1e3
+    non_finite, problems = value_problems([("model.layers.0.self_attn.o_proj", a, b, 2.0)], torch.float16)
+    assert module_gain(a, b, 2.0) < 1e3 and non_finite == []
     assert problems == ([f"model.layers.0.self_attn.o_proj: scaling 2 x the largest lora_B entry is {entry:.3g}, "
                          "more than float16 holds"] if refused else [])  # fmt: skip
 
@@ -241,7 +240,7 @@ def test_non_finite_factors_are_named(factor, value, dtype):
         loras={"model.layers.0.mlp.up_proj": SimpleNamespace(**weights), "model.layers.0.mlp.down_proj": finite}
     )
     name = "lora_A" if factor == "lora_a" else "lora_B"
-    problems = non_finite_problems((m, w.lora_a, w.lora_b) for m, w in model.loras.items())
+    problems, _ = value_problems(((m, w.lora_a, w.lora_b, 1.0) for m, w in model.loras.items()), torch.float32)
     assert problems == [f"model.layers.0.mlp.up_proj: {name} holds NaN or Inf"]
 
 
@@ -250,9 +249,9 @@ def test_the_largest_finite_factors_are_finite(dtype):
     """The finiteness check is one float64 norm: every entry at the dtype's largest value must not overflow it."""
     factor = torch.full((512, 4096), torch.finfo(dtype).max, dtype=dtype)
     factor[::2] *= -1
-    assert all_finite(factor)
+    assert norm_and_finite(factor)[1]
     factor[511, 4095] = float("nan")
-    assert not all_finite(factor)
+    assert not norm_and_finite(factor)[1]
 
 
 @pytest.mark.parametrize("name", ["support-bd128", "org/adapter:v1.2", "a", "x" * ADAPTER_NAME_MAX, "tenant_7@eu+1"])

@@ -68,13 +68,14 @@ def value_problems(modules: Iterable[tuple[str, object, object, float]], dtype) 
     import torch
 
     limit, largest = (gain_limit(dtype), float(torch.finfo(dtype).max)) if dtype is not None else (None, None)
+    dtype_name = str(dtype).removeprefix("torch.")
     non_finite, gains = [], []
     for module, lora_a, lora_b, scaling in modules:
         norms = {}
         for factor, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
             if tensor is None:
                 continue
-            norm, finite = _norm_and_finite(tensor)
+            norm, finite = norm_and_finite(tensor)
             if not finite:
                 non_finite.append(f"{module}: {factor} holds NaN or Inf")
             norms[factor] = norm if finite else None
@@ -87,29 +88,19 @@ def value_problems(modules: Iterable[tuple[str, object, object, float]], dtype) 
         if not math.isfinite(gain) or gain > limit:
             gains.append(
                 f"{module}: gain {gain:.3g} (scaling {scaling:.3g} x ||lora_A|| x ||lora_B||) is over the limit of "
-                f"{limit:.3g} for {str(dtype).removeprefix('torch.')}"
+                f"{limit:.3g} for {dtype_name}"
             )
         elif abs(scaling) * norms["lora_B"] > largest:  # only then can s x max|B| exceed it: max|B| <= ||B||_F
             scaled_b = abs(scaling) * float(torch.linalg.vector_norm(lora_b, ord=math.inf))
             if scaled_b > largest:
                 gains.append(
                     f"{module}: scaling {scaling:.3g} x the largest lora_B entry is {scaled_b:.3g}, more than "
-                    f"{str(dtype).removeprefix('torch.')} holds"
+                    f"{dtype_name} holds"
                 )
     return non_finite, gains
 
 
-def non_finite_problems(modules: Iterable[tuple[str, object, object]]) -> list[str]:
-    """NaN or Inf in a LoRA factor of any (module, lora_A, lora_B)."""
-    return value_problems(((module, a, b, 1.0) for module, a, b in modules), None)[0]
-
-
-def gain_problems(modules: Iterable[tuple[str, object, object, float]], dtype) -> list[str]:
-    """Every (module, lora_A, lora_B, scaling) of finite factors whose gain or scaled B `dtype` cannot hold safely."""
-    return value_problems(modules, dtype)[1]
-
-
-def _norm_and_finite(tensor) -> tuple[float, bool]:
+def norm_and_finite(tensor) -> tuple[float, bool]:
     """The factor's float64 Frobenius norm, and whether every entry is finite: for floating dtypes of at most 32 bits
     the norm of finite values cannot overflow (a square is at most ~1.2e77), so a non-finite norm means a NaN or Inf
     entry; float64 factors are checked element-wise."""
@@ -121,12 +112,6 @@ def _norm_and_finite(tensor) -> tuple[float, bool]:
     return norm, math.isfinite(norm)
 
 
-def all_finite(tensor) -> bool:
-    """Whether every entry is finite, in one reduction (an element-wise isfinite pass costs several times as much on
-    CPU for half-precision factors, and an admission checks a few hundred modules)."""
-    return _norm_and_finite(tensor)[1]
-
-
 def gain_limit(dtype) -> float:
     """The largest gain a module may have when served in `dtype`."""
     import torch
@@ -136,7 +121,7 @@ def gain_limit(dtype) -> float:
 
 def module_gain(lora_a, lora_b, scaling: float) -> float:
     """|s| * ||A||_F * ||B||_F in float64: no input x gives ||s B A x|| above it times ||x||."""
-    return abs(float(scaling)) * _norm_and_finite(lora_a)[0] * _norm_and_finite(lora_b)[0]
+    return abs(float(scaling)) * norm_and_finite(lora_a)[0] * norm_and_finite(lora_b)[0]
 
 
 def dora_scale_problems(scales: dict) -> list[str]:
