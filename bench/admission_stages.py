@@ -100,13 +100,22 @@ def beside_a_spinning_reader(admit):
     back after every tensor operation that releases it."""
     import threading
 
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(admit()))
+    outcome = {}
+
+    def run():
+        try:
+            outcome["stages"] = admit()
+        except BaseException as error:  # raised here, on the calling thread, rather than lost with the thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run)
     worker.start()
     while worker.is_alive():
         os.sched_yield()
     worker.join()
-    return result
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["stages"]
 
 
 def median_ms(runs: list[dict[str, float]]) -> dict[str, float]:

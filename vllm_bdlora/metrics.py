@@ -17,9 +17,10 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   when a request named it; "in_step": an adapter the engine had not admitted, read inside a step; "slot_fill": one
   per adapter a step copied into a GPU slot, the host time that step spent making its adapters resident shared evenly
   among them, including any reread, restore or in_step load within it: what the step's requests waited for fills;
-  "add_lora": vLLM's add_lora on a worker for a load request, which the engine loop makes one at a time and waits
-  for: with BD-LoRA taking what the admission thread read, keeping it in vLLM's host cache and copying it into a GPU
-  slot; without, reading the files too (also counted as "admission") before the same),
+  "add_lora": vLLM's add_lora on a worker for a load request, which the engine loop waits for (with BD-LoRA the
+  adapters one poll found ready, one after another in one call; without, one call per load): with BD-LoRA taking
+  what the admission thread read, keeping it in vLLM's host cache and copying it into a GPU slot; without, reading
+  the files too (also counted as "admission") before the same),
   `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
 * per adapter, from the API server's own requests: `vllm_bdlora:adapter_requests_total`,
   `vllm_bdlora:adapter_prompt_tokens_total`, `vllm_bdlora:adapter_generation_tokens_total`,

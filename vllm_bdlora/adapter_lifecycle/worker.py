@@ -205,8 +205,9 @@ def answer_admission_call(worker_manager, call: AdmissionCall, add_lora: Callabl
 
 def add_lora_reporting_failures(runner, lora_request, add: Callable):
     """vLLM's add_lora on this rank (`add`): a failure is returned, not raised (`AdapterLoadFailure`), a load
-    answers a receipt naming the files it was admitted from and is timed (kind "add_lora": what the engine loop,
-    which makes these calls one at a time, waits for per adapter)."""
+    answers a receipt naming the files it was admitted from and is timed (kind "add_lora": what the engine loop
+    waits for per adapter; with BD-LoRA on, `calls.CompleteAdmissions` makes these calls for a poll's ready adapters
+    one after another)."""
     started = time.perf_counter()
     try:
         with admitting():
