@@ -216,3 +216,74 @@ def test_the_prefill_search_replaces_the_range_holding_the_timed_batch():
     assert ranges[-1].shrink == LaunchConfig(**faster["shrink"])
     assert ranges[-1].expand == LaunchConfig(**faster["expand"])
     assert ranges[0] == default_prefill_ranges(6144, 4096, 128, 3)[0] and "0.8 -> 0.5 ms" in said[0]
+
+
+def _planted_search(monkeypatch, ms_of):
+    """bench.kernels.mixed_batch_plans' search with its GPU parts replaced: layers are labels, each candidate's time
+    at an adapter count is ms_of(candidate, adapters), the current launch is the structural default's."""
+    import bench.kernels.mixed_batch_plans as search
+
+    def make_layer(k, heights, tokens, adapters, width, slots):
+        return {"adapters": adapters, "N": sum(heights), "K": k, "width": width, "slices": len(heights)}
+
+    def table_launch(layer):
+        return default_prefill_ranges(layer["N"], layer["K"], layer["width"], layer["slices"])[0]
+
+    monkeypatch.setattr(search, "make_layer", make_layer)
+    monkeypatch.setattr(search, "reference", lambda layer: layer["adapters"])
+    monkeypatch.setattr(search, "table_launch", table_launch)
+    monkeypatch.setattr(search, "precompile", lambda layers, candidates: None)
+    monkeypatch.setattr(search, "candidate_path", lambda layer, c: (c, layer["adapters"]))
+    monkeypatch.setattr(search, "checked_ms", lambda path, want, label: ms_of(*path))
+    return search
+
+
+def test_the_mixed_batch_search_keeps_the_launch_best_over_every_adapter_count(monkeypatch, tmp_path):
+    """The search times shrinks, then expands (and delta first in packed layers), then shrinks again at every adapter
+    count, and keeps the launch of lowest mean time relative to the current one that is nowhere slower; writing it
+    gives the decode bracket a range of its own and leaves every other batch size its launch."""
+    import json
+
+    def ms_of(c, adapters):
+        ms = 10.0 + adapters  # the current launch: 11, 14, 22 ms at 1, 4, 12 adapters
+        if c.shrink.split_k == 4 and c.shrink.num_warps == 2:
+            ms -= 0.5 * adapters  # a shrink that serves many adapters better
+        if c.expand.block_n == 128 and c.delta_first:
+            ms -= 1.0
+        if c.expand.block_n == 256:
+            ms = ms - 3.0 if adapters == 12 else ms * 1.1  # faster with 12 adapters, slower with one: never kept
+        return ms
+
+    search = _planted_search(monkeypatch, ms_of)
+    row = search.search_point("qkv_proj", 4096, (1024, 256, 256), 32, (1, 4, 12), 8, 12, 4, 0.02)
+    chosen = search._candidate_from_json(row["chosen"])
+    assert (chosen.shrink.split_k, chosen.shrink.num_warps) == (4, 2)
+    assert (chosen.expand.block_n, chosen.delta_first) == (128, True)
+    assert row["current_ms"] == {"1": 11.0, "4": 14.0, "12": 22.0}
+    assert row["chosen_ms"] == {"1": 9.5, "4": 11.0, "12": 15.0}
+    flat = _planted_search(monkeypatch, lambda c, adapters: 10.0 + adapters * (1.01 if c.delta_first else 1))
+    kept = flat.search_point("o_proj", 1024, (4096,), 16, (1, 12), 8, 12, 4, 0.02)
+    assert kept["chosen"] == kept["current"]  # nothing saves more than --min-gain: the current launch stays
+
+    table = PlanTable("Test GPU", 132, {}, {})
+    said = search.write_decode_ranges([row], table)
+    ranges = table.prefill["out=1536 hidden=4096 width=8 slices=3"]
+    default = default_prefill_ranges(1536, 4096, 8, 3)
+    assert [r.from_tokens for r in ranges] == [1, 17, 33, 65]
+    assert ranges[0] == default[0] and ranges[2] == replace_start(default[0], 33) and ranges[3] == default[1]
+    assert ranges[1] == PrefillRange(17, chosen.shrink, chosen.expand, True)
+    assert "17-32 tokens" in said[0] and "12 adapters 22.0 -> 15.0 ms" in said[0]
+    for r in ranges:
+        assert prefill_problems(r, 4096, 8, 3) == []
+    assert PlanTable.from_json(table.to_json()).prefill == table.prefill
+
+    (tmp_path / "mixed_batch_plans.json").write_text(json.dumps(
+        {"environment": {"gpu": "Test GPU", "torch": "-", "triton": "-", "time": "-", "command": "-"}, "rows": [row]}
+    ))  # fmt: skip
+    text = open(search.report(str(tmp_path / "mixed_batch_plans.json"))).read()
+    assert "| qkv_proj | 32 | 11.0000 / **9.5000** | 14.0000 / **11.0000** | 22.0000 / **15.0000** |" in text
+    assert "| 32 | 12 | 22000.0 (2.00) | **15000.0** (1.58) | 0.682 |" in text
+
+
+def replace_start(r: PrefillRange, start: int) -> PrefillRange:
+    return PrefillRange(start, r.shrink, r.expand, r.delta_first)

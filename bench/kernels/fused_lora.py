@@ -343,8 +343,8 @@ def width_loops(width: int, expand_block_k: int) -> bool:
     return not unrolls_width(width, expand_block_k)
 
 
-def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4, pairs=False, only=None):
-    layer = make_layer(k, heights, tokens, adapters, width)
+def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4, pairs=False, only=None, slots=0):
+    layer = make_layer(k, heights, tokens, adapters, width, slots=max(slots, adapters))
     want = reference(layer)
     paths = {"vllm": vllm_path(layer), "layer_op": layer_op_path(layer),
              **dict(zip(PATHS, fused_paths(layer), strict=True)), "cublas_one_adapter": cublas_one_adapter_path(layer),
@@ -356,7 +356,7 @@ def bench_point(name, k, heights, tokens, adapters, width, tune, tp=4, pairs=Fal
     if only:  # the others are reported as not run
         paths = {path: fn if path in only or path == "base_gemm_only" else None for path, fn in paths.items()}
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "K": k, "N": sum(heights),
-           "slices": len(heights), "width": width}  # fmt: skip
+           "slices": len(heights), "width": width, "slots": max(slots, adapters)}  # fmt: skip
     for path, fn in paths.items():
         if fn is None:
             row[f"{path}_ms"] = None
@@ -437,7 +437,12 @@ def report(json_path: str) -> str:
     lines += [
         "- times: median of 200 CUDA-event-timed replays of a CUDA graph of 10 calls (ms per call); bf16; "
         f"Llama-3.1-8B TP={rows[0].get('tp', 4)} per-GPU shapes, per-GPU LoRA width "
-        f"{rows[0]['width']} (BD r'={run_bd_rank(rows)})",
+        f"{rows[0]['width']} (BD r'={run_bd_rank(rows)})"
+        + (
+            f"; layers of {rows[0]['slots']} LoRA slots (or the batch's adapters, where more)"
+            if rows[0].get("slots", rows[0]["adapters"]) > rows[0]["adapters"]
+            else ""
+        ),
         "- paths: **layer op** = the custom op BD layers call with `lora_kernels: fused`/`auto` over an "
         "unquantized base (our shrink, then from 2048 tokens our expand writing delta + bias and cuBLAS "
         "accumulating X·Wᵀ onto it with beta = 1 (= delta first), below that cuBLAS GEMM then our expand adding "
@@ -576,6 +581,8 @@ def main(argv=None) -> int:
         default="",
         help=f"also time candidate launch configurations of these paths (bare: all of {','.join(PATHS)})",
     )
+    p.add_argument("--slots", type=int, default=0, help="LoRA slots of every layer, a server's --max-loras (default: "
+                   "the batch's adapters; never fewer)")  # fmt: skip
     p.add_argument("--paths", help="time only these paths (comma-separated, e.g. layer_op) and the base GEMM")
     p.add_argument("--pairs", action="store_true",
                    help="also time GEMM-first prefill (over 64 tokens) at every pairing of a few shrink and expand "
@@ -604,6 +611,7 @@ def main(argv=None) -> int:
             args.tp,
             args.pairs,
             set(args.paths.split(",")) if args.paths else None,
+            args.slots,
         )  # fmt: skip
         for name, k, heights in layers(args.tp)
         for n in args.adapters.split(",")
