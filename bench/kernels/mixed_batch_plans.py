@@ -72,25 +72,27 @@ def bracket(tokens: int) -> tuple[int, int]:
 
 def shrink_candidates(hidden: int, width: int, slices: int, current: LaunchConfig) -> list[LaunchConfig]:
     """16-row shrinks (decode ranges keep 16-row shrink tiles): one slice's or every slice's columns per program, the
-    hidden dimension split 2-16 ways in 64- or 128-deep steps, 2 or 4 warps; the current launch first."""
+    hidden dimension split 4-32 ways in 64- or 128-deep steps, 1, 2 or 4 warps (a dozen adapters' A is read from
+    memory rather than from the cache that serves one adapter's re-reads: more, smaller programs keep more of it in
+    flight); the current launch first."""
     per_slice = max(16, min(64, 1 << (width - 1).bit_length()))
     found = [current]
     for block_n in dict.fromkeys((per_slice, all_slices_block(width, slices))):
-        for split_k in (2, 4, 8, 16):
+        for split_k in (4, 8, 16, 32):
             for block_k in (64, 128):
                 if hidden // split_k < block_k:
                     continue
-                for warps in (2, 4):
+                for warps in (1, 2, 4):
                     found.append(LaunchConfig(16, block_n, block_k, split_k=split_k, num_warps=warps, num_stages=3))
     return list(dict.fromkeys(found))
 
 
 def expand_candidates(tokens: int, current: LaunchConfig) -> list[LaunchConfig]:
-    """Expands of 16-row tiles (a dozen adapters leave a group a few rows) or one tile of the whole bracket, 32-256
-    columns, 2 or 4 warps; the current launch first."""
+    """Expands of 16-row tiles (a dozen adapters leave a group a few rows) or one tile of the whole bracket, 64-256
+    columns, 1-8 warps; the current launch first."""
     rows = dict.fromkeys((16, bracket(tokens)[1]))
     found = [current] + [LaunchConfig(block_m, block_n, current.block_k, num_warps=warps, num_stages=2)
-                         for block_m in rows for block_n in (32, 64, 128, 256) for warps in (2, 4)]  # fmt: skip
+                         for block_m in rows for block_n in (64, 128, 256) for warps in (1, 2, 4, 8)]  # fmt: skip
     return list(dict.fromkeys(found))
 
 
@@ -158,10 +160,17 @@ def search_point(name, k, heights, tokens, adapter_counts, width, slots, tp, min
            "width": width, "slots": slots, "adapters": list(adapter_counts),
            "current": _candidate_json(current), "chosen": _candidate_json(chosen),
            "current_ms": _by_adapters(timed[current]), "chosen_ms": _by_adapters(timed[chosen]),
-           "candidates": len(timed),
-           "timed": [{**_candidate_json(c), "ms": _by_adapters(t)} for c, t in timed.items()]}  # fmt: skip
-    print({key: value for key, value in row.items() if key != "timed"}, flush=True)
+           "candidates": len(timed), "best": best_candidates(timed, current)}  # fmt: skip
+    print({key: value for key, value in row.items() if key != "best"}, flush=True)
     return row
+
+
+def best_candidates(timed: dict, current: Candidate, keep: int = 5) -> list[dict]:
+    """The `keep` candidates of lowest mean time relative to the current launch, with their times: what the
+    results keep of the search (every candidate's count is in the row's `candidates`)."""
+    relative = relative_times(timed, current)
+    ranked = sorted(relative, key=lambda c: statistics.mean(relative[c].values()))[:keep]
+    return [{**_candidate_json(c), "ms": _by_adapters(timed[c])} for c in ranked]
 
 
 def _by_adapters(times: dict) -> dict:
