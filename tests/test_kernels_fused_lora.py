@@ -391,3 +391,46 @@ def test_after_warm_up_no_decode_step_compiles_the_one_launch_kernel():
         err = (layer_op_on_first(tokens, b, out, state).float() - want.float()).abs().max().item()
         assert err <= 2e-2 * (1 + want.float().abs().max().item()), (tokens, err)  # bf16 outputs of ~10
     assert compiled_variants(decode_lora._decode_lora_linear_kernel) == before
+
+
+TABLE_DECODE_LAUNCHES_CHECK = """
+import glob, json, torch
+from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, group_tokens, lora_shrink
+from vllm_bdlora.kernels.plans import CONFIG_DIR, PlanTable
+from vllm_bdlora.kernels.reference import lora_linear_slices_reference
+launches = set()
+for path in sorted(glob.glob(CONFIG_DIR + "/*.json")):
+    table = PlanTable.from_json(open(path).read())
+    for ranges in table.prefill.values():
+        launches |= {(r.shrink, r.expand, r.delta_first) for r in ranges if r.from_tokens <= 64}
+g = torch.Generator().manual_seed(0)
+slots, width, heights, hidden, tokens = 12, 8, (32, 16, 16), 48, 24
+bounds = torch.tensor([0, 32, 48, 64], dtype=torch.int32)
+widths = torch.full((3, slots), width, dtype=torch.int32)
+x, weight = torch.randn(tokens, hidden, generator=g), torch.randn(64, hidden, generator=g) * 0.2
+lora_a = torch.randn(slots, 3 * width, hidden, generator=g) * 0.2
+lora_b = torch.randn(slots, 64, width, generator=g) * 0.2
+token_slots = torch.arange(tokens) % (slots + 1) - 1  # every slot mixed in, and base-model tokens
+groups = group_tokens(token_slots, slots)
+want = lora_linear_slices_reference(x, weight, lora_a, lora_b, widths, bounds, token_slots)
+for shrink, expand, delta_first in sorted(launches, key=repr):
+    shrunk = lora_shrink(x, lora_a, groups, widths, shrink)
+    if delta_first:
+        nan = torch.full_like(want, float("nan"))  # every row must be written
+        got = delta_then_gemm(x, weight, shrunk, lora_b, groups, widths, bounds, out=nan, config=expand)
+    else:
+        got = fused_expand(x @ weight.T, shrunk, lora_b, groups, widths, bounds, config=expand)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (shrink, expand, delta_first, (got - want).abs().max())
+print(len(launches), "launches ok")
+"""
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a GPU host checks the compiled kernels instead; Triton 3.6's interpreter there cannot run them",
+)
+def test_every_decode_launch_of_the_plan_tables_computes_a_batch_mixing_every_slot():
+    """The launches the committed plan tables give decode-sized batches (up to 64 tokens, both orders), on a batch of
+    24 tokens over 12 slots and the base model, against the torch reference: the many-adapter search writes launches
+    (1-8 warps, 16-64 row expand tiles) that no other test runs."""
+    run_check_script(TABLE_DECODE_LAUNCHES_CHECK, (), interpret=True)
