@@ -6,6 +6,7 @@ search on that GPU and loaded once per process:
 
     python -m bench.kernels.decode_lora --configs --write-table     # decode plans (the one-launch kernel)
     python -m bench.kernels.fused_lora --pairs --write-table        # prefill ranges (routed shrink + expand)
+    python -m bench.kernels.mixed_batch_plans --write-table        # their decode brackets, over adapters mixed
 
 A layer shape the table lacks, and every shape on a GPU without a table, takes `default_decode_plan` and
 `default_prefill_ranges`: short structural rules that are valid for any shape (logged once per shape, with the
