@@ -43,7 +43,13 @@ from bench.kernels.harness import (
     update_plan_table,
     write_report,
 )
-from vllm_bdlora.kernels.plans import DECODE_MAX_TOKENS, ROW_TILES, LaunchConfig, all_slices_block
+from vllm_bdlora.kernels.plans import (
+    DECODE_MAX_TOKENS,
+    ROW_TILES,
+    LaunchConfig,
+    all_slices_block,
+    per_slice_block,
+)
 
 # The decode brackets a search writes a range for: batches up to 16, 32 and 64 tokens (the one-launch kernel's
 # row tiles, which CUDA-graph batch sizes fill).
@@ -75,9 +81,8 @@ def shrink_candidates(hidden: int, width: int, slices: int, current: LaunchConfi
     hidden dimension split 4-32 ways in 64- or 128-deep steps, 1, 2 or 4 warps (a dozen adapters' A is read from
     memory rather than from the cache that serves one adapter's re-reads: more, smaller programs keep more of it in
     flight); the current launch first."""
-    per_slice = max(16, min(64, 1 << (width - 1).bit_length()))
     found = [current]
-    for block_n in dict.fromkeys((per_slice, all_slices_block(width, slices))):
+    for block_n in dict.fromkeys((per_slice_block(width), all_slices_block(width, slices))):
         for split_k in (4, 8, 16, 32):
             for block_k in (64, 128):
                 if hidden // split_k < block_k:

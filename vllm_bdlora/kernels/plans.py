@@ -220,6 +220,11 @@ def shrink_hidden_step(hidden: int, parts: int) -> int:
     return 128 if hidden // parts >= 128 else 64
 
 
+def per_slice_block(width: int) -> int:
+    """The decode-sized shrink's column block that covers one slice's ranks (16 to 64 columns)."""
+    return 16 if width <= 16 else 32 if width <= 32 else 64
+
+
 def all_slices_block(width: int, slices: int) -> int:
     """The shrink's column block that covers every slice's ranks at once (16 to 128 columns; tl.dot needs 16): X read
     once."""
@@ -231,7 +236,7 @@ def default_prefill_ranges(out_features: int, hidden: int, width: int, slices: i
     dimension split `decode_shrink_parts` ways; larger ones in 64 x 64 expand tiles, the shrink covering every
     slice at once with its hidden dimension split until some 256 programs run at 1024 tokens."""
     parts = decode_shrink_parts(hidden, width)
-    per_slice = 16 if width <= 16 else 32 if width <= 32 else 64
+    per_slice = per_slice_block(width)
     expand_k = 16 if width <= 16 else 32
     whole = all_slices_block(width, slices)
     split = 1 << (max(1, min(8, hidden // 256, 256 // (16 * cdiv(width * slices, whole)))).bit_length() - 1)
