@@ -160,7 +160,7 @@ def search_point(name, k, heights, tokens, adapter_counts, width, slots, tp, min
             trials = [replace(best, expand=e, delta_first=d) for e in expands for d in orders]
         time_candidates(layers_by_adapters, wants, trials, timed)
         best = choose(timed, current, min_gain)
-    chosen = choose(timed, current, min_gain)
+    chosen = best  # the last round's choice, over every candidate timed
     row = {"tp": tp, "layer": name, "tokens": tokens, "K": k, "N": sum(heights), "slices": len(heights),
            "width": width, "slots": slots, "adapters": list(adapter_counts),
            "current": _candidate_json(current), "chosen": _candidate_json(chosen),
@@ -221,7 +221,7 @@ def write_decode_ranges(rows, table) -> list[str]:
 
 
 def report(json_path: str) -> str:
-    results, rows, lines = report_start(
+    _, rows, lines = report_start(
         json_path, "Routed kernels' launches for decode-sized batches, chosen over the adapters a batch mixes"
     )
     counts = rows[0]["adapters"] if rows else []
