@@ -434,3 +434,44 @@ def test_every_decode_launch_of_the_plan_tables_computes_a_batch_mixing_every_sl
     16 tokens mixing 4 slots and the base model, against the torch reference: the many-adapter search writes launches
     (1-8 warps, 16-64 row expand tiles) that no other test runs."""
     run_check_script(TABLE_DECODE_LAUNCHES_CHECK, (), interpret=True)
+
+
+def test_a_slot_fill_leaves_zeros_past_each_width_and_widths_of_zero_where_the_adapter_adds_nothing():
+    """The fused kernels read whole tiles of B past a slot's width (times zeros), so a slot must hold finite values
+    there; the fill skips vLLM's zeroing of the whole slot and clears only what a narrower adapter leaves. A wide
+    adapter, then a narrower one that leaves slice 1 unadapted, go through one slot of a three-slice layer."""
+    from types import SimpleNamespace
+
+    from vllm_bdlora.layers import BlockDiagonalLoRALayer
+
+    slots, width, hidden = 2, WIDTH, 24
+    layer = SimpleNamespace(n_slices=len(HEIGHTS), output_slices=HEIGHTS, input_size=hidden, lora_width=width,
+                            dora_scale=torch.full((slots, sum(HEIGHTS)), 3.0),
+                            slot_widths=torch.zeros(len(HEIGHTS), slots, dtype=torch.int32),
+                            lora_a_all=torch.zeros(slots, len(HEIGHTS) * width, hidden),
+                            lora_b_all=torch.zeros(slots, sum(HEIGHTS), width))  # fmt: skip
+    layer.lora_a_stacked = tuple(layer.lora_a_all[:, None, i * width : (i + 1) * width] for i in range(len(HEIGHTS)))
+    offsets = [sum(HEIGHTS[:i]) for i in range(len(HEIGHTS))]
+    layer.lora_b_stacked = tuple(layer.lora_b_all[:, None, o : o + h] for o, h in zip(offsets, HEIGHTS, strict=True))
+    for name in ("set_lora", "reset_lora", "_fit_local"):
+        setattr(layer, name, getattr(BlockDiagonalLoRALayer, name).__get__(layer))
+
+    def adapter(w, skip=()):
+        return ([None if i in skip else torch.randn(w, hidden) for i in range(len(HEIGHTS))],
+                [None if i in skip else torch.randn(h, w) for i, h in enumerate(HEIGHTS)])  # fmt: skip
+
+    layer.set_lora(1, *adapter(width))  # the neighbouring slot must not change
+    neighbour = layer.lora_a_all[1].clone(), layer.lora_b_all[1].clone()
+    layer.set_lora(0, *adapter(width))
+    narrow_a, narrow_b = adapter(12, skip=(1,))
+    layer.set_lora(0, narrow_a, narrow_b)
+    assert layer.slot_widths[:, 0].tolist() == [12, 0, 12] and layer.slot_widths[:, 1].tolist() == [width] * 3
+    assert torch.equal(layer.dora_scale[0], torch.ones(sum(HEIGHTS)))  # no magnitude vector given: g = 1
+    for i in (0, 2):
+        assert torch.equal(layer.lora_a_stacked[i][0, 0, :12], narrow_a[i])
+        assert torch.equal(layer.lora_b_stacked[i][0, 0, :, :12], narrow_b[i])
+        assert not layer.lora_a_stacked[i][0, 0, 12:].any() and not layer.lora_b_stacked[i][0, 0, :, 12:].any()
+    assert torch.isfinite(layer.lora_a_all).all() and torch.isfinite(layer.lora_b_all).all()
+    assert torch.equal(layer.lora_a_all[1], neighbour[0]) and torch.equal(layer.lora_b_all[1], neighbour[1])
+    layer.reset_lora(0)
+    assert not layer.slot_widths[:, 0].any() and layer.slot_widths[:, 1].tolist() == [width] * 3

@@ -193,9 +193,12 @@ class BlockDiagonalLoRALayer:
             self._enable_aux_cuda_stream = False
 
     def reset_lora(self, index: int) -> None:
-        super().reset_lora(index)
         if self.slot_widths is not None:
+            # The fused kernels read nothing of a slot whose widths are 0, so its stale factors can stay: one
+            # write, rather than a zero fill per factor and slice inside the step that empties the slot.
             self.slot_widths[:, index] = 0
+        else:
+            super().reset_lora(index)
         if self.dora_scale is not None:
             self.dora_scale[index].fill_(1.0)
 
@@ -267,21 +270,37 @@ class BlockDiagonalLoRALayer:
         return None
 
     def set_lora(self, index: int, lora_a, lora_b) -> None:
-        self.reset_lora(index)
+        """Copy an adapter's factors into slot `index`. vLLM calls this inside the step that first needs the
+        adapter, so every device operation here delays that step's running requests: on the fused path a slot
+        fill is two copies per slice and one write of the slot's widths (vLLM's own layers zero the whole slot
+        first, two more operations per slice)."""
         lora_a = lora_a if isinstance(lora_a, (list, tuple)) else [lora_a]
         lora_b = lora_b if isinstance(lora_b, (list, tuple)) else [lora_b]
         if len(lora_a) != self.n_slices or len(lora_b) != self.n_slices:
             raise RuntimeError(
                 f"{type(self).__name__} got {len(lora_b)} LoRA slice(s) for a layer of {self.n_slices} slices."
             )
+        if self.slot_widths is None:
+            self.reset_lora(index)
+        elif self.dora_scale is not None:
+            self.dora_scale[index].fill_(1.0)  # slices without a magnitude vector compose with g = 1
+        widths = [0] * self.n_slices
         for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
             if a is None or b is None:
                 continue
             a, b = self._fit_local(i, a, b)
-            if self.slot_widths is not None:
-                self.slot_widths[i, index] = a.shape[0]
-            self.lora_a_stacked[i][index, 0, : a.shape[0], :].copy_(a, non_blocking=True)
-            self.lora_b_stacked[i][index, 0, :, : b.shape[1]].copy_(b, non_blocking=True)
+            width = widths[i] = a.shape[0]
+            self.lora_a_stacked[i][index, 0, :width, :].copy_(a, non_blocking=True)
+            self.lora_b_stacked[i][index, 0, :, :width].copy_(b, non_blocking=True)
+            if self.slot_widths is not None and width < self.lora_width:
+                # The fused expand multiplies B's columns past the width by zeros (it loads whole tiles of B):
+                # they must hold finite values, so a narrower adapter clears what an earlier one left there.
+                self.lora_a_stacked[i][index, 0, width:, :].zero_()
+                self.lora_b_stacked[i][index, 0, :, width:].zero_()
+        if self.slot_widths is not None:
+            # One copy of the slot's widths, after its factors: a pageable source is staged before copy_
+            # returns, so a later fill cannot change what this one writes.
+            self.slot_widths[:, index].copy_(torch.tensor(widths, dtype=torch.int32), non_blocking=True)
 
     def _fit_local(self, i: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         height = self.output_slices[i]
