@@ -66,11 +66,13 @@ def _read_counters(worker):
     return dict(worker._bdlora_collectives)
 
 
-def _poison_slot(worker, adapter_id):
+def _poison_slot(worker, lora_request):
     import torch
 
+    # A load takes room in vLLM's caches only where there is some: put the adapter in a slot as a step would.
+    worker.model_runner.lora_manager.add_adapter(lora_request)
     manager = worker.model_runner.lora_manager._adapter_manager
-    index = manager.lora_index_to_id.index(adapter_id)
+    index = manager.lora_index_to_id.index(lora_request.lora_int_id)
     poisoned = 0
     for module in manager.modules.values():
         for attribute in ("lora_a_stacked", "lora_b_stacked"):
@@ -80,6 +82,11 @@ def _poison_slot(worker, adapter_id):
                     stacked[index] = float("nan")
                     poisoned += 1
     return poisoned
+
+
+def _slot_adapter_ids(worker):
+    """The adapter id in each GPU slot of this worker (None: a free slot)."""
+    return list(worker.model_runner.lora_manager._adapter_manager.lora_index_to_id)
 
 
 def _kv_non_finite(worker):
@@ -175,10 +182,19 @@ def run_spec(engine: Engine, spec: dict) -> dict:
                 result["errors"][name] = None
             except Exception as e:  # the message is what the test checks
                 result["errors"][name] = f"{type(e).__name__}: {e}"
+    if spec.get("load_first"):
+        # add_lora for each adapter, as load requests do, before any request names them: which GPU slots they took
+        loads = [lora(name) for name in spec["load_first"]]
+        before = llm.collective_rpc(_slot_adapter_ids)
+        for request in loads:
+            llm.llm_engine.add_lora(request)
+        names = {request.lora_int_id: name for request, name in zip(loads, spec["load_first"], strict=True)}
+        result["slots_around_loads"] = {"loaded": [request.lora_int_id for request in loads], "names": names,
+                                        "before": before, "after": llm.collective_rpc(_slot_adapter_ids)}  # fmt: skip
     if spec.get("poison"):
         poisoned = lora(spec["poison"])
         llm.llm_engine.add_lora(poisoned)
-        assert all(llm.collective_rpc(_poison_slot, args=(poisoned.lora_int_id,)))
+        assert all(llm.collective_rpc(_poison_slot, args=(poisoned,)))
     if spec.get("requests"):
         outputs = generate(spec["requests"], spec["max_tokens"])
         result["outputs"] = [_output(o) for o in outputs]

@@ -94,9 +94,17 @@ def test_more_adapters_than_gpu_slots_still_match_peft(assets, prompts, peft_ref
     target modules (in batch order: bd64_nb4 and bd32_attn after bd64 and bd48, then bd32_mlp and std16). A slot
     that kept columns or layers of its previous adapter would change these tokens."""
     engine = engine_kwargs(assets["model"], 2, bdlora=True, max_loras=2)
-    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
+    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts, load_first=list(ADAPTERS))
     assert len(ADAPTERS) > 2 * engine["max_loras"]
-    assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("bd_tp2_two_slots")), peft_reference)
+    result = run_engine(spec, tmp_path_factory.mktemp("bd_tp2_two_slots"))
+    assert_matches_reference(result, peft_reference)
+    # Loading all six first (add_lora, as load requests do) took free slots only: no resident adapter was evicted
+    # by a load, and the first adapters loaded that were not resident went into the free slots in load order.
+    slots = result["slots_around_loads"]
+    for before, after in zip(slots["before"], slots["after"], strict=True):
+        newcomers = iter([i for i in slots["loaded"] if i not in before][: before.count(None)])
+        assert after == [next(newcomers) if held is None else held for held in before], slots
+    assert slots["after"][0] == slots["after"][1] and None not in slots["after"][0]
 
 
 def stock_run(mode, assets, prompts, tmp_path_factory):
@@ -144,9 +152,13 @@ def test_bd_adapter_on_server_without_bdlora_is_rejected(assets, tmp_path_factor
 @pytest.mark.engine
 def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_path_factory):
     """lora_kernels: fused without DoRA: BD adapters of ranks 64/48/32 and a standard one share the batch,
-    so the per-slot widths (heterogeneous ranks) matter."""
-    engine = engine_kwargs(assets["model"], 1, bdlora=True, additional_config={"bdlora": {"lora_kernels": "fused"}})
+    so the per-slot widths (heterogeneous ranks) matter; through two GPU slots, so a slot is refilled by an
+    adapter of another rank or other target modules, which the fused kernels' slot fill (no zeroing of what
+    the previous adapter left beyond the new one's widths) must not let through."""
+    engine = engine_kwargs(assets["model"], 1, bdlora=True, max_loras=2,
+                           additional_config={"bdlora": {"lora_kernels": "fused"}})  # fmt: skip
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
+    assert len(ADAPTERS) > 2 * engine["max_loras"]
     assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("fused_tp1")), peft_reference)
 
 

@@ -10,6 +10,8 @@ adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
   admission, kept in host memory or read back from a spill file), never from its files again.
 * `apply_in_id_order`: the adapters a step needs, in the same order on every rank, counted as lookups.
 * `remove_adapter`: an unload: GPU slot and host cache (vLLM's), and everything the store kept.
+* `admission_leaves_engine_caches`: whether an adapter being admitted stops at the store (no room in vLLM's host
+  cache or GPU slots: its first request's step takes room).
 """
 
 from __future__ import annotations
@@ -217,6 +219,24 @@ def add_lora_reporting_failures(runner, lora_request, add: Callable):
     adapters = WorkerAdapters.of(runner.lora_manager)
     adapters.stats.record_load("add_lora", time.perf_counter() - started)
     return adapters.receipt(lora_request, loaded)
+
+
+def admission_leaves_engine_caches(worker_manager, lora_request) -> bool:
+    """Whether an admission's add_lora should stop after loading `lora_request` (checked, finished, kept by the store)
+    rather than also register it in vLLM's host cache and copy it into a GPU slot. vLLM does both for every adapter
+    it loads, evicting the least recently used adapter from each when full: loading a thousand adapters through a
+    dozen slots would evict the adapters being served and spend the engine loop's time on slot fills that the next
+    loads undo. On a BD server an admission takes room only where both have it; otherwise the step of the adapter's
+    first request registers it from the store and fills its slot, as vLLM does for any adapter not resident. An
+    adapter vLLM already holds (an in-place reload among them) takes vLLM's own path."""
+    manager = worker_manager._adapter_manager
+    settings = getattr(manager, "_bdlora_settings", None)
+    if not _admitting.get() or settings is None or not settings.enabled:
+        return False
+    registered = manager._registered_adapters
+    if lora_request.lora_int_id in registered:
+        return False
+    return len(registered) >= manager.capacity or len(manager._active_adapters) >= manager.lora_slots
 
 
 def load_adapter(worker_manager, lora_request, read: Callable):

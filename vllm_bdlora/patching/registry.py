@@ -33,6 +33,7 @@ from vllm_bdlora.patching.worker import (
     patch_adapter_load_order,
     patch_adapter_loading,
     patch_add_lora_failures,
+    patch_admission_leaves_engine_caches,
     patch_cpu_kv_cache_holds_finite_values,
     patch_cpu_lora_device_of_repacked_layers,
     patch_cpu_lora_ops_ignore_unadapted_tokens,
@@ -277,6 +278,22 @@ PATCHES: tuple[Patch, ...] = (
         "is read, and removes and refuses an adapter whose ranks copied different bytes.",
         removal="MultiprocExecutor draining all replies before raising a worker failure.",
         apply=patch_add_lora_failures,
+    ),
+    Patch(
+        name="admission_leaves_engine_caches",
+        targets=("vllm.lora.worker_manager.LRUCacheWorkerLoRAManager.add_adapter",),
+        stage="plugin",
+        versions="0.26-0.33",
+        why="vLLM's add_lora registers every adapter it loads in its host cache and copies it into a GPU slot, "
+        "evicting the least recently used adapter from each when full: loading N adapters through S slots makes N "
+        "slot fills in the engine loop, one after another, evicts the adapters being served, and leaves the last S "
+        "loaded resident.",
+        how="With BD-LoRA on, while a worker runs add_lora for an admission (adapter_lifecycle.worker."
+        "admission_leaves_engine_caches): where vLLM's host cache or its GPU slots are full and the adapter is not "
+        "registered, load it (checked, finished, kept by the store) and stop; the step of its first request "
+        "registers it from the store and fills a slot, as vLLM does for any adapter that is not resident.",
+        removal="vLLM admitting an adapter without evicting resident ones.",
+        apply=patch_admission_leaves_engine_caches,
     ),
     Patch(
         name="cpu_lora_device_of_repacked_layers",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 from vllm_bdlora.compat import cpu_kv_cache_write
@@ -127,6 +128,32 @@ def patch_add_lora_failures() -> bool:
     runner = wrap_method(LoRAModelRunnerMixin, "add_lora", make_runner_add_lora)
     executor = wrap_method(Executor, "add_lora", make_executor_add_lora)
     return runner or executor
+
+
+def patch_admission_leaves_engine_caches() -> bool:
+    """An admission's add_lora stops at the store where vLLM's host cache or GPU slots have no room
+    (`admission_leaves_engine_caches`)."""
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+    from vllm_bdlora.adapter_lifecycle.worker import admission_leaves_engine_caches
+
+    require_parameters(LRUCacheWorkerLoRAManager.add_adapter, ("lora_request",),
+                       "LRUCacheWorkerLoRAManager.add_adapter")  # fmt: skip
+    source = inspect.getsource(inspect.unwrap(LRUCacheWorkerLoRAManager.add_adapter))
+    for step in ("self._load_adapter(", "remove_oldest_adapter", "activate_adapter("):
+        if step not in source:
+            raise UpstreamContractError(f"vllm-bdlora: LRUCacheWorkerLoRAManager.add_adapter no longer calls {step}.")
+
+    def make(original):
+        def add_adapter(self, lora_request):
+            if admission_leaves_engine_caches(self, lora_request):
+                self._load_adapter(lora_request)  # checked, finished and kept, as vLLM's load would have it
+                return True
+            return original(self, lora_request)
+
+        return add_adapter
+
+    return wrap_method(LRUCacheWorkerLoRAManager, "add_adapter", make)
 
 
 CPU_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
