@@ -18,17 +18,18 @@ WIDTH = 32
 HEIGHTS = (40, 24, 16)  # a packed layer's output slices (q, k, v)
 
 
-def mixed_batch(tokens=45, hidden=48, heights=HEIGHTS, dtype=torch.float32, device="cpu", seed=0):
+def mixed_batch(tokens=45, hidden=48, heights=HEIGHTS, dtype=torch.float32, device="cpu", seed=0, width=WIDTH):
+    """`width`: the buffer width per slice; narrower than WIDTH, it caps SLOT_WIDTHS."""
     g = torch.Generator().manual_seed(seed)
     slots_n, slices, total = len(SLOT_WIDTHS[0]), len(heights), sum(heights)
-    widths = torch.tensor(SLOT_WIDTHS, dtype=torch.int32)[:slices]
+    widths = torch.tensor(SLOT_WIDTHS, dtype=torch.int32)[:slices].clamp(max=width)
     bounds = torch.tensor([sum(heights[:j]) for j in range(slices + 1)], dtype=torch.int32)
-    lora_a = torch.randn(slots_n, slices * WIDTH, hidden, generator=g) * 0.2
-    lora_b = torch.randn(slots_n, total, WIDTH, generator=g) * 0.2
+    lora_a = torch.randn(slots_n, slices * width, hidden, generator=g) * 0.2
+    lora_b = torch.randn(slots_n, total, width, generator=g) * 0.2
     for j in range(slices):  # padding beyond the width holds garbage the kernels must skip
         for slot in range(slots_n):
             w = int(widths[j, slot])
-            lora_a[slot, j * WIDTH + w : (j + 1) * WIDTH] = 7.0
+            lora_a[slot, j * width + w : (j + 1) * width] = 7.0
             lora_b[slot, bounds[j] : bounds[j + 1], w:] = 7.0
     batch = {
         "x": torch.randn(tokens, hidden, generator=g), "weight": torch.randn(total, hidden, generator=g) * 0.2,
@@ -348,11 +349,13 @@ def layer_op_on_first(tokens, b, out, decode_state=None):
 
 
 @pytest.mark.gpu
-def test_after_warm_up_no_batch_size_compiles_a_kernel():
-    """The layer op's first call compiles every variant; later batches of any size compile nothing."""
+@pytest.mark.parametrize("width", [WIDTH, 8])
+def test_after_warm_up_no_batch_size_compiles_a_kernel(width):
+    """The layer op's first call compiles every variant; later batches of any size compile nothing, odd token
+    counts included where 3 slices of width 8 make S 24 columns wide (BD-LoRA at TP=4, r'=32)."""
     from vllm_bdlora.kernels import fused_lora
 
-    b = mixed_batch(tokens=4500, hidden=256, dtype=torch.bfloat16, device="cuda")
+    b = mixed_batch(tokens=4500, hidden=256, dtype=torch.bfloat16, device="cuda", width=width)
     out = torch.empty(4500, sum(HEIGHTS), dtype=torch.bfloat16, device="cuda")
 
     layer_op_on_first(1, b, out)
@@ -475,3 +478,15 @@ def test_a_slot_fill_leaves_zeros_past_each_width_and_widths_of_zero_where_the_a
     assert torch.equal(layer.lora_a_all[1], neighbour[0]) and torch.equal(layer.lora_b_all[1], neighbour[1])
     layer.reset_lora(0)
     assert not layer.slot_widths[:, 0].any() and layer.slot_widths[:, 1].tolist() == [width] * 3
+
+
+@pytest.mark.parametrize("total_width", [8, 16, 24, 96])
+def test_the_parts_of_s_start_a_multiple_of_16_elements_apart_whatever_the_token_count(total_width):
+    """Triton specialises the kernels on the part stride's divisibility by 16: a stride that follows the token
+    count would compile a variant per parity while serving (warm-up runs 16 rows)."""
+    from vllm_bdlora.kernels.fused_lora import split_parts
+
+    for tokens in (1, 2, 15, 16, 17, 63, 1025):
+        parts = split_parts(3, tokens, total_width, "cpu")
+        assert parts.shape == (3, tokens, total_width) and parts.stride()[1:] == (total_width, 1)
+        assert parts.stride(0) % 16 == 0 and parts.stride(0) >= tokens * total_width

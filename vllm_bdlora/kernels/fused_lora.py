@@ -276,6 +276,17 @@ def _groups_grid(groups: TokenGroups, tokens: int, block_m: int, blocks: int) ->
     return cdiv(max(tokens, 1), block_m), groups.group_slot.shape[0], blocks
 
 
+def split_parts(split_k: int, tokens: int, total_width: int, device) -> torch.Tensor:
+    """An empty S (split_k, tokens, total_width) float32 whose parts start 16 elements apart or a multiple of it.
+    Triton specialises an integer argument on its divisibility by 16, and the part stride is one: contiguous, it
+    is tokens x total_width, whose divisibility changed with the token count's parity at total widths of 8 or 24
+    (BD-LoRA at TP=4, r'=32), so a step of an odd token count compiled a second variant of both kernels while
+    serving, seconds after warm-up had compiled the first."""
+    part = cdiv(max(tokens, 1) * total_width, 16) * 16
+    parts = torch.empty(split_k * part, dtype=torch.float32, device=device)
+    return parts.as_strided((split_k, tokens, total_width), (part, total_width, 1))
+
+
 def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfig) -> torch.Tensor:
     """S (split_k, tokens, slices·width) float32: X·A[slot]ᵀ per token, lora_a (slots, slices·width, hidden),
     slot_widths (slices, slots) int32. Only columns below each slot's width are written; the split_k parts
@@ -284,7 +295,7 @@ def lora_shrink(x, lora_a, groups: TokenGroups, slot_widths, config: LaunchConfi
     slices, total_width = slot_widths.shape[0], lora_a.shape[1]
     cfg = config
     k_per_split = cdiv(cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
-    out = torch.empty(cfg.split_k, x.shape[0], total_width, dtype=torch.float32, device=x.device)
+    out = split_parts(cfg.split_k, x.shape[0], total_width, x.device)
     grid = _groups_grid(groups, x.shape[0], cfg.block_m, cdiv(total_width, cfg.block_n) * cfg.split_k)
     launch(_routed_shrink_kernel, grid,
         x, lora_a, out, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start, slot_widths,
