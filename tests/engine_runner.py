@@ -89,6 +89,18 @@ def _slot_adapter_ids(worker):
     return list(worker.model_runner.lora_manager._adapter_manager.lora_index_to_id)
 
 
+def _adapter_loads(worker):
+    """How this worker's adapters reached their slots (loads by kind: admission, reread, restore, slot_fill, ...),
+    and which of the adapters it keeps in memory are slot images."""
+    from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters
+
+    adapters = WorkerAdapters.of(worker.model_runner.lora_manager)
+    kept = adapters.kept
+    resident = sorted(kept.resident_ids()) if kept is not None else []
+    return {"loads": {kind: histogram.count for kind, histogram in adapters.stats.loads.items()},
+            "imaged": [i for i in resident if kept.get(i).image is not None]}  # fmt: skip
+
+
 def _kv_non_finite(worker):
     """Non-finite entries in the worker's KV cache, counted a slice at a time (on a GPU the cache fills most of its
     memory: a mask of the whole of it would not fit beside it). The slices are views along the leading dimensions,
@@ -198,6 +210,8 @@ def run_spec(engine: Engine, spec: dict) -> dict:
     if spec.get("requests"):
         outputs = generate(spec["requests"], spec["max_tokens"])
         result["outputs"] = [_output(o) for o in outputs]
+    if spec.get("adapter_loads"):
+        result["adapter_loads"] = llm.collective_rpc(_adapter_loads)
     if spec.get("after"):
         result["after"] = [_output(generate([request], spec["max_tokens"])[0]) for request in spec["after"]]
         result["kv_non_finite"] = llm.collective_rpc(_kv_non_finite)

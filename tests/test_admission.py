@@ -40,6 +40,7 @@ from vllm_bdlora.adapter_lifecycle.files import (
     module_rank,
     open_adapter,
 )
+from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore, StoreFull
 from vllm_bdlora.adapter_lifecycle.values import (
     MAX_GAIN,
@@ -304,11 +305,9 @@ def test_paths_are_confined_after_resolution(tmp_path):
 def kept(identity: str, values: float, n: int = 256):
     """An admitted adapter as the store sees it: a template LoRAModel whose module weights hold tensors."""
     weights = SimpleNamespace(
-        lora_a=torch.full((4, n), values), lora_b=torch.full((n, 4), -values, dtype=torch.bfloat16)
+        lora_a=torch.full((4, n), float(values)), lora_b=torch.full((n, 4), -float(values), dtype=torch.bfloat16)
     )
-    template = SimpleNamespace(loras={"m": weights})
-    nbytes = 4 * n * 4 + n * 4 * 2
-    return SimpleNamespace(identity=identity, template=template, nbytes=nbytes)
+    return AdmittedAdapter("a", SimpleNamespace(loras={"m": weights}), identity, "", [], None)
 
 
 def test_the_store_spills_past_its_budget_and_reads_back_exactly(tmp_path):

@@ -154,12 +154,22 @@ def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_
     """lora_kernels: fused without DoRA: BD adapters of ranks 64/48/32 and a standard one share the batch,
     so the per-slot widths (heterogeneous ranks) matter; through two GPU slots, so a slot is refilled by an
     adapter of another rank or other target modules, which the fused kernels' slot fill (no zeroing of what
-    the previous adapter left beyond the new one's widths) must not let through."""
-    engine = engine_kwargs(assets["model"], 1, bdlora=True, max_loras=2,
-                           additional_config={"bdlora": {"lora_kernels": "fused"}})  # fmt: skip
+    the previous adapter left beyond the new one's widths) must not let through. Each slot is filled whole from the
+    adapter's slot image, and the worker keeps few adapters in memory: the others' images are spilled to disk and
+    read back before their slots are filled."""
+    settings = {"lora_kernels": "fused", "adapter_host_memory": FUSED_HOST_MEMORY}
+    engine = engine_kwargs(assets["model"], 1, bdlora=True, max_loras=2, additional_config={"bdlora": settings})
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
+    spec |= {"load_first": list(ADAPTERS), "adapter_loads": True}  # admitted first: the store spills most
     assert len(ADAPTERS) > 2 * engine["max_loras"]
-    assert_matches_reference(run_engine(spec, tmp_path_factory.mktemp("fused_tp1")), peft_reference)
+    result = run_engine(spec, tmp_path_factory.mktemp("fused_tp1"))
+    assert_matches_reference(result, peft_reference)
+    (worker,) = result["adapter_loads"]
+    assert worker["imaged"] and worker["loads"]["slot_fill"] >= len(ADAPTERS) - engine["max_loras"], worker
+    assert worker["loads"]["restore"] + worker["loads"]["restore_ahead"] > 0, worker["loads"]
+
+
+FUSED_HOST_MEMORY = 1 << 20  # bytes of adapters a worker keeps in memory: a few of the test adapters
 
 
 @pytest.mark.engine

@@ -456,7 +456,8 @@ def test_a_slot_fill_leaves_zeros_past_each_width_and_widths_of_zero_where_the_a
     layer.lora_a_stacked = tuple(layer.lora_a_all[:, None, i * width : (i + 1) * width] for i in range(len(HEIGHTS)))
     offsets = [sum(HEIGHTS[:i]) for i in range(len(HEIGHTS))]
     layer.lora_b_stacked = tuple(layer.lora_b_all[:, None, o : o + h] for o, h in zip(offsets, HEIGHTS, strict=True))
-    for name in ("set_lora", "reset_lora", "_fit_local"):
+    layer.slot_arena = None
+    for name in ("set_lora", "reset_lora", "_fit_local", "_arena_fills_slot"):
         setattr(layer, name, getattr(BlockDiagonalLoRALayer, name).__get__(layer))
 
     def adapter(w, skip=()):

@@ -43,6 +43,10 @@ PATCH_TESTS = {
     ],
     "adapter_load_order": ["test_dora_engine.py::test_dora_tp2_matches_peft_and_rejects_bad_adapters"],
     "add_lora_failures_as_replies": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
+    "whole_slot_fills": [
+        "test_slot_arena.py::test_an_activation_of_an_imaged_adapter_skips_the_layers_own_fills_and_copies_the_image",
+        "test_engine_vs_peft.py::test_fused_lora_kernels_tp1_match_peft",
+    ],
     "admission_leaves_engine_caches": ["test_engine_vs_peft.py::test_more_adapters_than_gpu_slots_still_match_peft"],
     "cpu_lora_ops_ignore_unadapted_tokens": ["test_patching.py::test_cpu_ops_ignore_unadapted_tokens"],
     "cpu_lora_device_of_repacked_layers": [

@@ -88,6 +88,7 @@ class BlockDiagonalLoRALayer:
     layer_kind: ClassVar[str]
     vllm_class: ClassVar[type]
     lora_width: int
+    slot_arena = None  # the manager's SlotArena, once it holds this layer's slots (fused kernels only)
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
@@ -156,18 +157,14 @@ class BlockDiagonalLoRALayer:
         self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
         self.fused_kernels = uses_fused_kernels(self.settings.lora_kernels)
         width = self.lora_width
+        # Per slice and slot, the width an adapter really uses: the fused kernels stop there. Only they
+        # read it, so other layers skip its per-load device writes.
+        self.slot_widths: torch.Tensor | None = None
         if self.fused_kernels:
             # One A and one B buffer for all slices, so one launch serves the packed layer; vLLM (and
-            # set_lora) see per-slice views of them.
-            self.lora_a_all = zeros(len(heights) * width, self.input_size)
-            self.lora_b_all = zeros(sum(heights), width)
-            self.lora_a_stacked = tuple(
-                self.lora_a_all[:, None, i * width : (i + 1) * width] for i in range(len(heights))
-            )
-            self.lora_b_stacked = tuple(
-                self.lora_b_all[:, None, offset : offset + height]
-                for offset, height in zip(self.slice_offsets, heights, strict=True)
-            )
+            # set_lora) see per-slice views of them. The manager then moves them into its slot arena.
+            widths = torch.zeros(len(heights), max_loras, dtype=torch.int32, device=self.device)
+            self.bind_slot_buffers(zeros(len(heights) * width, self.input_size), zeros(sum(heights), width), widths)
             self.slice_bounds = torch.tensor([*self.slice_offsets, sum(heights)], dtype=torch.int32, device=self.device)
         else:
             self.lora_a_stacked = tuple(zeros(1, width, self.input_size) for _ in heights)
@@ -183,16 +180,32 @@ class BlockDiagonalLoRALayer:
         self.dora_scale: torch.Tensor | None = None
         if dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
-        # Per slice and slot, the width an adapter really uses: the fused kernels stop there. Only they
-        # read it, so other layers skip its per-load device writes.
-        self.slot_widths: torch.Tensor | None = None
-        if self.fused_kernels:
-            self.slot_widths = torch.zeros(len(heights), max_loras, dtype=torch.int32, device=self.device)
         if dora or self.fused_kernels:
             # vLLM's optional side-stream LoRA path bypasses _apply_sync, where both happen.
             self._enable_aux_cuda_stream = False
 
+    def bind_slot_buffers(
+        self, lora_a_all: torch.Tensor, lora_b_all: torch.Tensor, slot_widths: torch.Tensor, arena=None
+    ) -> None:
+        """Hold the packed layer's factors in `lora_a_all` (slots, slices x width, in) and `lora_b_all` (slots,
+        height, width), its widths in `slot_widths` (slices, slots), and derive vLLM's per-slice views. `arena`:
+        the manager's `vllm_bdlora.slot_arena.SlotArena` these are views of, which may fill whole slots."""
+        width = lora_b_all.shape[2]
+        self.lora_a_all, self.lora_b_all, self.slot_widths, self.slot_arena = lora_a_all, lora_b_all, slot_widths, arena
+        slices = len(self.output_slices)
+        self.lora_a_stacked = tuple(lora_a_all[:, None, i * width : (i + 1) * width] for i in range(slices))
+        self.lora_b_stacked = tuple(
+            lora_b_all[:, None, offset : offset + height]
+            for offset, height in zip(self.slice_offsets, self.output_slices, strict=True)
+        )
+
+    def _arena_fills_slot(self) -> bool:
+        """Whether the slot arena is copying a whole slot (every layer's share at once) in place of this call."""
+        return self.slot_arena is not None and self.slot_arena.filling_whole_slots
+
     def reset_lora(self, index: int) -> None:
+        if self._arena_fills_slot():
+            return
         if self.slot_widths is not None:
             # The fused kernels read nothing of a slot whose widths are 0, so its stale factors can stay: one
             # write, rather than a zero fill per factor and slice inside the step that empties the slot.
@@ -273,7 +286,10 @@ class BlockDiagonalLoRALayer:
         """Copy an adapter's factors into slot `index`. vLLM calls this inside the step that first needs the
         adapter, so every device operation here delays that step's running requests: on the fused path a slot
         fill is two copies per slice and one write of the slot's widths (vLLM's own layers zero the whole slot
-        first, two more operations per slice)."""
+        first, two more operations per slice), and an adapter kept as a slot image skips it altogether: the slot
+        arena copies the whole slot, every layer at once (`vllm_bdlora.slot_arena`)."""
+        if self._arena_fills_slot():
+            return
         lora_a = lora_a if isinstance(lora_a, (list, tuple)) else [lora_a]
         lora_b = lora_b if isinstance(lora_b, (list, tuple)) else [lora_b]
         if len(lora_a) != self.n_slices or len(lora_b) != self.n_slices:

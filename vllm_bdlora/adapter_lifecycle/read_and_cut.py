@@ -8,7 +8,9 @@ adapter never leaves half-written state behind.
 The files are opened once (`files.open_adapter`) and the weights file is mapped, so cutting a tensor to this rank's
 rows reads only those rows' pages; each module's factors are checked against its layer and cut
 (`sharding.localize`), then handed to vLLM's own `LoRAModel.from_lora_tensors` (names, scaling, dtype, pinned
-memory); their values are checked (`values.py`) and B is multiplied by the module's scaling once, as vLLM would on
+memory). On the fused kernels the BD modules' shares are first copied into the adapter's slot image
+(`vllm_bdlora.slot_arena`: one buffer, pinned, in one GPU slot's layout, from which a slot fill is one copy), and vLLM's
+loader takes views of it as they are. Their values are checked (`values.py`) and B is multiplied by the module's scaling once, as vLLM would on
 every load. No collective and no GPU work runs here: DoRA's magnitude scales, which need both, are `finish.py`'s.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,7 @@ from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.dora import DoraAdapter, is_magnitude_tensor, stage_magnitudes
 from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_problem, localize
+from vllm_bdlora.slot_arena import IMAGE_ATTRIBUTE, SlotArena, SlotImage
 
 
 def smallest_max_lora_rank(width_needed: int, tp_size: int) -> int | None:
@@ -77,20 +80,54 @@ class AdmittedAdapter:
     staged: list[StagedModule] = field(default_factory=list)  # kept until DoRA's scales are computed
     dora: bool = False
     logged: bool = False
+    # The BD modules in one GPU slot's layout, their weights being views of it (`vllm_bdlora.slot_arena`); None
+    # where the server fills slots layer by layer, and while the adapter is spilled.
+    image: SlotImage | None = None
+    image_modules: Mapping | None = None  # the image's `modules`, kept while it is spilled
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for weights in self.template.loras.values():
-            for tensor in (weights.lora_a, weights.lora_b):
-                if isinstance(tensor, torch.Tensor):
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in self.host_tensors())
 
     def fresh_model(self):
         model = copy.copy(self.template)
         model.loras = {name: copy.copy(weights) for name, weights in self.template.loras.items()}
+        if self.image is not None:
+            setattr(model, IMAGE_ATTRIBUTE, self.image)
         return model
+
+    # -- what a spill writes and a read-back restores (`store.AdapterStore`) ----------------------------------------
+    def host_tensors(self) -> list[tuple[tuple[str, str], torch.Tensor]]:
+        """Every tensor kept in host memory, keyed: the slot image's two, and the module tensors it does not hold."""
+        found = []
+        if self.image is not None:
+            found += [(("", "image_factors"), self.image.factors), (("", "image_widths"), self.image.widths)]
+        in_image = self.image.modules if self.image is not None else {}
+        for module, weights in self.template.loras.items():
+            if module in in_image:
+                continue
+            for attribute in ("lora_a", "lora_b"):
+                tensor = getattr(weights, attribute)
+                if isinstance(tensor, torch.Tensor):
+                    found.append(((module, attribute), tensor))
+        return found
+
+    def release_host_tensors(self) -> None:
+        if self.image is not None:
+            self.image_modules = self.image.modules
+            for module in self.image.modules:
+                self.template.loras[module].lora_a = self.template.loras[module].lora_b = None
+            self.image = None
+        for (module, attribute), _ in self.host_tensors():
+            setattr(self.template.loras[module], attribute, None)
+
+    def restore_host_tensors(self, tensors: Mapping[tuple[str, str], torch.Tensor]) -> None:
+        for (module, attribute), tensor in tensors.items():
+            if module:
+                setattr(self.template.loras[module], attribute, tensor)
+        if ("", "image_factors") in tensors:
+            self.image = SlotImage(tensors[("", "image_factors")], tensors[("", "image_widths")], self.image_modules)
+            self.image.bind(self.template.loras)
 
 
 def _grouped_by_module(views: dict, mapper) -> tuple[dict, dict, list[str]]:
@@ -170,7 +207,7 @@ def cut_to_rank(views: dict, fmt: AdapterFormat, manager, adapter: str, mapper,
             problems.append(width_problem(module, local, lora_a.shape[0], layer.lora_config.max_lora_rank,
                                           layer.tp_size, layer.parallelism))  # fmt: skip
             continue
-        staged.append(StagedModule(module, local, target))
+        staged.append(StagedModule(module, local, target, tensor_names=(a_name, b_name)))
         tensors[a_name], tensors[b_name] = local.lora_a, local.lora_b
     if problems:
         raise AdapterRejected(adapter, problems)
@@ -225,6 +262,14 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
             raise AdapterRejected(name, ["its weights file changed while it was read"], REWRITE_HINT)
         identity = opened.identity
     model = worker_manager._adapter_manager.model
+    arena = SlotArena.of(manager)
+    image = None
+    if arena is not None and arena.takes_images and not fmt.dora:
+        # BD modules go straight into the adapter's slot image: vLLM's loader gets views of it
+        image = arena.image_of((item.name, item.target, item.local.lora_a, item.local.lora_b) for item in staged)
+        for item in staged:
+            a_name, b_name = item.tensor_names
+            tensors[a_name], tensors[b_name] = image.views(item.name)
     try:
         lora_model = LoRAModel.from_lora_tensors(
             lora_model_id=lora_request.lora_int_id, tensors={**tensors, **magnitudes}, peft_helper=peft_helper,
@@ -236,6 +281,8 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
         raise
     except (ValueError, RuntimeError) as e:  # vLLM refusing what this model cannot serve (a head, a vocabulary)
         raise AdapterRejected(name, [f"{WEIGHTS_FILE}: {e}"], VLLM_REFUSAL_HINT) from None
+    if image is not None:
+        image.bind(lora_model.loras)  # where vLLM's loader copied what it was handed, the image is what stays
     check_values(lora_model, name, worker_manager.lora_config.lora_dtype)
     for item in staged:
         item.weights = lora_model.loras.get(item.name)
@@ -259,7 +306,7 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
     for item in staged:  # the shares' tensors now live in vLLM's module weights
         item.local = LocalFactors(item.local.lora_a[:0], item.local.lora_b[:0], item.local.blocks, item.local.nblocks)
     return AdmittedAdapter(name, lora_model, identity, summary, not_served, deployment_targets,
-                           staged=staged if fmt.dora else [], dora=fmt.dora)  # fmt: skip
+                           staged=staged if fmt.dora else [], dora=fmt.dora, image=image)  # fmt: skip
 
 
 def check_values(lora_model, adapter: str, dtype) -> None:

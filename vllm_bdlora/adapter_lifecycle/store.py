@@ -62,7 +62,7 @@ class _Spilled:
 
     admitted: object  # its tensors set to None until read back
     fd: int
-    places: list  # (module, attribute, offset, shape, dtype, pinned)
+    places: list  # (key, offset, shape, dtype, pinned), keys as the adapter's `host_tensors` names them
 
 
 class AdapterStore:
@@ -318,22 +318,17 @@ class AdapterStore:
         os.unlink(path)  # the file lives as long as this descriptor: gone with the process, however it ends
         places, offset = [], 0
         try:  # ENOSPC included: the caller keeps the adapter resident and says so
-            for module, weights in admitted.template.loras.items():
-                for attribute in ("lora_a", "lora_b"):
-                    tensor = getattr(weights, attribute)
-                    if not isinstance(tensor, torch.Tensor):
-                        continue
-                    data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
-                    written = 0
-                    while written < data.nbytes:
-                        written += os.pwrite(fd, memoryview(data)[written:], offset + written)
-                    places.append((module, attribute, offset, tuple(tensor.shape), tensor.dtype, tensor.is_pinned()))
-                    offset += data.nbytes
+            for key, tensor in admitted.host_tensors():
+                data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+                written = 0
+                while written < data.nbytes:
+                    written += os.pwrite(fd, memoryview(data)[written:], offset + written)
+                places.append((key, offset, tuple(tensor.shape), tensor.dtype, tensor.is_pinned()))
+                offset += data.nbytes
         except OSError:
             os.close(fd)
             raise
-        for module, attribute, *_ in places:
-            setattr(admitted.template.loras[module], attribute, None)
+        admitted.release_host_tensors()
         with self._lock:
             self._spilled[adapter_id] = _Spilled(admitted, fd, places)
 
@@ -345,8 +340,9 @@ class AdapterStore:
         if spilled is None:  # read back by another thread meanwhile (a read-back ahead does not wait on itself)
             return self.get(adapter_id) if wait_for_others else None
         admitted = spilled.admitted
+        restored = {}
         try:
-            for module, attribute, offset, shape, dtype, pinned in spilled.places:
+            for key, offset, shape, dtype, pinned in spilled.places:
                 count = 1
                 for n in shape:
                     count *= n
@@ -356,9 +352,10 @@ class AdapterStore:
                 done = 0
                 while done < len(view):
                     done += os.preadv(spilled.fd, [view[done:]], offset + done)
-                setattr(admitted.template.loras[module], attribute, raw.view(dtype).reshape(shape))
+                restored[key] = raw.view(dtype).reshape(shape)
         finally:
             os.close(spilled.fd)
+        admitted.restore_host_tensors(restored)
         with self._lock:
             self._admitted[adapter_id] = admitted
             self.resident_bytes += admitted.nbytes

@@ -25,6 +25,7 @@ class StagedModule:
     name: str
     local: LocalFactors
     target: LoRATarget
+    tensor_names: tuple[str, str] = ("", "")  # its A and B tensors' names in the adapter's weights file
     weights: object = None  # vLLM's LoRALayerWeights, once built
     magnitude: torch.Tensor | None = None  # this rank's DoRA magnitude entries
 

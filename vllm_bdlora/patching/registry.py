@@ -43,6 +43,7 @@ from vllm_bdlora.patching.worker import (
     patch_lora_manager,
     patch_peft_helper_defers_adapter_flags,
     patch_sampling_survives_non_finite_rows,
+    patch_whole_slot_fills,
 )
 from vllm_bdlora.serve.quiet_logs import (
     install_adapter_refusal_filter,
@@ -143,7 +144,8 @@ PATCHES: tuple[Patch, ...] = (
         why="The LoRA manager is the one place that sees both the vLLM config (is BD on?) and the layer "
         "replacement; buffers must be max_lora_rank/TP wide from the start.",
         how="Read additional_config['bdlora']; if on, refuse --fully-sharded-loras and ranks not divisible "
-        "by TP, build layers with the BD classes selectable, log one line per layer kind.",
+        "by TP, build layers with the BD classes selectable, put the fused BD layers' slots in one buffer "
+        "(slot_arena.bind_slot_arena), log one line per layer kind.",
         removal="Per-layer-kind LoRA sharding strategies selectable through vLLM's config.",
         apply=patch_lora_manager,
     ),
@@ -294,6 +296,20 @@ PATCHES: tuple[Patch, ...] = (
         "registers it from the store and fills a slot, as vLLM does for any adapter that is not resident.",
         removal="vLLM admitting an adapter without evicting resident ones.",
         apply=patch_admission_leaves_engine_caches,
+    ),
+    Patch(
+        name="whole_slot_fills",
+        targets=("vllm.lora.model_manager.LRUCacheLoRAModelManager.activate_adapter",),
+        stage="plugin",
+        versions="0.26-0.33",
+        why="vLLM fills a GPU slot by calling every LoRA layer's set_lora in turn, inside the step that first needs "
+        "the adapter: at Llama-3.1-8B's 128 LoRA layers about 700 device operations dispatched one by one while "
+        "every running request of the step waits.",
+        how="For an adapter kept as a slot image (slot_arena.SlotImage, built at admission), run vLLM's activation "
+        "with the BD layers' set_lora and reset_lora doing nothing, then copy the image into the slot vLLM chose: "
+        "two copies (slot_arena.activate_filling_whole_slot).",
+        removal="A whole-slot fill in vLLM (LoRA buffers laid out by slot).",
+        apply=patch_whole_slot_fills,
     ),
     Patch(
         name="cpu_lora_device_of_repacked_layers",

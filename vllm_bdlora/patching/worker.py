@@ -48,10 +48,12 @@ def patch_lora_layer_classes() -> bool:
 
 
 def patch_lora_manager() -> bool:
-    """Build BD layers when `additional_config["bdlora"]` is on, and log how they shard adapters."""
+    """Build BD layers when `additional_config["bdlora"]` is on, put the fused ones' slots in one arena
+    (`vllm_bdlora.slot_arena`), and log how they shard adapters."""
     from vllm.lora.model_manager import LoRAModelManager
 
     from vllm_bdlora.manager import building_bd_layers, log_startup_report
+    from vllm_bdlora.slot_arena import bind_slot_arena
 
     require_parameters(LoRAModelManager.__init__, ("model", "lora_config", "vllm_config"), "LoRAModelManager.__init__")
 
@@ -65,6 +67,7 @@ def patch_lora_manager() -> bool:
             model = kwargs["model"] if "model" in kwargs else args[0]
             with building_bd_layers(settings, kwargs["lora_config"], model):
                 original(self, *args, **kwargs)
+            bind_slot_arena(self)
             log_startup_report(self, settings, kwargs["lora_config"], vllm_config)
 
         return __init__
@@ -154,6 +157,29 @@ def patch_admission_leaves_engine_caches() -> bool:
         return add_adapter
 
     return wrap_method(LRUCacheWorkerLoRAManager, "add_adapter", make)
+
+
+def patch_whole_slot_fills() -> bool:
+    """A slot activation of an adapter kept as a slot image copies the image whole instead of calling every BD
+    layer's set_lora (`vllm_bdlora.slot_arena.activate_filling_whole_slot`)."""
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+
+    from vllm_bdlora.slot_arena import activate_filling_whole_slot
+
+    require_parameters(LRUCacheLoRAModelManager.activate_adapter, ("lora_id",),
+                       "LRUCacheLoRAModelManager.activate_adapter")  # fmt: skip
+    source = inspect.getsource(inspect.unwrap(LRUCacheLoRAModelManager.activate_adapter))
+    if "super().activate_adapter(" not in source:
+        raise UpstreamContractError("vllm-bdlora: LRUCacheLoRAModelManager.activate_adapter no longer activates "
+                                    "through LoRAModelManager.activate_adapter.")  # fmt: skip
+
+    def make(original):
+        def activate_adapter(self, lora_id):
+            return activate_filling_whole_slot(self, lora_id, lambda: original(self, lora_id))
+
+        return activate_adapter
+
+    return wrap_method(LRUCacheLoRAModelManager, "activate_adapter", make)
 
 
 CPU_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")

@@ -1,0 +1,175 @@
+"""The slot arena (`vllm_bdlora.slot_arena`): a whole-slot fill from an adapter's slot image leaves every layer's slot
+exactly as the layers' own per-layer fills would, vLLM's per-layer calls do nothing meanwhile, and an image survives
+a spill and read-back. The engine test of the fused kernels (`test_engine_vs_peft.py`) serves through it against PEFT.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter
+from vllm_bdlora.adapter_lifecycle.store import AdapterStore
+from vllm_bdlora.adapter_lifecycle.targets import LoRATarget
+from vllm_bdlora.layers import BlockDiagonalLoRALayer
+from vllm_bdlora.slot_arena import IMAGE_ATTRIBUTE, SlotArena, activate_filling_whole_slot
+
+SLOTS, WIDTH = 3, 16
+
+
+class FusedLayer:
+    """What a fused BD layer's slot fill and the arena use of it, with the layer class's own methods."""
+
+    set_lora = BlockDiagonalLoRALayer.set_lora
+    reset_lora = BlockDiagonalLoRALayer.reset_lora
+    bind_slot_buffers = BlockDiagonalLoRALayer.bind_slot_buffers
+    _fit_local = BlockDiagonalLoRALayer._fit_local
+    _arena_fills_slot = BlockDiagonalLoRALayer._arena_fills_slot
+    slot_arena = None
+    dora_scale = None
+    fused_kernels = True
+
+    def __init__(self, heights: tuple[int, ...], hidden: int):
+        self.output_slices, self.n_slices, self.input_size, self.lora_width = heights, len(heights), hidden, WIDTH
+        self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
+        a, b = torch.zeros(SLOTS, len(heights) * WIDTH, hidden), torch.zeros(SLOTS, sum(heights), WIDTH)
+        self.bind_slot_buffers(a, b, torch.zeros(len(heights), SLOTS, dtype=torch.int32))
+
+
+# a packed qkv-like layer, a row-parallel one (odd input size), a gate/up-like one
+SHAPES = (((24, 8, 8), 40), ((40,), 23), ((30, 30), 40))
+
+
+def model_layers():
+    return [FusedLayer(heights, hidden) for heights, hidden in SHAPES]
+
+
+def adapter(widths: dict, seed: int) -> dict:
+    """{(layer, slice): (A, B)} of random non-zero factors of the given widths (slices left out are not adapted)."""
+    g = torch.Generator().manual_seed(seed)
+    factors = {}
+    for (layer, index), width in widths.items():
+        heights, hidden = SHAPES[layer]
+        a, b = torch.randn(width, hidden, generator=g), torch.randn(heights[index], width, generator=g)
+        factors[(layer, index)] = (a, b)
+    return factors
+
+
+def fill_layer_by_layer(layers, slot: int, factors: dict) -> None:
+    """vLLM's activation: every layer's set_lora with its slices' factors (None where not adapted), or reset_lora."""
+    for n, layer in enumerate(layers):
+        pairs = [factors.get((n, i), (None, None)) for i in range(layer.n_slices)]
+        if all(a is None for a, _ in pairs):
+            layer.reset_lora(slot)
+        else:
+            layer.set_lora(slot, [a for a, _ in pairs], [b for _, b in pairs])
+
+
+def image_of(arena: SlotArena, layers, factors: dict):
+    """The adapter's image, and module weights bound to it as the loader's are ({module name: weights})."""
+    image = arena.image_of((f"{n}.{i}", LoRATarget(layers[n], i), a, b) for (n, i), (a, b) in factors.items())
+    weights = {f"{n}.{i}": SimpleNamespace(lora_a=None, lora_b=None) for n, i in factors}
+    image.bind(weights)
+    return image, weights
+
+
+WIDE = {(0, 0): WIDTH, (0, 1): WIDTH, (0, 2): WIDTH, (1, 0): WIDTH, (2, 0): WIDTH, (2, 1): WIDTH}
+# narrower, slice 1 of the packed layer and the whole row-parallel layer left out
+NARROW = {(0, 0): 5, (0, 2): 12, (2, 0): 8, (2, 1): 1}
+
+
+def served(layer, slot: int) -> list:
+    """What the fused kernels read of a slot: each slice's width and its factors up to that width."""
+    out = []
+    for i, width in enumerate(layer.slot_widths[:, slot].tolist()):
+        out.append((width, layer.lora_a_stacked[i][slot, 0, :width], layer.lora_b_stacked[i][slot, 0, :, :width]))
+    return out
+
+
+def test_a_whole_slot_fill_serves_what_the_layers_own_fills_serve():
+    """A wide adapter, then a narrower one that adapts fewer slices, through the same slot: the arena's layers (two
+    copies per fill, from images) serve what layers filled by their own set_lora/reset_lora serve, hold zeros past
+    every width (the kernels read whole tiles of B), and the neighbouring slot keeps what it held."""
+    by_layer, in_arena = model_layers(), model_layers()
+    arena = SlotArena(in_arena, SLOTS, torch.float32, torch.device("cpu"))
+    assert all(layer.slot_arena is arena for layer in in_arena)
+    wide, narrow, neighbour = adapter(WIDE, 1), adapter(NARROW, 2), adapter(WIDE, 3)
+    for slot, factors in ((0, neighbour), (1, wide), (1, narrow)):
+        fill_layer_by_layer(by_layer, slot, factors)
+        arena.fill(slot, image_of(arena, in_arena, factors)[0])
+    for want, got in zip(by_layer, in_arena, strict=True):
+        for slot in (0, 1):
+            for (w_width, w_a, w_b), (g_width, g_a, g_b) in zip(served(want, slot), served(got, slot), strict=True):
+                assert w_width == g_width and torch.equal(w_a, g_a) and torch.equal(w_b, g_b)
+        assert torch.equal(got.lora_a_all[0], want.lora_a_all[0]) and torch.equal(got.lora_b_all[0], want.lora_b_all[0])
+        for i, width in enumerate(got.slot_widths[:, 1].tolist()):
+            assert not got.lora_a_stacked[i][1, 0, width:].any() and not got.lora_b_stacked[i][1, 0, :, width:].any()
+    assert in_arena[0].slot_widths[:, 1].tolist() == [5, 0, 12] and not in_arena[1].slot_widths[:, 1].any()
+    assert in_arena[1].slot_widths[:, 0].tolist() == [WIDTH]
+    # the layers' buffers are views of the arena's (the kernels read them there)
+    assert in_arena[2].lora_b_all.untyped_storage().data_ptr() == arena.factors.untyped_storage().data_ptr()
+
+
+def test_an_image_holds_the_adapters_factors_in_the_lora_dtype_and_module_weights_are_views_of_it():
+    layers = model_layers()
+    arena = SlotArena(layers, SLOTS, torch.bfloat16, torch.device("cpu"))
+    factors = adapter(NARROW, 4)  # float32, as a weights file may hold them
+    image, weights = image_of(arena, layers, factors)
+    for name, module in weights.items():
+        a, b = factors[tuple(int(p) for p in name.split("."))]
+        assert torch.equal(module.lora_a, a.bfloat16()) and torch.equal(module.lora_b, b.bfloat16())
+        assert module.lora_b.untyped_storage().data_ptr() == image.factors.untyped_storage().data_ptr()
+    assert image.nbytes == arena.factors[0].numel() * 2 + arena.widths.shape[0] * 4
+
+
+def test_an_activation_of_an_imaged_adapter_skips_the_layers_own_fills_and_copies_the_image():
+    """vLLM's activation picks the slot and calls every layer's set_lora (here with factors that do not fit, which
+    would raise if a layer copied them); with an image the layers do nothing and the image fills the slot."""
+    layers = model_layers()
+    arena = SlotArena(layers, SLOTS, torch.float32, torch.device("cpu"))
+    image, _ = image_of(arena, layers, adapter(WIDE, 5))
+    registered = {8: SimpleNamespace(**{IMAGE_ATTRIBUTE: image})}
+    manager = SimpleNamespace(lora_index_to_id=[7, None, None], _registered_adapters=registered,
+                              **{SlotArena.ATTRIBUTE: arena})  # fmt: skip
+
+    def vllm_activation():
+        manager.lora_index_to_id[1] = 8
+        for layer in layers:
+            layer.set_lora(1, [torch.ones(WIDTH + 1, 3)] * layer.n_slices, [torch.ones(2, WIDTH + 1)] * layer.n_slices)
+            layer.reset_lora(1)
+        return True
+
+    assert activate_filling_whole_slot(manager, 8, vllm_activation)
+    assert torch.equal(arena.factors[1], image.factors) and torch.equal(arena.widths[:, 1], image.widths)
+    assert not arena.filling_whole_slots and not arena.factors[2].any()
+    with pytest.raises(RuntimeError):  # outside an imaged activation the layers fill (and check) as before
+        layers[1].set_lora(2, [torch.ones(WIDTH + 1, 3)], [torch.ones(2, WIDTH + 1)])
+
+
+def test_an_imaged_adapter_is_spilled_and_read_back_whole(tmp_path):
+    """The store writes an image as one piece and reads it back with the module weights pointing into it again;
+    module tensors outside the image (a layer vLLM serves itself) are spilled and restored beside it."""
+    layers = model_layers()
+    arena = SlotArena(layers, SLOTS, torch.float32, torch.device("cpu"))
+
+    def admitted(seed: int) -> AdmittedAdapter:
+        image, loras = image_of(arena, layers, adapter(NARROW, seed))
+        loras["lm_head"] = SimpleNamespace(lora_a=torch.full((4, 8), float(seed)), lora_b=torch.ones(8, 4))
+        return AdmittedAdapter(f"a{seed}", SimpleNamespace(loras=loras), f"id{seed}", "", [], None, image=image)
+
+    first, second = admitted(6), admitted(7)
+    want = first.image.factors.clone(), first.image.widths.clone(), {k: t.clone() for k, t in first.host_tensors()}
+    store = AdapterStore(host_budget=first.nbytes, spill_dir=str(tmp_path))
+    store.keep(1, first)
+    store.keep(2, second)
+    assert store.spilled_ids() == {1} and first.image is None
+    assert all(w.lora_a is None and w.lora_b is None for w in first.template.loras.values())
+    assert getattr(first.fresh_model(), IMAGE_ATTRIBUTE, None) is None  # a spilled adapter is not filled from an image
+    restored = store.get(1)
+    assert torch.equal(restored.image.factors, want[0]) and torch.equal(restored.image.widths, want[1])
+    for key, tensor in restored.host_tensors():
+        assert torch.equal(tensor, want[2][key])
+    weights = restored.template.loras["0.2"]
+    assert weights.lora_a.untyped_storage().data_ptr() == restored.image.factors.untyped_storage().data_ptr()
+    assert torch.equal(weights.lora_b, adapter(NARROW, 6)[(0, 2)][1])
+    assert getattr(restored.fresh_model(), IMAGE_ATTRIBUTE) is restored.image
