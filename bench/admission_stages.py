@@ -3,8 +3,9 @@ same rank for a standard adapter of the same model.
 
 An admission (`vllm_bdlora.adapter_lifecycle.read_and_cut`) opens the files and maps the weights, cuts every module
 to the rank's share (`vllm_bdlora.sharding.localize`, with the rank's shard of each Llama projection), checks the
-values (`values.value_problems`) and hands the shares to vLLM's
-`LoRAModel.from_lora_tensors` in host memory (pinned where a GPU copies from it). Stock vLLM's worker reads the whole
+values (`values.value_problems`), copies the shares into the adapter's slot image (`vllm_bdlora.slot_arena`: one
+buffer in one GPU slot's layout, pinned where a GPU copies from it) and hands views of it to vLLM's
+`LoRAModel.from_lora_tensors`. Stock vLLM's worker reads the whole
 adapter on every rank with `LoRAModel.from_local_checkpoint`. Neither needs the model, so the stages run at any
 shape on any machine; the whole admission over HTTP is `bench/many_adapters.py`'s load phase.
 
@@ -74,11 +75,60 @@ def bd_admission(path: str, shape: LlamaShape, tp: int, nblocks: int) -> dict[st
     ]
     assert value_problems(modules, torch.bfloat16) == ([], [])
     seconds["check values"] = time.perf_counter() - started
+    arena, targets = slot_arena_of(tensors)
+    started = time.perf_counter()
+    image = arena.image_of((name, targets[name], tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")])
+                           for name in targets)  # fmt: skip
+    for name in targets:
+        tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")] = image.views(name)
+    seconds["slot image"] = time.perf_counter() - started
     started = time.perf_counter()
     LoRAModel.from_lora_tensors(lora_model_id=1, tensors=tensors, peft_helper=PEFTHelper.from_dict(config),
                                 device="cpu", dtype=torch.bfloat16)  # fmt: skip
     seconds["LoRAModel in host memory"] = time.perf_counter() - started
     return seconds
+
+
+# Llama's projections as vLLM packs them: (packed layer, slice)
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}  # fmt: skip
+
+
+class PackedLayerShape:
+    """What the slot arena reads of a served model's packed LoRA layer: its buffers' shapes (never allocated here)."""
+
+    dora_scale = None
+
+    def __init__(self, inputs: int, heights: list[int], width: int):
+        self.output_slices = tuple(heights)
+        self.slice_offsets = tuple(sum(heights[:i]) for i in range(len(heights)))
+        self.lora_a_all = torch.empty(1, len(heights) * width, inputs, device="meta")
+        self.lora_b_all = torch.empty(1, sum(heights), width, device="meta")
+
+    def bind_slot_buffers(self, *buffers) -> None:
+        pass
+
+
+def slot_arena_of(tensors: dict) -> tuple:
+    """A one-slot arena of the packed layers the cut shares in `tensors` go into, and each A tensor's target."""
+    from vllm_bdlora.adapter_lifecycle.targets import LoRATarget
+    from vllm_bdlora.slot_arena import SlotArena
+
+    slices: dict[str, dict[int, tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for name, lora_a in tensors.items():
+        if ".lora_A." in name:
+            packed, index = PACKED[module_kind(name)]
+            layer = name.rsplit(".", 3)[0] + "." + packed  # e.g. ...layers.0.self_attn.qkv_proj
+            slices.setdefault(layer, {})[index] = (name, lora_a, tensors[name.replace(".lora_A.", ".lora_B.")])
+    layers, targets = [], {}
+    for by_index in slices.values():
+        ordered = [by_index[i] for i in sorted(by_index)]
+        width = max(a.shape[0] for _, a, _ in ordered)
+        layer = PackedLayerShape(ordered[0][1].shape[1], [b.shape[0] for _, _, b in ordered], width)
+        layers.append(layer)
+        targets.update({name: LoRATarget(layer, i) for i, (name, _, _) in enumerate(ordered)})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return SlotArena(layers, 1, torch.bfloat16, device), targets
 
 
 def stock_read(path: str) -> dict[str, float]:
