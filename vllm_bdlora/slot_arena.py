@@ -69,6 +69,16 @@ class LayerPlace:
     def b_of_slice(self, index: int, height: int, width: int) -> Strided:
         return Strided(self.b_at + self.slice_rows[index] * self.width, (height, width), (self.width, 1))
 
+    def slice_height(self, index: int) -> int:
+        end = self.slice_rows[index + 1] if index + 1 < len(self.slice_rows) else self.b_shape[0]
+        return end - self.slice_rows[index]
+
+    def past_width(self, index: int, width: int) -> tuple[Strided, Strided]:
+        """Slice `index`'s A rows and B columns past `width` (all of them for width 0)."""
+        a, b = self.a_of_slice(index, self.width), self.b_of_slice(index, self.slice_height(index), self.width)
+        return (Strided(a.offset + width * a.shape[1], (self.width - width, a.shape[1]), a.strides),
+                Strided(b.offset + width, (b.shape[0], self.width - width), b.strides))  # fmt: skip
+
 
 @dataclass(frozen=True)
 class SlotImage:
@@ -140,7 +150,7 @@ class SlotArena:
         (height, width)), this rank's share, converted to the LoRA dtype as they are copied in. One pinned buffer per
         adapter: vLLM's loader, handed the image's views (`SlotImage.views`), neither copies nor pins them again."""
         pinned = self.factors.is_cuda
-        factors = torch.zeros(self.factors.shape[1], dtype=self.factors.dtype, pin_memory=pinned)
+        factors = host_buffer(self.factors.shape[1], self.factors.dtype, pinned)
         widths = torch.zeros(self.widths.shape[0], dtype=torch.int32, pin_memory=pinned)
         places = {}
         for name, target, lora_a, lora_b in modules:
@@ -150,6 +160,16 @@ class SlotArena:
             b.of(factors).copy_(lora_b)
             widths[place.widths_at + index] = width
             places[name] = (a, b)
+        # Zeros wherever the copies left a slice short of the buffer width (the fused expand loads whole tiles of B
+        # and multiplies what lies past the width by zeros: it must be finite), and for the slices the adapter does
+        # not adapt. Nothing reads the alignment gaps between layers. An adapter of full width everywhere, the
+        # common case, needs no zeroing at all.
+        filled = widths.tolist()
+        for place in self.places.values():
+            for index in range(len(place.slice_rows)):
+                if filled[place.widths_at + index] < place.width:
+                    for tail in place.past_width(index, filled[place.widths_at + index]):
+                        tail.of(factors).zero_()
         return SlotImage(factors, widths, places)
 
     # -- a step ---------------------------------------------------------------------------------------------------
@@ -169,6 +189,11 @@ class SlotArena:
 
 
 IMAGE_ATTRIBUTE = "_bdlora_slot_image"  # on the LoRAModel vLLM registers (see AdmittedAdapter.fresh_model)
+
+
+def host_buffer(elements: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """Uninitialised host memory for an image's factors (`SlotArena.image_of` writes or zeroes all it serves)."""
+    return torch.empty(elements, dtype=dtype, pin_memory=pinned)
 
 
 def bind_slot_arena(manager) -> SlotArena | None:

@@ -9,9 +9,10 @@ The files are opened once (`files.open_adapter`) and the weights file is mapped,
 rows reads only those rows' pages; each module's factors are checked against its layer and cut
 (`sharding.localize`), then handed to vLLM's own `LoRAModel.from_lora_tensors` (names, scaling, dtype, pinned
 memory). On the fused kernels the BD modules' shares are first copied into the adapter's slot image
-(`vllm_bdlora.slot_arena`: one buffer, pinned, in one GPU slot's layout, from which a slot fill is one copy), and vLLM's
-loader takes views of it as they are. Their values are checked (`values.py`) and B is multiplied by the module's scaling once, as vLLM would on
-every load. No collective and no GPU work runs here: DoRA's magnitude scales, which need both, are `finish.py`'s.
+(`vllm_bdlora.slot_arena`: one buffer, pinned, in one GPU slot's layout, from which a slot fill is one copy), and
+vLLM's loader takes views of it as they are. Their values are checked (`values.py`) and B is multiplied by the
+module's scaling once, as vLLM would on every load. No collective and no GPU work runs here: DoRA's magnitude
+scales, which need both, are `finish.py`'s.
 """
 
 from __future__ import annotations
