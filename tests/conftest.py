@@ -260,6 +260,12 @@ def run_engine(spec: dict, workdir: Path, timeout: float = ENGINE_RUN_TIMEOUT_S)
     environment = {name: os.environ.get(name, value) for name, value in cpu_defaults(workers).items()}
     spec_path.write_text(json.dumps({**spec, "env": environment}))
     host = ENGINE_HOSTS["one_worker" if workers == 1 else "workers"]
+    if torch.cuda.is_available():
+        # Each engine takes most of its GPUs' memory, and every engine uses GPU 0: a live engine of the other host
+        # would leave an engine starting here too little of it.
+        for other in ENGINE_HOSTS.values():
+            if other is not host:
+                other.close_engine()
     reply, log = host.run(spec_path, result_path, timeout)
     (workdir / "engine.log").write_text(log)
     if reply is None:
