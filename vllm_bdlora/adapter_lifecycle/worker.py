@@ -229,10 +229,10 @@ def admission_leaves_engine_caches(worker_manager, lora_request) -> bool:
     loads undo. On a BD server an admission takes room only where both have it; otherwise the step of the adapter's
     first request registers it from the store and fills its slot, as vLLM does for any adapter not resident. An
     adapter vLLM already holds (an in-place reload among them) takes vLLM's own path."""
-    manager = worker_manager._adapter_manager
-    settings = getattr(manager, "_bdlora_settings", None)
-    if not _admitting.get() or settings is None or not settings.enabled:
+    adapters = WorkerAdapters.of(worker_manager)
+    if not _admitting.get() or not adapters.settings.enabled:
         return False
+    manager = adapters.manager
     registered = manager._registered_adapters
     if lora_request.lora_int_id in registered:
         return False
