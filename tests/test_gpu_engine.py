@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
 DTYPE = "float16"
 LOGPROB_ATOL = 0.05  # fp16 activations and LoRA weights vs a float32 reference
+FEW_ADAPTERS_BYTES = 1 << 20  # a worker's host memory for adapters: a few of the test adapters
 
 
 @pytest.mark.parametrize(
@@ -27,16 +28,24 @@ LOGPROB_ATOL = 0.05  # fp16 activations and LoRA weights vs a float32 reference
 def test_bd_on_gpu_matches_peft(tp, cuda_graphs, lora_kernels, slots, assets, prompts, tmp_path_factory):
     """fused/auto: the layers run the fused kernels, and over this unquantized base the base GEMM after
     them (delta first). slots=2: six adapters through two GPU slots (the fused kernels also read each slot's
-    width, which a refill must rewrite; see test_more_adapters_than_gpu_slots_still_match_peft)."""
+    width, which a refill must rewrite; see test_more_adapters_than_gpu_slots_still_match_peft), each filled
+    from its pinned slot image, with few adapters kept in memory: images are spilled, and read back into the
+    regions other images gave back (`vllm_bdlora.image_memory`) while fills from those regions may be in flight."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     graphs = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}} if cuda_graphs else {}
+    settings = {"lora_kernels": lora_kernels} | ({"adapter_host_memory": FEW_ADAPTERS_BYTES} if slots else {})
     engine = engine_kwargs(assets["model"], tp, bdlora=True, dtype=DTYPE, enforce_eager=not cuda_graphs,
-                           additional_config={"bdlora": {"lora_kernels": lora_kernels}}, **graphs)  # fmt: skip
+                           additional_config={"bdlora": settings}, **graphs)  # fmt: skip
+    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
     if slots:
         engine["max_loras"] = slots
-    spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
+        spec |= {"load_first": list(ADAPTERS), "adapter_loads": True}  # admitted first: the store spills most
     result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}_{lora_kernels}_{slots}"))
+    if slots:
+        (worker,) = result["adapter_loads"]
+        assert worker["imaged"] and worker["loads"]["slot_fill"] >= len(ADAPTERS) - slots, worker
+        assert worker["loads"]["restore"] + worker["loads"]["restore_ahead"] > 0, worker["loads"]
     worst = {}
     for name, output in zip(BATCH, result["outputs"], strict=True):
         reference = load_reference(assets["model"], assets[name] if name else None)

@@ -11,6 +11,7 @@ import torch
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore
 from vllm_bdlora.adapter_lifecycle.targets import LoRATarget
+from vllm_bdlora.image_memory import ImageMemory
 from vllm_bdlora.layers import BlockDiagonalLoRALayer
 from vllm_bdlora.slot_arena import IMAGE_ATTRIBUTE, SlotArena, activate_filling_whole_slot
 
@@ -93,10 +94,10 @@ def served(layer, slot: int) -> list:
 
 @pytest.fixture(autouse=True)
 def images_start_as_nan(monkeypatch):
-    """An image's buffer starts uninitialised: NaN here, so that whatever the image fails to write or zero shows."""
-    import vllm_bdlora.slot_arena as slot_arena
-
-    monkeypatch.setattr(slot_arena, "host_buffer", lambda n, dtype, pinned: torch.full((n,), float("nan"), dtype=dtype))
+    """An image's region starts uninitialised: all bits set here (NaN as floats, -1 as widths), so that whatever the
+    image fails to write or zero shows."""
+    take = ImageMemory.take
+    monkeypatch.setattr(ImageMemory, "take", lambda self: take(self).fill_(255))
 
 
 def test_a_whole_slot_fill_serves_what_the_layers_own_fills_serve():
@@ -131,8 +132,9 @@ def test_an_image_holds_the_adapters_factors_in_the_lora_dtype_and_module_weight
     for name, module in weights.items():
         a, b = factors[tuple(int(p) for p in name.split("."))]
         assert torch.equal(module.lora_a, a.bfloat16()) and torch.equal(module.lora_b, b.bfloat16())
-        assert module.lora_b.untyped_storage().data_ptr() == image.factors.untyped_storage().data_ptr()
-    assert image.nbytes == arena.factors[0].numel() * 2 + arena.widths.shape[0] * 4
+        assert module.lora_b.untyped_storage().data_ptr() == image.memory.untyped_storage().data_ptr()
+    assert image.factors.data_ptr() == image.memory.data_ptr() and image.widths.dtype == torch.int32
+    assert image.memory.numel() >= arena.factors[0].numel() * 2 + arena.widths.shape[0] * 4
 
 
 def test_an_activation_of_an_imaged_adapter_skips_the_layers_own_fills_and_copies_the_image():
@@ -168,7 +170,8 @@ def test_an_imaged_adapter_is_spilled_and_read_back_whole(tmp_path):
     def admitted(seed: int) -> AdmittedAdapter:
         image, loras = image_of(arena, layers, adapter(NARROW, seed))
         loras["lm_head"] = SimpleNamespace(lora_a=torch.full((4, 8), float(seed)), lora_b=torch.ones(8, 4))
-        return AdmittedAdapter(f"a{seed}", SimpleNamespace(loras=loras), f"id{seed}", "", [], None, image=image)
+        return AdmittedAdapter(f"a{seed}", SimpleNamespace(loras=loras), f"id{seed}", "", [], None, image=image,
+                               arena=arena)  # fmt: skip
 
     first, second = admitted(6), admitted(7)
     want = first.image.factors.clone(), first.image.widths.clone(), {k: t.clone() for k, t in first.host_tensors()}
@@ -178,7 +181,11 @@ def test_an_imaged_adapter_is_spilled_and_read_back_whole(tmp_path):
     assert store.spilled_ids() == {1} and first.image is None
     assert all(w.lora_a is None and w.lora_b is None for w in first.template.loras.values())
     assert getattr(first.fresh_model(), IMAGE_ATTRIBUTE, None) is None  # a spilled adapter is not filled from an image
+    free = arena.image_memory.free_regions
     restored = store.get(1)
+    # read back into a region of the arena's image memory, as the one spilled to make room gave its own back
+    assert restored.image.memory.numel() == arena.image_memory.region_bytes and store.spilled_ids() == {2}
+    assert arena.image_memory.free_regions == free
     assert same(restored.image.factors, want[0]) and torch.equal(restored.image.widths, want[1])
     for key, tensor in restored.host_tensors():
         assert same(tensor, want[2][key])
@@ -186,3 +193,24 @@ def test_an_imaged_adapter_is_spilled_and_read_back_whole(tmp_path):
     assert weights.lora_a.untyped_storage().data_ptr() == restored.image.factors.untyped_storage().data_ptr()
     assert torch.equal(weights.lora_b, adapter(NARROW, 6)[(0, 2)][1])
     assert getattr(restored.fresh_model(), IMAGE_ATTRIBUTE) is restored.image
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_images_are_pinned_and_a_recycled_region_waits_for_the_fill_reading_it():
+    """A fill copies from the pinned image asynchronously; an image dropped while its fill is still queued gives its
+    region back, and the region is handed out again only once the fill has read it."""
+    layers = model_layers()
+    arena = SlotArena(layers, SLOTS, torch.float16, torch.device("cuda"))
+    image, weights = image_of(arena, layers, adapter(WIDE, 8))
+    assert image.memory.is_pinned() and image.factors.is_pinned()
+    want = image.factors.clone()
+    torch.cuda._sleep(200_000_000)  # the stream is busy for a while: the fill's copy waits behind it
+    arena.fill(2, image)
+    free = arena.image_memory.free_regions
+    del image, weights
+    assert arena.image_memory.free_regions == free + 1
+    recycled = arena.image_memory.take()
+    assert arena._last_fill.query()  # the fill that read the region is done before the region is handed out
+    recycled.fill_(255)
+    torch.cuda.synchronize()
+    assert torch.equal(arena.factors[2].cpu().nan_to_num(7.0), want.nan_to_num(7.0))

@@ -8,8 +8,9 @@ BD r'=32, TP=4) take under a millisecond to copy.
 So on the fused path the layers' factor buffers (A (slots, slices x width, in) and B (slots, height, width) per
 layer) are views of one buffer whose first dimension is the slot (`SlotArena.factors`), and their per-slot widths
 views of another (`SlotArena.widths`, slot last, as the kernels index it). An admitted adapter is kept in host memory
-in exactly one slot's layout (`SlotImage`, built on the admission thread, the module weights vLLM sees being views
-of it), and a fill copies the image whole: two copies, the factors and the widths (`activate_filling_whole_slot`).
+in exactly one slot's layout (`SlotImage`, built on the admission thread in a region of `vllm_bdlora.image_memory`,
+the module weights vLLM sees being views of it), and a fill copies the image whole: two copies, the factors and the
+widths (`activate_filling_whole_slot`).
 A layer's `set_lora` and `reset_lora` do nothing while the arena fills whole slots; vLLM's own layers (embeddings,
 lm_head) keep their per-layer fills.
 
@@ -24,6 +25,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from vllm_bdlora.image_memory import ImageMemory
 
 # Each layer's A and B start a multiple of this many elements into a slot's row (and rows are a multiple of it
 # long), so every view keeps the alignment Triton specialises its pointers and strides on.
@@ -82,18 +85,15 @@ class LayerPlace:
 
 @dataclass(frozen=True)
 class SlotImage:
-    """One adapter in one slot's layout, in host memory (pinned where the GPU copies from it): the factors of every
-    arena layer (zeros past each module's width and for the layers it does not adapt) and every slice's width.
-    `modules`: where each of the adapter's modules' A and B lie in `factors` (vLLM's module weights are those
-    views)."""
+    """One adapter in one slot's layout, in one region of host memory (`memory`, pinned where the GPU copies from it):
+    the factors of every arena layer (zeros past each module's width and for the layers it does not adapt) and every
+    slice's width, both views of `memory`. `modules`: where each of the adapter's modules' A and B lie in `factors`
+    (vLLM's module weights are those views)."""
 
+    memory: torch.Tensor
     factors: torch.Tensor
     widths: torch.Tensor
     modules: Mapping[str, tuple[Strided, Strided]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.factors, self.widths))
 
     def views(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`module`'s A and B, as views of the image."""
@@ -126,6 +126,11 @@ class SlotArena:
             slices += len(layer.output_slices)
         self.factors = torch.zeros(max_loras, elements, dtype=dtype, device=device)
         self.widths = torch.zeros(slices, max_loras, dtype=torch.int32, device=device)
+        # An image: one slot's factors, then (64-byte aligned) its widths
+        self.image_widths_at = _aligned(elements * self.factors.element_size())
+        self.image_memory = ImageMemory(self.image_widths_at + slices * 4, pinned=self.factors.is_cuda,
+                                        before_reuse=self.wait_for_fills)  # fmt: skip
+        self._last_fill = None  # a CUDA event behind the latest fill's copies
         self.filling_whole_slots = False  # while True, the layers' own set_lora/reset_lora do nothing
         # Images carry factors and widths only: a layer with DoRA scales per slot needs its per-layer fill.
         self.takes_images = all(getattr(layer, "dora_scale", None) is None for layer in layers)
@@ -147,12 +152,12 @@ class SlotArena:
     # -- an admission thread ------------------------------------------------------------------------------------
     def image_of(self, modules: Iterable[tuple[str, object, torch.Tensor, torch.Tensor]]) -> SlotImage:
         """The image of an adapter whose BD modules are `modules`: (name, `targets.LoRATarget`, A (width, in), B
-        (height, width)), this rank's share, converted to the LoRA dtype as they are copied in. One pinned buffer per
-        adapter: vLLM's loader, handed the image's views (`SlotImage.views`), neither copies nor pins them again."""
-        pinned = self.factors.is_cuda
-        factors = host_buffer(self.factors.shape[1], self.factors.dtype, pinned)
-        widths = torch.zeros(self.widths.shape[0], dtype=torch.int32, pin_memory=pinned)
-        places = {}
+        (height, width)), this rank's share, converted to the LoRA dtype as they are copied in. One region of
+        `image_memory` per adapter: vLLM's loader, handed the image's views (`SlotImage.views`), neither copies nor
+        pins them again."""
+        image = self.image_over(self.image_memory.take(), {})
+        factors, widths, places = image.factors, image.widths, image.modules
+        widths.zero_()
         for name, target, lora_a, lora_b in modules:
             place, index, width = self.place_of(target.layer), target.slice_index, lora_a.shape[0]
             a, b = place.a_of_slice(index, width), place.b_of_slice(index, lora_b.shape[0], width)
@@ -170,7 +175,13 @@ class SlotArena:
                 if filled[place.widths_at + index] < place.width:
                     for tail in place.past_width(index, filled[place.widths_at + index]):
                         tail.of(factors).zero_()
-        return SlotImage(factors, widths, places)
+        return image
+
+    def image_over(self, memory: torch.Tensor, modules: Mapping[str, tuple[Strided, Strided]]) -> SlotImage:
+        """The image `memory` holds (a region of `image_memory`, as `image_of` left it or a read-back restored it)."""
+        factors = memory[: self.factors.shape[1] * self.factors.element_size()].view(self.factors.dtype)
+        widths = memory[self.image_widths_at : self.image_widths_at + self.widths.shape[0] * 4].view(torch.int32)
+        return SlotImage(memory, factors, widths, dict(modules))
 
     # -- a step ---------------------------------------------------------------------------------------------------
     def fill(self, index: int, image: SlotImage) -> None:
@@ -178,6 +189,16 @@ class SlotArena:
         (CPU servers) is staged before `copy_` returns, a pinned one is read by the GPU in order with the step."""
         self.factors[index].copy_(image.factors, non_blocking=True)
         self.widths[:, index].copy_(image.widths, non_blocking=True)
+        if self.factors.is_cuda:  # the image's region may be reused once these copies are done (`wait_for_fills`)
+            done = torch.cuda.Event()
+            done.record()
+            self._last_fill = done
+
+    def wait_for_fills(self) -> None:
+        """Until every fill enqueued so far has read its image (fills run on one stream, in order)."""
+        done = self._last_fill
+        if done is not None:
+            done.synchronize()
 
     @contextlib.contextmanager
     def whole_slot_fill(self) -> Iterator[None]:
@@ -189,11 +210,6 @@ class SlotArena:
 
 
 IMAGE_ATTRIBUTE = "_bdlora_slot_image"  # on the LoRAModel vLLM registers (see AdmittedAdapter.fresh_model)
-
-
-def host_buffer(elements: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """Uninitialised host memory for an image's factors (`SlotArena.image_of` writes or zeroes all it serves)."""
-    return torch.empty(elements, dtype=dtype, pin_memory=pinned)
 
 
 def bind_slot_arena(manager) -> SlotArena | None:

@@ -85,6 +85,7 @@ class AdmittedAdapter:
     # where the server fills slots layer by layer, and while the adapter is spilled.
     image: SlotImage | None = None
     image_modules: Mapping | None = None  # the image's `modules`, kept while it is spilled
+    arena: SlotArena | None = None  # where the image's memory comes from (a read-back takes a region of it)
 
     @property
     def nbytes(self) -> int:
@@ -99,10 +100,11 @@ class AdmittedAdapter:
 
     # -- what a spill writes and a read-back restores (`store.AdapterStore`) ----------------------------------------
     def host_tensors(self) -> list[tuple[tuple[str, str], torch.Tensor]]:
-        """Every tensor kept in host memory, keyed: the slot image's two, and the module tensors it does not hold."""
+        """Every tensor kept in host memory, keyed: the slot image's region, and the module tensors it does not
+        hold."""
         found = []
         if self.image is not None:
-            found += [(("", "image_factors"), self.image.factors), (("", "image_widths"), self.image.widths)]
+            found.append((IMAGE_KEY, self.image.memory))
         in_image = self.image.modules if self.image is not None else {}
         for module, weights in self.template.loras.items():
             if module in in_image:
@@ -122,13 +124,23 @@ class AdmittedAdapter:
         for (module, attribute), _ in self.host_tensors():
             setattr(self.template.loras[module], attribute, None)
 
+    def empty_host_tensor(self, key: tuple[str, str], nbytes: int, pinned: bool) -> torch.Tensor:
+        """Uninitialised host memory (uint8) for the tensor `key` of `host_tensors` to be read back into: the image's
+        in a region of the arena's image memory (a recycled one, where an image was dropped since)."""
+        if key == IMAGE_KEY and self.arena is not None and nbytes == self.arena.image_memory.region_bytes:
+            return self.arena.image_memory.take()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
     def restore_host_tensors(self, tensors: Mapping[tuple[str, str], torch.Tensor]) -> None:
         for (module, attribute), tensor in tensors.items():
             if module:
                 setattr(self.template.loras[module], attribute, tensor)
-        if ("", "image_factors") in tensors:
-            self.image = SlotImage(tensors[("", "image_factors")], tensors[("", "image_widths")], self.image_modules)
+        if IMAGE_KEY in tensors:
+            self.image = self.arena.image_over(tensors[IMAGE_KEY], self.image_modules)
             self.image.bind(self.template.loras)
+
+
+IMAGE_KEY = ("", "slot_image")  # the image's region among `AdmittedAdapter.host_tensors`
 
 
 def _grouped_by_module(views: dict, mapper) -> tuple[dict, dict, list[str]]:
@@ -307,7 +319,8 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
     for item in staged:  # the shares' tensors now live in vLLM's module weights
         item.local = LocalFactors(item.local.lora_a[:0], item.local.lora_b[:0], item.local.blocks, item.local.nblocks)
     return AdmittedAdapter(name, lora_model, identity, summary, not_served, deployment_targets,
-                           staged=staged if fmt.dora else [], dora=fmt.dora, image=image)  # fmt: skip
+                           staged=staged if fmt.dora else [], dora=fmt.dora, image=image,
+                           arena=arena if image is not None else None)  # fmt: skip
 
 
 def check_values(lora_model, adapter: str, dtype) -> None:

@@ -346,8 +346,7 @@ class AdapterStore:
                 count = 1
                 for n in shape:
                     count *= n
-                raw = torch.empty(count * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8,
-                                  pin_memory=pinned)  # fmt: skip
+                raw = admitted.empty_host_tensor(key, count * torch.empty((), dtype=dtype).element_size(), pinned)
                 view = memoryview(raw.numpy())
                 done = 0
                 while done < len(view):
