@@ -4,10 +4,12 @@ same rank for a standard adapter of the same model.
 An admission (`vllm_bdlora.adapter_lifecycle.read_and_cut`) opens the files and maps the weights, cuts every module
 to the rank's share (`vllm_bdlora.sharding.localize`, with the rank's shard of each Llama projection), checks the
 values (`values.value_problems`), copies the shares into the adapter's slot image (`vllm_bdlora.slot_arena`: one
-buffer in one GPU slot's layout, pinned where a GPU copies from it) and hands views of it to vLLM's
-`LoRAModel.from_lora_tensors`. Stock vLLM's worker reads the whole
-adapter on every rank with `LoRAModel.from_local_checkpoint`. Neither needs the model, so the stages run at any
-shape on any machine; the whole admission over HTTP is `bench/many_adapters.py`'s load phase.
+region of host memory in one GPU slot's layout, pinned where a GPU copies from it) and hands views of it to vLLM's
+`LoRAModel.from_lora_tensors`. One arena serves every adapter, as on a worker: the warm-up adapter's image takes a
+fresh slab of `vllm_bdlora.image_memory`, the timed ones regions their predecessors gave back (a worker's steady
+state once its images fill its budget and spills, unloads and read-backs recycle them). Stock vLLM's worker reads
+the whole adapter on every rank with `LoRAModel.from_local_checkpoint`. Neither needs the model, so the stages run
+at any shape on any machine; the whole admission over HTTP is `bench/many_adapters.py`'s load phase.
 
     python -m bench.admission_stages --shape llama-3.1-8b --tp 4 --adapters 8 --out OUT
 
@@ -109,8 +111,18 @@ class PackedLayerShape:
         pass
 
 
+_ARENAS: dict = {}  # the shares' shapes -> (arena, targets): one arena for every adapter of a shape
+
+
 def slot_arena_of(tensors: dict) -> tuple:
     """A one-slot arena of the packed layers the cut shares in `tensors` go into, and each A tensor's target."""
+    key = tuple((name, tuple(t.shape)) for name, t in tensors.items())
+    if key not in _ARENAS:
+        _ARENAS[key] = new_slot_arena(tensors)
+    return _ARENAS[key]
+
+
+def new_slot_arena(tensors: dict) -> tuple:
     from vllm_bdlora.adapter_lifecycle.targets import LoRATarget
     from vllm_bdlora.slot_arena import SlotArena
 
