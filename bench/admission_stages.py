@@ -2,14 +2,15 @@
 same rank for a standard adapter of the same model.
 
 An admission (`vllm_bdlora.adapter_lifecycle.read_and_cut`) opens the files and maps the weights, cuts every module
-to the rank's share (`vllm_bdlora.sharding.localize`, with the rank's shard of each Llama projection), checks the
-values (`values.value_problems`), copies the shares into the adapter's slot image (`vllm_bdlora.slot_arena`: one
-region of host memory in one GPU slot's layout, pinned where a GPU copies from it) and hands views of it to vLLM's
-`LoRAModel.from_lora_tensors`. One arena serves every adapter, as on a worker: the warm-up adapter's image takes a
-fresh slab of `vllm_bdlora.image_memory`, the timed ones regions their predecessors gave back (a worker's steady
-state once its images fill its budget and spills, unloads and read-backs recycle them). Stock vLLM's worker reads
-the whole adapter on every rank with `LoRAModel.from_local_checkpoint`. Neither needs the model, so the stages run
-at any shape on any machine; the whole admission over HTTP is `bench/many_adapters.py`'s load phase.
+to the rank's share (`vllm_bdlora.sharding.localize`, with the rank's shard of each Llama projection; slices of the
+mapped file where a share is one), copies the shares into the adapter's slot image (`vllm_bdlora.slot_arena`: one
+region of host memory in one GPU slot's layout, pinned where a GPU copies from it), checks the values there
+(`values.value_problems`) and hands views of the image to vLLM's `LoRAModel.from_lora_tensors`. One arena serves
+every adapter, as on a worker: the warm-up adapter's image takes a fresh slab of `vllm_bdlora.image_memory`, the
+timed ones regions their predecessors gave back (a worker's steady state once its images fill its budget and spills,
+unloads and read-backs recycle them). Stock vLLM's worker reads the whole adapter on every rank with
+`LoRAModel.from_local_checkpoint`. Neither needs the model, so the stages run at any shape on any machine; the whole
+admission over HTTP is `bench/many_adapters.py`'s load phase.
 
     python -m bench.admission_stages --shape llama-3.1-8b --tp 4 --adapters 8 --out OUT
 
@@ -65,9 +66,17 @@ def bd_admission(path: str, shape: LlamaShape, tp: int, nblocks: int) -> dict[st
             b_name = a_name.replace(".lora_A.", ".lora_B.")
             module = module_kind(a_name)
             factor = "a" if module in BD_A else "b"
-            local = localize(lora_a, views[b_name], sizing_shape.geometry(module, tp, 0), factor, nblocks)
+            local = localize(lora_a, views[b_name], sizing_shape.geometry(module, tp, 0), factor, nblocks,
+                             copy=False)  # fmt: skip
             tensors[a_name], tensors[b_name] = local.lora_a, local.lora_b
         seconds["cut to the rank"] = time.perf_counter() - started
+        arena, targets = slot_arena_of(tensors)
+        started = time.perf_counter()
+        image = arena.image_of((name, targets[name], tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")])
+                               for name in targets)  # fmt: skip
+        for name in targets:
+            tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")] = image.views(name)
+        seconds["slot image"] = time.perf_counter() - started
         del views
     started = time.perf_counter()
     modules = [
@@ -77,13 +86,6 @@ def bd_admission(path: str, shape: LlamaShape, tp: int, nblocks: int) -> dict[st
     ]
     assert value_problems(modules, torch.bfloat16) == ([], [])
     seconds["check values"] = time.perf_counter() - started
-    arena, targets = slot_arena_of(tensors)
-    started = time.perf_counter()
-    image = arena.image_of((name, targets[name], tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")])
-                           for name in targets)  # fmt: skip
-    for name in targets:
-        tensors[name], tensors[name.replace(".lora_A.", ".lora_B.")] = image.views(name)
-    seconds["slot image"] = time.perf_counter() - started
     started = time.perf_counter()
     LoRAModel.from_lora_tensors(lora_model_id=1, tensors=tensors, peft_helper=PEFTHelper.from_dict(config),
                                 device="cpu", dtype=torch.bfloat16)  # fmt: skip

@@ -47,6 +47,29 @@ def test_ranks_together_compute_the_dense_delta(parallelism, factor, nblocks, tp
         assert widths == [r] * tp  # standard, or densified wrong-side factor: full rank everywhere
 
 
+@pytest.mark.parametrize("parallelism", ["column", "row"])
+@pytest.mark.parametrize("factor,nblocks", [(None, 1), ("a", 4), ("b", 4)])
+def test_a_cut_without_copies_is_the_same_share_and_copies_nothing_twice(parallelism, factor, nblocks):
+    """`copy=False` (an admission copying the shares straight into a slot image): the same values, the factors that
+    are one slice of the stored ones being views of them; with copies, nothing is a view of the stored factors."""
+    d_in, d_out, r, tp = 48, 32, 16, 4
+    a, b, _ = random_factors(factor, nblocks, d_in, d_out, r)
+    for rank in range(tp):
+        owned = ((rank * (d_out if parallelism == "column" else d_in) // tp,
+                  (rank + 1) * (d_out if parallelism == "column" else d_in) // tp),)  # fmt: skip
+        geometry = ShardGeometry(parallelism, d_in, d_out, owned)
+        copied, viewed = (
+            localize(a, b, geometry, factor, nblocks),
+            localize(a, b, geometry, factor, nblocks, copy=False),
+        )
+        assert torch.equal(copied.lora_a, viewed.lora_a) and torch.equal(copied.lora_b, viewed.lora_b)
+        stored = {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+        assert not {t.untyped_storage().data_ptr() for t in (copied.lora_a, copied.lora_b)} & stored
+        shared = {t.untyped_storage().data_ptr() for t in (viewed.lora_a, viewed.lora_b)} & stored
+        designed = (parallelism == "column" and factor == "b") or (parallelism == "row" and factor == "a")
+        assert len(shared) == (1 if factor and not designed else 2)  # a wrong-side factor is densified: new
+
+
 def test_blocks_spanning_ranks_are_shared():
     """nblocks=2 at TP=4: each block covers two ranks; both hold it (width r/2), still exact."""
     a, b, dense = random_factors("b", 2, 16, 16, 8)

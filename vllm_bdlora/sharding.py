@@ -142,10 +142,11 @@ def owned_pieces(owned: tuple[tuple[int, int], ...], span: int) -> tuple[list[tu
     return pieces, offset
 
 
-def _copy(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """A new contiguous tensor of `tensors` joined along `dim` (never a view of the adapter's mapped file)."""
+def _joined(tensors: list[torch.Tensor], dim: int, copy: bool) -> torch.Tensor:
+    """`tensors` joined along `dim`: a new contiguous tensor, or where `copy` is False and there is one, that one
+    itself (a view of the adapter's mapped file, which the caller copies before the file may change)."""
     if len(tensors) == 1:
-        return tensors[0].clone(memory_format=torch.contiguous_format)
+        return tensors[0].clone(memory_format=torch.contiguous_format) if copy else tensors[0]
     return torch.cat(tensors, dim)
 
 
@@ -155,9 +156,12 @@ def localize(
     geometry: ShardGeometry,
     factor: Literal["a", "b"] | None = None,
     nblocks: int = 1,
+    copy: bool = True,
 ) -> LocalFactors:
     """This rank's dense (A, B) for one module, built only from the blocks that touch its shard. Each piece of the
-    shard lies in one block, so the cut is slices of the stored factors (an admission cuts a few hundred modules)."""
+    shard lies in one block, so the cut is slices of the stored factors (an admission cuts a few hundred modules).
+    `copy`: new tensors; else a factor that is one slice of the stored one is that slice (a view), for a caller that
+    copies it straight to where it is served."""
     _check_shapes(lora_a, lora_b, geometry, factor, nblocks)
     if geometry.parallelism == "column" and factor == "a":
         lora_a, factor = densify(lora_a, nblocks), None
@@ -181,19 +185,19 @@ def localize(
     if geometry.parallelism == "column":
         # A (r, in) is dense: keep the rank rows of the touched blocks. B's rows are block-local already
         # (rank_per_block columns each).
-        local_a = _copy([lora_a[rank_columns(block)] for block in blocks], 0)
+        local_a = _joined([lora_a[rank_columns(block)] for block in blocks], 0, copy)
         if len(blocks) == 1:
-            local_b = _copy([lora_b[start:stop] for _, start, stop, _ in pieces], 0)
+            local_b = _joined([lora_b[start:stop] for _, start, stop, _ in pieces], 0, copy)
         else:
             local_b = lora_b.new_zeros(owned, width)
             for block, start, stop, offset in pieces:
                 local_b[offset : offset + stop - start, local_columns(block)] = lora_b[start:stop]
     else:
         # B (out, r) is dense: keep the rank columns of the touched blocks. A's columns are block-local.
-        local_b = _copy([lora_b[:, rank_columns(block)] for block in blocks], 1)
+        local_b = _joined([lora_b[:, rank_columns(block)] for block in blocks], 1, copy)
         if len(blocks) == 1:
-            local_a = _copy([lora_a[rank_columns(block), start - block * span : stop - block * span]
-                             for block, start, stop, _ in pieces], 1)  # fmt: skip
+            local_a = _joined([lora_a[rank_columns(block), start - block * span : stop - block * span]
+                               for block, start, stop, _ in pieces], 1, copy)  # fmt: skip
         else:
             local_a = lora_a.new_zeros(width, owned)
             for block, start, stop, offset in pieces:

@@ -167,9 +167,11 @@ def _grouped_by_module(views: dict, mapper) -> tuple[dict, dict, list[str]]:
     return modules, magnitudes, passthrough
 
 
-def cut_to_rank(views: dict, fmt: AdapterFormat, manager, adapter: str, mapper,
-                target_modules: Sequence[str] | None) -> tuple[dict, list[StagedModule], list[str], dict]:  # fmt: skip
-    """This rank's share of every module (copies; `views` may be released after), or `AdapterRejected`.
+def cut_to_rank(views: dict, fmt: AdapterFormat, manager, adapter: str, mapper, target_modules: Sequence[str] | None,
+                copy_shares: bool = True) -> tuple[dict, list[StagedModule], list[str], dict]:  # fmt: skip
+    """This rank's share of every module (copies; `views` may be released after), or `AdapterRejected`; with
+    `copy_shares` False the BD modules' shares may be views of `views` (the caller copies them into the adapter's
+    slot image before the file can change).
     `target_modules`: vLLM's deployment-time restriction (--lora-target-modules), under which vLLM wraps only those
     modules and drops the adapter's others without a word; they are returned so that the caller can say so.
     Returns (tensor name -> tensor, the BD modules staged, the modules not served, the magnitude vectors)."""
@@ -211,7 +213,7 @@ def cut_to_rank(views: dict, fmt: AdapterFormat, manager, adapter: str, mapper,
             problems.append(f"{module}: {foreign}")
             continue
         try:
-            local = localize(lora_a, lora_b, geometry, factor, spec.nblocks if factor else 1)
+            local = localize(lora_a, lora_b, geometry, factor, spec.nblocks if factor else 1, copy=copy_shares)
         except ShardingError as e:
             problems.append(f"{module}: {e}")
             continue
@@ -265,24 +267,28 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
             peft_helper.validate_legal(worker_manager.lora_config)
         except ValueError as e:
             raise AdapterRejected(name, [str(e)], rank_limit_hint(str(e), manager)) from None
+        arena = SlotArena.of(manager)
+        imaged = arena is not None and arena.takes_images and not fmt.dora
         views = opened.tensor_views()
         try:
-            tensors, staged, not_served, magnitudes = cut_to_rank(views, fmt, manager, name, mapper,
-                                                                  deployment_targets)  # fmt: skip
+            cut = cut_to_rank(views, fmt, manager, name, mapper, deployment_targets, copy_shares=not imaged)
+            tensors, staged, not_served, magnitudes = cut
+            image = None
+            if imaged:
+                # BD modules go from the mapped file straight into the adapter's slot image (checked below for a
+                # rewrite meanwhile): vLLM's loader gets views of it
+                image = arena.image_of((item.name, item.target, item.local.lora_a, item.local.lora_b)
+                                       for item in staged)  # fmt: skip
+                for item in staged:
+                    a_name, b_name = item.tensor_names
+                    tensors[a_name], tensors[b_name] = image.views(item.name)
+                    item.local = _emptied(item.local)
         finally:
             del views
         if not opened.unchanged():
             raise AdapterRejected(name, ["its weights file changed while it was read"], REWRITE_HINT)
         identity = opened.identity
     model = worker_manager._adapter_manager.model
-    arena = SlotArena.of(manager)
-    image = None
-    if arena is not None and arena.takes_images and not fmt.dora:
-        # BD modules go straight into the adapter's slot image: vLLM's loader gets views of it
-        image = arena.image_of((item.name, item.target, item.local.lora_a, item.local.lora_b) for item in staged)
-        for item in staged:
-            a_name, b_name = item.tensor_names
-            tensors[a_name], tensors[b_name] = image.views(item.name)
     try:
         lora_model = LoRAModel.from_lora_tensors(
             lora_model_id=lora_request.lora_int_id, tensors={**tensors, **magnitudes}, peft_helper=peft_helper,
@@ -317,10 +323,17 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
         f"of {next(iter(targets.values())).layer.lora_width if targets else '-'}"
     )
     for item in staged:  # the shares' tensors now live in vLLM's module weights
-        item.local = LocalFactors(item.local.lora_a[:0], item.local.lora_b[:0], item.local.blocks, item.local.nblocks)
+        item.local = _emptied(item.local)
     return AdmittedAdapter(name, lora_model, identity, summary, not_served, deployment_targets,
                            staged=staged if fmt.dora else [], dora=fmt.dora, image=image,
                            arena=arena if image is not None else None)  # fmt: skip
+
+
+def _emptied(local: LocalFactors) -> LocalFactors:
+    """`local`'s width and blocks without its tensors (which now live elsewhere; no storage of theirs is kept)."""
+    width = local.width
+    return LocalFactors(local.lora_a.new_empty((width, 0)), local.lora_b.new_empty((0, width)), local.blocks,
+                        local.nblocks)  # fmt: skip
 
 
 def check_values(lora_model, adapter: str, dtype) -> None:
