@@ -214,3 +214,47 @@ def test_on_a_gpu_images_are_pinned_and_a_recycled_region_waits_for_the_fill_rea
     recycled.fill_(255)
     torch.cuda.synchronize()
     assert torch.equal(arena.factors[2].cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_an_imaged_adapter_is_packed_once_and_again_only_after_a_read_back(tmp_path):
+    """vLLM packs the model it registers in place (q/k/v -> qkv_proj). An imaged adapter is packed once, when it is
+    admitted, and a load copies the packed template, which packing again leaves as it is. A spill drops the packed
+    template, so the image's region goes back to the pool; the read-back packs the restored image's views."""
+    layers = model_layers()
+    arena = SlotArena(layers, SLOTS, torch.float32, torch.device("cpu"))
+    packs = []
+
+    def pack(model):  # as vLLM's _create_merged_loras_inplace: the packed layer's slices into one entry
+        packs.append(sorted(model.loras))  # names only: a model kept here would keep its image's region
+        slices = [model.loras.pop(f"0.{i}", None) for i in range(3)]
+        if any(slices):
+            model.loras["0"] = SimpleNamespace(lora_a=[s.lora_a if s else None for s in slices],
+                                               lora_b=[s.lora_b if s else None for s in slices])  # fmt: skip
+
+    def admitted(seed: int) -> AdmittedAdapter:
+        image, loras = image_of(arena, layers, adapter(NARROW, seed))
+        kept = AdmittedAdapter(f"a{seed}", SimpleNamespace(loras=loras), f"id{seed}", "", [], None, image=image,
+                               arena=arena, pack=pack)  # fmt: skip
+        kept.pack_ahead()
+        return kept
+
+    first = admitted(9)
+    assert len(packs) == 1 and sorted(first.template.loras) == ["0.0", "0.2", "2.0", "2.1"]  # the template stays
+    model = first.fresh_model()
+    assert sorted(model.loras) == ["0", "2.0", "2.1"] and model.loras["0"].lora_a[1] is None
+    assert model.loras["0"] is not first.packed.loras["0"]  # vLLM gets weights of its own to pack and optimize
+    pack(model)  # vLLM's registration: nothing left to pack
+    assert sorted(model.loras) == ["0", "2.0", "2.1"] and len(packs) == 2
+    assert model.loras["0"].lora_b[2].untyped_storage().data_ptr() == first.image.memory.untyped_storage().data_ptr()
+    del model
+    store = AdapterStore(host_budget=first.nbytes, spill_dir=str(tmp_path))
+    store.keep(1, first)
+    free = arena.image_memory.free_regions
+    store.keep(2, admitted(10))
+    assert store.spilled_ids() == {1} and first.packed is None
+    assert arena.image_memory.free_regions == free  # the second image's region taken, the spilled one's given back
+    restored = store.get(1)
+    assert len(packs) == 4  # the second adapter's, and the read-back's
+    weights = restored.fresh_model().loras["0"]
+    assert weights.lora_a[0].untyped_storage().data_ptr() == restored.image.memory.untyped_storage().data_ptr()
+    assert torch.equal(weights.lora_a[0], adapter(NARROW, 9)[(0, 0)][0])

@@ -239,6 +239,18 @@ def validate_read_lora(worker_manager, lora_model, lora_request) -> None:
             method(lora_model)
 
 
+def packing_ahead(manager):
+    """vLLM's packing of an adapter's per-projection weights into its packed layers' entries (q/k/v -> qkv_proj),
+    which registering an adapter does in place (`LoRAModelManager._create_merged_loras_inplace`, 0.26-0.33), as a
+    function of the adapter's LoRAModel; registering one already packed finds nothing left to pack. None where this
+    vLLM has no such method, or where the manager serves expert layers (their packing also stacks the experts'
+    weights, which is not done twice)."""
+    pack = getattr(manager, "_create_merged_loras_inplace", None)
+    if pack is None or any(name.endswith(".experts") for name in getattr(manager, "packed_modules", {})):
+        return None
+    return pack
+
+
 def set_vllm_env(name: str, value: str) -> None:
     """Set a vLLM environment variable before an engine starts. vLLM caches its variables once an engine core has
     started (0.32); a later engine in the same process (the Python API) would read the old value: drop that cache,
