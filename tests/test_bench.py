@@ -887,3 +887,18 @@ def test_image_memory_benchmark_compares_per_image_blocks_with_shared_slabs(tmp_
     assert all(way["ms_per_image_accumulating"] > 0 and way["ms_per_image_recycling"] > 0
                for way in result["ways"].values())  # fmt: skip
     assert "| regions of shared slabs |" in (tmp_path / "image_memory.md").read_text()
+
+
+def test_slot_fill_host_benchmark_times_every_fill(tmp_path):
+    """Run as its command line says (its own process: it holds a vLLM engine in-process to time the worker)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "bench.slot_fill_host", "--layers", "2", "--adapters", "2", "--rounds", "2",
+               "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(command, cwd=repo, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "slot_fill_host.json").read_text())
+    assert result["fills"] == 4 and result["adapted_projections"] == 14
+    assert 0 < result["ms_per_fill_median"] <= result["ms_per_fill_p90"]
