@@ -889,6 +889,7 @@ def test_image_memory_benchmark_compares_per_image_blocks_with_shared_slabs(tmp_
     assert "| regions of shared slabs |" in (tmp_path / "image_memory.md").read_text()
 
 
+@pytest.mark.engine
 def test_slot_fill_host_benchmark_times_every_fill(tmp_path):
     """Run as its command line says (its own process: it holds a vLLM engine in-process to time the worker)."""
     import subprocess
