@@ -346,7 +346,8 @@ def test_a_spilled_adapter_is_read_back_ahead_of_the_step_and_a_load_meanwhile_w
     timings = []
     assert store.restore_ahead([1, 2, 9], timings.append) == [1]  # only the spilled one is read back
     assert reading.wait(10) and store.needs_restore(1)
-    assert store.restore_ahead([1]) == []  # already under way
+    assert store.restore_ahead([1]) == [1]  # already under way: still not in memory, and not read a second time
+    assert store.reading_back([1, 2, 9]) == [1]
     got = []
     loader = threading.Thread(target=lambda: got.append(store.get(1)))
     loader.start()
@@ -356,7 +357,44 @@ def test_a_spilled_adapter_is_read_back_ahead_of_the_step_and_a_load_meanwhile_w
     loader.join(10)
     assert torch.equal(got[0].template.loras["m"].lora_a, torch.full((4, 256), 1.0))
     assert not store.needs_restore(1) and 1 in store.resident_ids() and len(timings) == 1
+    assert store.restore_ahead([1]) == [] and store.reading_back([1]) == []  # in memory: nothing to wait for
     assert store.resident_bytes <= store.host_budget  # another adapter was spilled to make room
+
+
+def test_an_adapter_a_request_named_stays_in_memory_until_a_step_takes_it(tmp_path, monkeypatch):
+    """Adapters named by requests (found in memory, or read back) are passed over when the budget spills, while
+    another can go, until a step takes them (`get`) or `NAMED_KEPT_S` passes; when every other one is named, the
+    least recently used goes after all."""
+    from vllm_bdlora.adapter_lifecycle import store as store_module
+
+    def read_back(adapter_id):
+        assert store.restore_ahead([adapter_id]) == [adapter_id]
+        deadline = time.monotonic() + 10
+        while store.needs_restore(adapter_id) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    store = AdapterStore(host_budget=kept("x", 0).nbytes * 3, spill_dir=str(tmp_path))
+    for i in (1, 2, 3, 4):
+        store.keep(i, kept(f"id{i}", float(i)))
+    assert store.spilled_ids() == {1}
+    assert store.restore_ahead([2]) == []  # in memory: named
+    read_back(1)  # named, and read back: 3 goes
+    assert store.resident_ids() == {1, 2, 4}
+    store.keep(5, kept("id5", 5.0))  # least recently used first: 2, 4, 1; 2 is named
+    assert store.resident_ids() == {1, 2, 5}
+    store.get(2)  # a step took it: an adapter like any other from now on, and the most recently used
+    store.keep(6, kept("id6", 6.0))  # 1 named, 5 goes
+    store.keep(7, kept("id7", 7.0))  # 1 named, 2 goes
+    assert store.resident_ids() == {1, 6, 7}
+    assert store.restore_ahead([6, 7]) == []  # every one but the next kept is named: the least recently used goes
+    store.keep(8, kept("id8", 8.0))
+    assert store.resident_ids() == {6, 7, 8}
+    monkeypatch.setattr(store_module, "NAMED_KEPT_S", 0.0)
+    assert store.restore_ahead([6]) == []  # named, but for no time: 6 is as any other
+    store.get(7)
+    store.get(8)
+    store.keep(9, kept("id9", 9.0))
+    assert store.resident_ids() == {7, 8, 9}
 
 
 @pytest.mark.parametrize("then", ["forget", "reload"])

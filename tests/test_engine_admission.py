@@ -5,13 +5,16 @@ adapter, and an unload waits for the adapter's requests. The engine tests (test_
 run the same code inside vLLM."""
 
 import logging
+import os
 import queue
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from vllm_bdlora.adapter_lifecycle import engine as engine_module
 from vllm_bdlora.adapter_lifecycle.calls import (
     WORKER_METHOD,
     AdmissionReceipt,
@@ -19,9 +22,11 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     BeginAdmissions,
     CompleteAdmissions,
     ForgetAdmissions,
+    RestoreAhead,
     Unknown,
 )
 from vllm_bdlora.adapter_lifecycle.engine import ADMISSION_TICK, EngineAdmissions
+from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore
 from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
 
@@ -71,6 +76,8 @@ class Workers:
                     replies.append([store.forget(i) for i in ids])
                 case CompleteAdmissions(requests=requests):
                     replies.append([self.add_lora_on(rank, store, request) for request in requests])
+                case RestoreAhead(adapter_ids=ids, begin=begin):
+                    replies.append(store.restore_ahead(list(ids)) if begin else store.reading_back(list(ids)))
         if isinstance(call, CompleteAdmissions):
             for index, request in enumerate(call.requests):
                 if all(isinstance(reply[index], AdmissionReceipt) for reply in replies):
@@ -291,3 +298,71 @@ def test_one_adapters_failed_add_lora_refuses_it_alone():
     assert answers[1].result() is True and answers[3].result() is True
     assert sorted(workers.added) == [1, 3] and admissions.ready == {1, 3}
     assert all(2 not in store.ids() for store in workers.stores)  # forgotten on every rank
+
+
+def spilling_engine(tmp_path, ranks=2):
+    """An engine whose workers' stores hold one adapter in memory: of adapters 1 and 2, kept in that order, 1 is
+    spilled on every rank. Both are admitted."""
+    core, workers, admissions = engine(ranks)
+    for rank, store in enumerate(workers.stores):
+        store.host_budget, store.spill_dir = 4 * 256 * 4, str(tmp_path)
+        for adapter_id in (1, 2):
+            weights = SimpleNamespace(lora_a=torch.full((4, 256), float(adapter_id)), lora_b=None)
+            store.keep(adapter_id, AdmittedAdapter(f"ad{adapter_id}", SimpleNamespace(loras={"m": weights}),
+                                                   "same-files", "", [], None))  # fmt: skip
+        assert store.spilled_ids() == {1}, rank
+    admissions.ready |= {1, 2}
+    return core, workers, admissions
+
+
+def gate_read_backs(monkeypatch):
+    """Spill-file reads wait for the returned event."""
+    gate, preadv = threading.Event(), os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *args: gate.wait(10) and preadv(*args))
+    return gate
+
+
+def test_a_request_waits_for_its_adapters_read_back_while_the_others_run(tmp_path, monkeypatch):
+    """A request naming a spilled adapter is held until no rank is reading it back, with the requests of that adapter
+    that arrive meanwhile (one of them given up by its client), so that the step filling its slot does not wait for
+    the read; requests of other adapters go to the scheduler meanwhile, and once the adapter is in memory its next
+    requests go straight there."""
+    core, workers, admissions = spilling_engine(tmp_path)
+    gate = gate_read_backs(monkeypatch)
+    core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(1), client_index=0))
+    core.add_request(SimpleNamespace(request_id="r2", lora_request=lora(2), client_index=0))
+    core.add_request(SimpleNamespace(request_id="r3", lora_request=lora(1), client_index=0))
+    core.add_request(SimpleNamespace(request_id="r4", lora_request=lora(1), client_index=0))
+    admissions.drop_held(["r4"])
+    assert core.scheduled == ["r2"] and workers.calls.count("RestoreAhead") == 2  # one per adapter
+    admissions.poll()
+    assert core.scheduled == ["r2"] and all(store.needs_restore(1) for store in workers.stores)
+    gate.set()
+    poll_until(admissions, lambda: "r1" in core.scheduled)
+    assert core.scheduled == ["r2", "r1", "r3"] and not admissions.reading_back
+    assert all(1 in store.resident_ids() for store in workers.stores)
+    calls = len(workers.calls)
+    core.add_request(SimpleNamespace(request_id="r5", lora_request=lora(1), client_index=0))
+    assert core.scheduled[-1] == "r5" and len(workers.calls) == calls
+
+
+def test_a_read_back_that_takes_too_long_holds_its_requests_no_longer(tmp_path, monkeypatch):
+    core, workers, admissions = spilling_engine(tmp_path)
+    gate = gate_read_backs(monkeypatch)
+    monkeypatch.setattr(engine_module, "READ_BACK_HOLD_S", 0.2)
+    core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(1), client_index=0))
+    assert core.scheduled == []
+    poll_until(admissions, lambda: core.scheduled == ["r1"], seconds=5)
+    assert all(store.needs_restore(1) for store in workers.stores)  # its step will wait for the read, as without
+    gate.set()
+
+
+def test_an_unload_hands_requests_held_for_a_read_back_on_and_waits_for_them(tmp_path, monkeypatch):
+    core, workers, admissions = spilling_engine(tmp_path)
+    gate = gate_read_backs(monkeypatch)
+    core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(1), client_index=0))
+    assert admissions.remove(1, lambda i: pytest.fail("removed under a running request"))
+    assert core.scheduled == ["r1"] and not admissions.reading_back
+    gate.set()
+    del core.scheduler.requests["r1"]
+    poll_until(admissions, lambda: workers.removed == [1])

@@ -7,7 +7,8 @@ worker), each rank's answers, and the rules that turn the ranks' answers into on
     AdmissionStates(ids)           ------------>  {id: Reading | Ready | Failed | Unknown}
     ForgetAdmissions(ids)          ------------>  drop everything of them
     AdapterFigures()               ------------>  what it holds where, and its counts (/metrics)
-    RestoreAhead(ids)              ------------>  read spilled ones back into memory on a thread, ahead of a step
+    RestoreAhead(ids, begin)       ------------>  read spilled ones back into memory on a thread, ahead of a step:
+                                                  [the ids being read back]
     CompleteAdmissions(requests)   ------------>  vLLM's add_lora of each, in order: AdmissionReceipt |
                                                   AdapterLoadFailure each
 
@@ -54,9 +55,11 @@ class AdapterFigures:
 
 @dataclass(frozen=True)
 class RestoreAhead:
-    """Adapters that requests just named: read back into host memory, off the step, any of them that was spilled."""
+    """Adapters that requests just named: read back into host memory, off the step, any of them that was spilled
+    (`begin` False: only say which are still being read back). Each rank answers the ids it is reading back."""
 
     adapter_ids: Sequence[int]
+    begin: bool = True
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,10 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
   lora_request=...)`) is held back while its adapter is admitted the same way, then handed to the scheduler; the
   others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
 * `restore_ahead`: a request naming an admitted adapter asks every worker to read it back into memory, off the
-  step, if the worker spilled it to disk (at most once a second per adapter).
+  step, if the worker spilled it to disk (at most once a second per adapter). Where a rank is reading it back, the
+  request is held (with any other request of the adapter that arrives meanwhile) and handed to the scheduler once no
+  rank is, or after `READ_BACK_HOLD_S`: the step that fills the adapter's slot then finds it in memory, where it
+  would otherwise have stopped every running request for the read.
 * `remove` (an unload): the adapter is removed on every rank (GPU slot, host cache, what its workers kept) once no
   request of it is left; new requests cannot name it any more (the API server forgot the name first).
 * `generation`: each admission (an in-place reload included) and each removal gives the adapter a new generation,
@@ -66,6 +69,11 @@ logger = logging.getLogger("vllm.bdlora")
 ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
 TICK_SECONDS = 0.01
 RESTORE_AHEAD_EVERY_S = 1.0  # per adapter: a busy adapter's requests ask the workers at most this often
+# The longest a request is held for its adapter's read-back. A read-back of an 8B adapter's share takes tens of
+# milliseconds from a local disk; past this (a slow spill disk, or an adapter spilled again as soon as it was read
+# back, under a host budget too small for the traffic) the request goes to the scheduler and its step reads the
+# adapter, as it would without the hold.
+READ_BACK_HOLD_S = 2.0
 GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side Request when it is first hashed
 
 
@@ -109,6 +117,14 @@ class _Pending:
     begun: bool = False  # the workers were asked to read it (the loads of one tick are begun in one call)
 
 
+@dataclass
+class _ReadBack:
+    """Requests held while workers read their (admitted) adapter back from spill files."""
+
+    since: float
+    held: list = field(default_factory=list)  # (engine request, wave)
+
+
 class EngineAdmissions:
     """One engine core's admissions in flight, held requests and removals waiting for their requests to end."""
 
@@ -120,6 +136,7 @@ class EngineAdmissions:
         self.removals: set[int] = set()
         self.generations: dict[int, int] = {}
         self._restore_asked: dict[int, float] = {}
+        self.reading_back: dict[int, _ReadBack] = {}
         self._generation_counter = itertools.count(1)
         self._wake = threading.Event()
         self._tick_queued = False
@@ -168,13 +185,12 @@ class EngineAdmissions:
         return pending.future.result()
 
     def hold(self, request, wave) -> bool:
-        """True if `request` waits for its adapter's admission (it is handed to the scheduler once admitted)."""
+        """True if `request` waits for its adapter's admission or read-back (it is handed to the scheduler after)."""
         lora = request.lora_request
         if lora is None:
             return False
         if lora.lora_int_id in self.ready:
-            self.restore_ahead(lora.lora_int_id)
-            return False
+            return self._held_for_read_back(request, wave)
         if not self.defers:
             return False
         pending = self.pending.get(lora.lora_int_id) or self._enqueue(lora)
@@ -182,24 +198,62 @@ class EngineAdmissions:
         self._start_ticking()
         return True
 
-    def restore_ahead(self, adapter_id: int) -> None:
+    def _held_for_read_back(self, request, wave) -> bool:
         """A request named an admitted adapter: workers that spilled it to disk read it back into memory now, on a
-        thread, so that the step that fills its slot does not wait for the read (a request waits in the scheduler's
-        queue for a slot far longer than a read-back takes)."""
+        thread (`restore_ahead`). True if the request is held until they have: the step that fills the adapter's slot
+        then does not wait for the read. An in-process engine does not hold (nothing ticks its polls): its request
+        waits in the scheduler's queue, usually longer than the read-back takes."""
+        adapter_id = request.lora_request.lora_int_id
+        waiting = self.reading_back.get(adapter_id)
+        if waiting is not None:
+            waiting.held.append((request, wave))
+            return True
+        if not self.restore_ahead(adapter_id) or not self.defers:
+            return False
+        self.reading_back[adapter_id] = _ReadBack(time.monotonic(), [(request, wave)])
+        self._start_ticking()
+        return True
+
+    def restore_ahead(self, adapter_id: int) -> bool:
+        """Ask every worker to read `adapter_id` back if it spilled it (at most once per `RESTORE_AHEAD_EVERY_S`);
+        True if a rank is reading it back."""
         now = time.monotonic()
         if now - self._restore_asked.get(adapter_id, float("-inf")) < RESTORE_AHEAD_EVERY_S:
-            return
+            return False
         self._restore_asked[adapter_id] = now
-        self._rpc(RestoreAhead([adapter_id]))
+        return any(adapter_id in reading for reading in self._rpc(RestoreAhead([adapter_id])))
+
+    def _poll_read_backs(self) -> None:
+        """Hand the held requests of every adapter no rank is reading back any more (or held for
+        `READ_BACK_HOLD_S`) to the scheduler. An adapter spilled again before its step (a host budget that holds
+        fewer adapters than the requests in flight name) is read in that step: reading it back again here would
+        spill another, round after round."""
+        ids = list(self.reading_back)
+        reading = set().union(*self._rpc(RestoreAhead(ids, begin=False)))
+        now = time.monotonic()
+        for adapter_id in ids:
+            waiting = self.reading_back[adapter_id]
+            if adapter_id in reading and now - waiting.since < READ_BACK_HOLD_S:
+                continue
+            self._release_read_back(adapter_id)
+
+    def _release_read_back(self, adapter_id: int) -> None:
+        waiting = self.reading_back.pop(adapter_id, None)
+        if waiting is None:
+            return
+        self._restore_asked[adapter_id] = time.monotonic()  # so that `hold` hands them on without asking again
+        for request, wave in waiting.held:
+            self.core.add_request(request, wave)
 
     def drop_held(self, request_ids) -> None:
         ids = set(request_ids)
-        for pending in self.pending.values():
-            pending.held = [(r, w) for r, w in pending.held if r.request_id not in ids]
+        for waiting in [*self.pending.values(), *self.reading_back.values()]:
+            waiting.held = [(r, w) for r, w in waiting.held if r.request_id not in ids]
 
     def remove(self, adapter_id: int, remove_now) -> bool:
         """Remove `adapter_id` now (`remove_now`, vLLM's own removal on every rank) or once no request of it is
         left; an admission in flight is given up."""
+        self._release_read_back(adapter_id)  # requests that arrived before the unload run first, as with any others
         self._next_generation(adapter_id)
         self.ready.discard(adapter_id)
         self._restore_asked.pop(adapter_id, None)
@@ -223,6 +277,8 @@ class EngineAdmissions:
         self.poll()
 
     def poll(self) -> None:
+        if self.reading_back:
+            self._poll_read_backs()
         self._begin_queued()
         if self.pending:
             ids = [adapter_id for adapter_id, pending in self.pending.items() if pending.begun]
@@ -360,7 +416,7 @@ class EngineAdmissions:
 
     # -- the ticker -------------------------------------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self.pending or self.removals)
+        return bool(self.pending or self.removals or self.reading_back)
 
     def _start_ticking(self) -> None:
         if self._thread is None:

@@ -65,6 +65,13 @@ class _Spilled:
     places: list  # (key, offset, shape, dtype, pinned), keys as the adapter's `host_tensors` names them
 
 
+# An adapter a request just named (`restore_ahead`: read back, or found in memory) is not spilled before a step
+# takes it (`get`) while another adapter can go instead, for at most this long: the read-backs for the requests
+# queued behind its own would otherwise spill it, and its step would read it from the spill file after all. Past
+# this its request was most likely given up.
+NAMED_KEPT_S = 30.0
+
+
 class AdapterStore:
     """One worker's admitted adapters (keyed by vLLM's adapter id), the admissions it runs, and its spill files.
 
@@ -80,6 +87,7 @@ class AdapterStore:
         self._spilled: dict[int, _Spilled] = {}
         self._staging: dict[int, _Staging] = {}
         self._restoring: dict[int, threading.Event] = {}  # spilled adapters being read back
+        self._awaiting_step: dict[int, float] = {}  # named by a request, not yet taken by a step: kept until when
         self._slots = threading.Semaphore(max(1, threads))
         self.resident_bytes = 0
 
@@ -177,6 +185,7 @@ class AdapterStore:
             admitted = self._admitted.get(adapter_id)
             if admitted is not None:
                 self._admitted.move_to_end(adapter_id)
+                self._awaiting_step.pop(adapter_id, None)
                 return admitted
             spilled = adapter_id in self._spilled
             restoring = self._restoring.get(adapter_id)
@@ -197,22 +206,38 @@ class AdapterStore:
     def restore_ahead(self, adapter_ids, record: Callable[[float], None] | None = None) -> list[int]:
         """Read each spilled adapter of `adapter_ids` back into memory on a thread of its own, so that the step that
         needs it finds it there (a load meanwhile waits for it, `get`); `record(seconds)` hears each one's time.
-        Returns the ids whose read-back began."""
-        begun = []
+        Each is kept in memory until a step takes it (`NAMED_KEPT_S`). Returns the ids not in memory yet: those
+        whose read-back began now or was already under way (the engine core holds their requests back until no rank
+        names them, `engine.EngineAdmissions.hold`)."""
+        reading = []
         for adapter_id in adapter_ids:
             with self._lock:
-                if adapter_id not in self._spilled or adapter_id in self._restoring:
+                if adapter_id in self._admitted:
+                    self._admitted.move_to_end(adapter_id)
+                    self._awaiting_step[adapter_id] = time.monotonic() + NAMED_KEPT_S
+                    continue
+                if adapter_id in self._restoring:
+                    reading.append(adapter_id)
+                    continue
+                if adapter_id not in self._spilled:
                     continue
                 done = self._restoring[adapter_id] = threading.Event()
-            begun.append(adapter_id)
+            reading.append(adapter_id)
             threading.Thread(target=self._restore_in_background, args=(adapter_id, done, record),
                              name=f"bdlora-restore-{adapter_id}", daemon=True).start()  # fmt: skip
-        return begun
+        return reading
+
+    def reading_back(self, adapter_ids) -> list[int]:
+        """The ids of `adapter_ids` whose read-back ahead of the step is under way."""
+        with self._lock:
+            return [adapter_id for adapter_id in adapter_ids if adapter_id in self._restoring]
 
     def _restore_in_background(self, adapter_id: int, done: threading.Event, record) -> None:
         started = time.perf_counter()
         try:
             if self._restore(adapter_id, wait_for_others=False) is not None:
+                with self._lock:
+                    self._awaiting_step[adapter_id] = time.monotonic() + NAMED_KEPT_S
                 self._enforce_budget(keep=adapter_id)
                 if record is not None:
                     record(time.perf_counter() - started)
@@ -281,6 +306,7 @@ class AdapterStore:
             admitted = self._admitted.pop(adapter_id, None)
             if admitted is not None:
                 self.resident_bytes -= admitted.nbytes
+            self._awaiting_step.pop(adapter_id, None)
             spilled = self._spilled.pop(adapter_id, None)
         if spilled is not None:
             os.close(spilled.fd)
@@ -293,7 +319,7 @@ class AdapterStore:
             with self._lock:
                 if self.resident_bytes <= self.host_budget:
                     return
-                victim = next((i for i in self._admitted if i != keep), None)
+                victim = self._spill_victim(keep)
                 if victim is None:
                     return  # one adapter larger than the budget stays resident
                 admitted = self._admitted.pop(victim)
@@ -310,6 +336,20 @@ class AdapterStore:
                     f"spilling to {self.spill_dir} failed ({e.strerror or e}); unload adapters, or give the server "
                     'more "adapter_host_memory" or spill space'
                 ) from e
+
+    def _spill_victim(self, keep: int) -> int | None:
+        """The least recently used adapter other than `keep`, passing over those requests named that no step has
+        taken yet where another can go (under the lock)."""
+        now, fallback = time.monotonic(), None
+        for adapter_id in self._admitted:
+            if adapter_id == keep:
+                continue
+            if self._awaiting_step.get(adapter_id, now) <= now:
+                self._awaiting_step.pop(adapter_id, None)
+                return adapter_id
+            fallback = adapter_id if fallback is None else fallback
+        self._awaiting_step.pop(fallback, None)
+        return fallback
 
     def _spill(self, adapter_id: int, admitted) -> None:
         import torch

@@ -122,9 +122,11 @@ class WorkerAdapters:
                 return [self.store.forget(adapter_id) for adapter_id in ids]
             case AdapterFigures():
                 return self.stats.snapshot(self.worker_manager, self.kept)
-            case RestoreAhead(adapter_ids=ids):
+            case RestoreAhead(adapter_ids=ids, begin=begin):
                 if self.kept is None:
                     return []
+                if not begin:
+                    return self.kept.reading_back(list(ids))
                 return self.kept.restore_ahead(
                     list(ids), lambda seconds: self.stats.record_load("restore_ahead", seconds)
                 )
