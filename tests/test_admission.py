@@ -569,3 +569,44 @@ def test_pattern_keys_times_modules_are_bounded():
     assert matching_work_problem(config, MAX_PATTERN_MATCHES // 256, "adapter_config.json") is None
     problem = matching_work_problem(config, MAX_PATTERN_MATCHES // 256 + 1, "adapter_config.json")
     assert "256 rank_pattern/alpha_pattern keys over 1025 modules" in problem and "over the limit" in problem
+
+
+def test_a_fills_model_copy_is_copy_copy_of_vllms_classes_and_falls_back_for_others():
+    """A fill copies the adapter's LoRAModel and its module weights (vLLM registers them in place) with a shortcut
+    for plain classes; it must give what `copy.copy` gives: a new object of the same class, the same attributes, a
+    dict of its own. A class with its own copy or slots gets `copy.copy` itself."""
+    import copy
+
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+
+    from vllm_bdlora.adapter_lifecycle.read_and_cut import _model_copy, _shallow_copy
+
+    weights = LoRALayerWeights("m", 4, 8, torch.randn(4, 16), torch.randn(16, 4))
+    packed = PackedLoRALayerWeights.pack([weights, None])
+    model = LoRAModel(3, 4, {"m": weights, "p": packed})
+    copied = _model_copy(model)
+    assert type(copied) is LoRAModel and copied is not model and copied.loras is not model.loras
+    for name in ("m", "p"):
+        ours, reference = copied.loras[name], copy.copy(model.loras[name])
+        assert type(ours) is type(reference) and ours is not model.loras[name]
+        assert ours.__dict__ == reference.__dict__ and ours.__dict__ is not model.loras[name].__dict__
+    copied.loras["m"].lora_a = None  # vLLM's registration rewrites the copy, never the template
+    assert model.loras["m"].lora_a is weights.lora_a is not None
+
+    class OwnCopy:
+        def __init__(self):
+            self.copies = 0
+
+        def __copy__(self):
+            made = OwnCopy()
+            made.copies = self.copies + 1
+            return made
+
+    class Slotted:
+        __slots__ = ("x",)
+
+    assert _shallow_copy(OwnCopy()).copies == 1
+    slotted = Slotted()
+    slotted.x = 5
+    assert _shallow_copy(slotted).x == 5
