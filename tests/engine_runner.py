@@ -14,10 +14,12 @@ killed with its workers.
 SPEC: {"engine": {LLM kwargs}, "env": {variable: value} (set before the engine starts), "adapters": {name: path},
 "requests": [{"adapter": name|null, "prompt_token_ids": [...]}], "max_tokens": N, "top_logprobs": K (default 1),
 "count_collectives": [adapter name|null, ...], "expect_errors": [adapter name, ...], "poison": adapter name,
-"after": [requests, each run alone after the batch]}
+"pin": adapter name (pinned with `pin_lora` after the batch, before "after"), "after": [requests, each run alone
+after the batch]}
 
 RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...], "top_logprobs": [{token: logprob}]}],
 "collectives": {probe: [per-worker {op: count}]}, "errors": {adapter name: message or null},
+"pinned": {"registered_before": [per-worker bool], "returned": bool, "slots": [per-worker slot ids], "id": int},
 "after": [outputs], "kv_non_finite": [per-worker count]}. "poison" admits that adapter, then sets every weight
 of its LoRA slot to NaN on every worker (what admission refuses, written past it) before the batch runs; the host
 is discarded after that spec, so no other spec meets the poisoned slot.
@@ -87,6 +89,11 @@ def _poison_slot(worker, lora_request):
 def _slot_adapter_ids(worker):
     """The adapter id in each GPU slot of this worker (None: a free slot)."""
     return list(worker.model_runner.lora_manager._adapter_manager.lora_index_to_id)
+
+
+def _registered_adapter_ids(worker):
+    """The adapters vLLM's host cache on this worker holds."""
+    return sorted(worker.model_runner.lora_manager._adapter_manager._registered_adapters)
 
 
 def _adapter_loads(worker):
@@ -212,6 +219,12 @@ def run_spec(engine: Engine, spec: dict) -> dict:
         result["outputs"] = [_output(o) for o in outputs]
     if spec.get("adapter_loads"):
         result["adapter_loads"] = llm.collective_rpc(_adapter_loads)
+    if spec.get("pin"):
+        pinned = lora(spec["pin"])
+        registered = [pinned.lora_int_id in ids for ids in llm.collective_rpc(_registered_adapter_ids)]
+        returned = llm.llm_engine.pin_lora(pinned.lora_int_id)
+        result["pinned"] = {"registered_before": registered, "returned": returned, "id": pinned.lora_int_id,
+                            "slots": llm.collective_rpc(_slot_adapter_ids)}  # fmt: skip
     if spec.get("after"):
         result["after"] = [_output(generate([request], spec["max_tokens"])[0]) for request in spec["after"]]
         result["kv_non_finite"] = llm.collective_rpc(_kv_non_finite)

@@ -95,9 +95,18 @@ def test_more_adapters_than_gpu_slots_still_match_peft(assets, prompts, peft_ref
     that kept columns or layers of its previous adapter would change these tokens."""
     engine = engine_kwargs(assets["model"], 2, bdlora=True, max_loras=2)
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts, load_first=list(ADAPTERS))
+    # then pin an adapter that vLLM's host cache (two entries) dropped during the batch, and ask it and another
+    # one request at a time: the pin registers it from what the workers kept, it holds a slot, the other one
+    # takes the free slot
+    pinned, other = BATCH[1], BATCH[-1]
+    spec |= {"pin": pinned, "after": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in (pinned, other)]}
     assert len(ADAPTERS) > 2 * engine["max_loras"]
     result = run_engine(spec, tmp_path_factory.mktemp("bd_tp2_two_slots"))
     assert_matches_reference(result, peft_reference)
+    pin = result["pinned"]
+    assert pin["returned"] and not any(pin["registered_before"]), pin
+    assert all(pin["id"] in slots for slots in pin["slots"]), pin
+    assert_matches_reference({"outputs": result["after"]}, peft_reference, batch=[pinned, other])
     # Loading all six first (add_lora, as load requests do) took free slots only: no resident adapter was evicted
     # by a load, and the first adapters loaded that were not resident went into the free slots in load order.
     slots = result["slots_around_loads"]

@@ -12,6 +12,8 @@ adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
 * `remove_adapter`: an unload: GPU slot and host cache (vLLM's), and everything the store kept.
 * `admission_leaves_engine_caches`: whether an adapter being admitted stops at the store (no room in vLLM's host
   cache or GPU slots: its first request's step takes room).
+* `register_kept_before_pin`: a pin of an adapter the store keeps but vLLM's host cache does not hold registers it
+  first, as vLLM's pin requires.
 """
 
 from __future__ import annotations
@@ -191,6 +193,21 @@ class WorkerAdapters:
         self.stats.record_load("admission" if _admitting.get() else "in_step", time.perf_counter() - started)
         return lora_model
 
+    def register_kept(self, adapter_id: int) -> bool:
+        """Register an admitted adapter that vLLM's host cache does not hold (an admission left it out, or the cache
+        dropped it since) from what the store kept, as a step's load would (the least recently used cache entry
+        makes room). False where there is nothing to do: BD-LoRA off, registered already, or not kept here."""
+        manager = self.manager
+        if not self.settings.enabled or self.kept is None or adapter_id in manager._registered_adapters:
+            return False
+        admitted = self.kept.get(adapter_id)
+        if admitted is None:
+            return False
+        finish_admission(admitted, adapter_id)
+        if len(manager._registered_adapters) + 1 > manager.capacity:
+            manager.remove_oldest_adapter()
+        return bool(manager.add_adapter(admitted.fresh_model()))
+
     # -- an unload --------------------------------------------------------------------------------------------------
     def forget_removed(self, adapter_id: int, removed: bool) -> bool:
         """After vLLM removed `adapter_id` (`removed`: whether it held it): drop what the store kept of it too."""
@@ -239,6 +256,13 @@ def admission_leaves_engine_caches(worker_manager, lora_request) -> bool:
     if lora_request.lora_int_id in registered:
         return False
     return len(registered) >= manager.capacity or len(manager._active_adapters) >= manager.lora_slots
+
+
+def register_kept_before_pin(worker_manager, adapter_id: int) -> None:
+    """Before vLLM's pin of `adapter_id` (which fails for an adapter its host cache does not hold): register it from
+    what this worker kept. Stock vLLM registers every adapter it loads, so a pin after a load finds it there; a BD
+    server leaves adapters admitted while its caches are full to the store (`admission_leaves_engine_caches`)."""
+    WorkerAdapters.of(worker_manager).register_kept(adapter_id)
 
 
 def load_adapter(worker_manager, lora_request, read: Callable):

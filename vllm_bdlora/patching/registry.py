@@ -42,6 +42,7 @@ from vllm_bdlora.patching.worker import (
     patch_lora_layer_classes,
     patch_lora_manager,
     patch_peft_helper_defers_adapter_flags,
+    patch_pin_registers_kept_adapters,
     patch_sampling_survives_non_finite_rows,
     patch_whole_slot_fills,
 )
@@ -296,6 +297,21 @@ PATCHES: tuple[Patch, ...] = (
         "registers it from the store and fills a slot, as vLLM does for any adapter that is not resident.",
         removal="vLLM admitting an adapter without evicting resident ones.",
         apply=patch_admission_leaves_engine_caches,
+    ),
+    Patch(
+        name="pin_registers_kept_adapters",
+        targets=("vllm.lora.worker_manager.WorkerLoRAManager.pin_adapter",),
+        stage="plugin",
+        versions="0.26-0.33",
+        why="vLLM pins only adapters its host cache holds ('Pinning failed. LoRA N is not registered.'). Stock vLLM "
+        "registers every adapter it loads, so pin_lora right after add_lora works; a BD server leaves an adapter "
+        "admitted while its caches are full to the worker's store (admission_leaves_engine_caches), so the same "
+        "calls failed.",
+        how="With BD-LoRA on, WorkerLoRAManager.pin_adapter first registers an adapter the worker's store keeps and "
+        "vLLM's host cache does not hold (adapter_lifecycle.worker.register_kept_before_pin: from the store, the "
+        "least recently used cache entry making room), then runs vLLM's pin.",
+        removal="vLLM's pin loading an adapter it does not hold, or admission_leaves_engine_caches being removed.",
+        apply=patch_pin_registers_kept_adapters,
     ),
     Patch(
         name="whole_slot_fills",

@@ -159,6 +159,25 @@ def patch_admission_leaves_engine_caches() -> bool:
     return wrap_method(LRUCacheWorkerLoRAManager, "add_adapter", make)
 
 
+def patch_pin_registers_kept_adapters() -> bool:
+    """A pin of an adapter the worker kept but vLLM's host cache does not hold registers it from the store first
+    (`register_kept_before_pin`)."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from vllm_bdlora.adapter_lifecycle.worker import register_kept_before_pin
+
+    require_parameters(WorkerLoRAManager.pin_adapter, ("adapter_id",), "WorkerLoRAManager.pin_adapter")
+
+    def make(original):
+        def pin_adapter(self, adapter_id):
+            register_kept_before_pin(self, adapter_id)
+            return original(self, adapter_id)
+
+        return pin_adapter
+
+    return wrap_method(WorkerLoRAManager, "pin_adapter", make)
+
+
 def patch_whole_slot_fills() -> bool:
     """A slot activation of an adapter kept as a slot image copies the image whole instead of calling every BD
     layer's set_lora (`vllm_bdlora.slot_arena.activate_filling_whole_slot`)."""
