@@ -343,7 +343,26 @@ def test_a_request_waits_for_its_adapters_read_back_while_the_others_run(tmp_pat
     assert all(1 in store.resident_ids() for store in workers.stores)
     calls = len(workers.calls)
     core.add_request(SimpleNamespace(request_id="r5", lora_request=lora(1), client_index=0))
-    assert core.scheduled[-1] == "r5" and len(workers.calls) == calls
+    assert core.scheduled[-1] == "r5" and len(workers.calls) == calls  # its requests run: in a slot, or kept
+    core.scheduler.requests.clear()  # they finished: the next request asks again (it may have been spilled since)
+    core.add_request(SimpleNamespace(request_id="r6", lora_request=lora(1), client_index=0))
+    assert core.scheduled[-1] == "r6" and workers.calls[calls:] == ["RestoreAhead"]
+
+
+def test_a_worker_reads_back_no_adapter_vllms_host_cache_holds(tmp_path):
+    """vLLM fills the slot of an adapter its host cache holds from there, so the worker neither reads it back nor
+    keeps it for a step that will not take it."""
+    from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters
+
+    _, workers, _ = spilling_engine(tmp_path, ranks=1)
+    (store,) = workers.stores
+    manager = SimpleNamespace(_registered_adapters={1: object()})
+    adapters = WorkerAdapters(SimpleNamespace(_adapter_manager=manager))
+    adapters.kept = store
+    assert adapters.answer(RestoreAhead([1, 2])) == [] and store.needs_restore(1)  # spilled, and left there
+    assert set(store._awaiting_step) == {2}  # in memory, not in vLLM's cache: kept for its step
+    del manager._registered_adapters[1]
+    assert adapters.answer(RestoreAhead([1, 2])) == [1]
 
 
 def test_a_read_back_that_takes_too_long_holds_its_requests_no_longer(tmp_path, monkeypatch):

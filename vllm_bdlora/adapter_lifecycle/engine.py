@@ -16,8 +16,9 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
 * `hold`: a request naming an adapter the engine has not admitted (the Python API's `generate(...,
   lora_request=...)`) is held back while its adapter is admitted the same way, then handed to the scheduler; the
   others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
-* `restore_ahead`: a request naming an admitted adapter asks every worker to read it back into memory, off the
-  step, if the worker spilled it to disk (at most once a second per adapter). Where a rank is reading it back, the
+* `restore_ahead`: a request naming an admitted adapter none of whose requests the scheduler holds asks every worker
+  to read it back into memory, off the step, if the worker spilled it to disk (an adapter with requests in the
+  scheduler is in a GPU slot or kept in memory for their step). Where a rank is reading it back, the
   request is held (with any other request of the adapter that arrives meanwhile) and handed to the scheduler once no
   rank is, or after `READ_BACK_HOLD_S`: the step that fills the adapter's slot then finds it in memory, where it
   would otherwise have stopped every running request for the read.
@@ -68,7 +69,6 @@ logger = logging.getLogger("vllm.bdlora")
 
 ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
 TICK_SECONDS = 0.01
-RESTORE_AHEAD_EVERY_S = 1.0  # per adapter: a busy adapter's requests ask the workers at most this often
 # The longest a request is held for its adapter's read-back. A read-back of an 8B adapter's share takes tens of
 # milliseconds from a local disk; past this (a slow spill disk, or an adapter spilled again as soon as it was read
 # back, under a host budget too small for the traffic) the request goes to the scheduler and its step reads the
@@ -135,7 +135,7 @@ class EngineAdmissions:
         self.pending: dict[int, _Pending] = {}
         self.removals: set[int] = set()
         self.generations: dict[int, int] = {}
-        self._restore_asked: dict[int, float] = {}
+        self._releasing: int | None = None  # the adapter whose held requests go to the scheduler now
         self.reading_back: dict[int, _ReadBack] = {}
         self._generation_counter = itertools.count(1)
         self._wake = threading.Event()
@@ -208,6 +208,8 @@ class EngineAdmissions:
         if waiting is not None:
             waiting.held.append((request, wave))
             return True
+        if adapter_id == self._releasing or self._in_use(adapter_id):
+            return False
         if not self.restore_ahead(adapter_id) or not self.defers:
             return False
         self.reading_back[adapter_id] = _ReadBack(time.monotonic(), [(request, wave)])
@@ -215,12 +217,8 @@ class EngineAdmissions:
         return True
 
     def restore_ahead(self, adapter_id: int) -> bool:
-        """Ask every worker to read `adapter_id` back if it spilled it (at most once per `RESTORE_AHEAD_EVERY_S`);
-        True if a rank is reading it back."""
-        now = time.monotonic()
-        if now - self._restore_asked.get(adapter_id, float("-inf")) < RESTORE_AHEAD_EVERY_S:
-            return False
-        self._restore_asked[adapter_id] = now
+        """Ask every worker to read `adapter_id` back if it spilled it, and to keep it in memory until a step takes
+        it; True if a rank is reading it back."""
         return any(adapter_id in reading for reading in self._rpc(RestoreAhead([adapter_id])))
 
     def _poll_read_backs(self) -> None:
@@ -241,9 +239,12 @@ class EngineAdmissions:
         waiting = self.reading_back.pop(adapter_id, None)
         if waiting is None:
             return
-        self._restore_asked[adapter_id] = time.monotonic()  # so that `hold` hands them on without asking again
-        for request, wave in waiting.held:
-            self.core.add_request(request, wave)
+        self._releasing = adapter_id  # so that `hold` hands them on without asking again
+        try:
+            for request, wave in waiting.held:
+                self.core.add_request(request, wave)
+        finally:
+            self._releasing = None
 
     def drop_held(self, request_ids) -> None:
         ids = set(request_ids)
@@ -256,7 +257,6 @@ class EngineAdmissions:
         self._release_read_back(adapter_id)  # requests that arrived before the unload run first, as with any others
         self._next_generation(adapter_id)
         self.ready.discard(adapter_id)
-        self._restore_asked.pop(adapter_id, None)
         pending = self.pending.pop(adapter_id, None)
         if pending is not None:
             self._rpc(ForgetAdmissions([adapter_id]))  # an admission it superseded may be in flight on the workers

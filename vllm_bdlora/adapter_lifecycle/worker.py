@@ -129,8 +129,11 @@ class WorkerAdapters:
                     return []
                 if not begin:
                     return self.kept.reading_back(list(ids))
+                # an adapter vLLM's host cache holds fills its slot from there: the store's copy is not needed
+                registered = self.manager._registered_adapters
                 return self.kept.restore_ahead(
-                    list(ids), lambda seconds: self.stats.record_load("restore_ahead", seconds)
+                    [i for i in ids if i not in registered],
+                    lambda seconds: self.stats.record_load("restore_ahead", seconds),
                 )
         raise TypeError(f"vllm-bdlora: not an admission call: {type(call).__name__}")
 
