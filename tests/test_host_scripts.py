@@ -101,3 +101,16 @@ def test_stopping_a_server_that_ignores_sigterm_ends_its_whole_process_group(tmp
     while os.path.exists(f"/proc/{pid}") and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text():
         assert time.monotonic() < deadline, "the server's child outlived stop_server"
         time.sleep(0.05)
+
+
+def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_accepts(tmp_path):
+    out = tmp_path / "ab"
+    proc = run_script(tmp_path, "bench/hosts/many_adapters_ab.sh", str(ROOT), str(out), "2")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    sides = [line.split()[2:4] for line in proc.stdout.splitlines() if line.startswith("== ")]
+    assert sides == [["before", "1"], ["after", "1"], ["before", "2"], ["after", "2"]], proc.stdout
+    for side in ("before-1", "after-1", "before-2", "after-2"):
+        log = (out / f"{side}.log").read_text()
+        servers = served(log)
+        assert len(servers) == 1 and """'{"max_cudagraph_capture_size":128}'""" in servers[0], log[-3000:]
+        assert "--enable-bdlora" in servers[0] and "--tensor-parallel-size 1" in servers[0], servers
