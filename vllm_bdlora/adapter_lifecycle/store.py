@@ -208,7 +208,7 @@ class AdapterStore:
         needs it finds it there (a load meanwhile waits for it, `get`); `record(seconds)` hears each one's time.
         Each is kept in memory until a step takes it (`NAMED_KEPT_S`). Returns the ids not in memory yet: those
         whose read-back began now or was already under way (the engine core holds their requests back until no rank
-        names them, `engine.EngineAdmissions.hold`)."""
+        reports them, `engine.EngineAdmissions.hold`)."""
         reading = []
         for adapter_id in adapter_ids:
             with self._lock:
