@@ -169,8 +169,8 @@ def _model_copy(model):
 
 def _shallow_copy(obj):
     """`copy.copy(obj)`, for the plain classes vLLM's LoRA models and weights are, without the generic protocol's
-    cost: a slot fill copies one per adapted module (224 at Llama-3.1-8B's depth), inside the step. A class with a
-    copy or pickle protocol of its own gets `copy.copy`."""
+    cost: a slot fill copies one per entry of the packed model (128 at Llama-3.1-8B's depth), inside the step. A
+    class with a copy or pickle protocol of its own gets `copy.copy`."""
     cls = type(obj)
     if not _is_plain(cls):
         return copy.copy(obj)
