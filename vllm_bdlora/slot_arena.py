@@ -156,20 +156,25 @@ class SlotArena:
         `image_memory` per adapter: vLLM's loader, handed the image's views (`SlotImage.views`), neither copies nor
         pins them again."""
         image = self.image_over(self.image_memory.take(), {})
-        factors, widths, places = image.factors, image.widths, image.modules
-        widths.zero_()
+        factors, places = image.factors, image.modules
+        filled = [0] * image.widths.shape[0]
+        targets, sources = [], []
         for name, target, lora_a, lora_b in modules:
             place, index, width = self.place_of(target.layer), target.slice_index, lora_a.shape[0]
             a, b = place.a_of_slice(index, width), place.b_of_slice(index, lora_b.shape[0], width)
-            a.of(factors).copy_(lora_a)
-            b.of(factors).copy_(lora_b)
-            widths[place.widths_at + index] = width
+            targets += [a.of(factors), b.of(factors)]
+            sources += [lora_a, lora_b]
+            filled[place.widths_at + index] = width
             places[name] = (a, b)
+        # One tensor operation for every copy, and one for the widths: an admission runs on a thread beside the
+        # worker's main thread, and every operation hands the interpreter lock back and forth between them.
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        image.widths.copy_(torch.tensor(filled, dtype=image.widths.dtype))
         # Zeros wherever the copies left a slice short of the buffer width (the fused expand loads whole tiles of B
         # and multiplies what lies past the width by zeros: it must be finite), and for the slices the adapter does
         # not adapt. Nothing reads the alignment gaps between layers. An adapter of full width everywhere, the
         # common case, needs no zeroing at all.
-        filled = widths.tolist()
         for place in self.places.values():
             for index in range(len(place.slice_rows)):
                 if filled[place.widths_at + index] < place.width:
