@@ -48,6 +48,9 @@ PATCH_TESTS = {
         "test_engine_vs_peft.py::test_fused_lora_kernels_tp1_match_peft",
     ],
     "admission_leaves_engine_caches": ["test_engine_vs_peft.py::test_more_adapters_than_gpu_slots_still_match_peft"],
+    "message_queue_waits_while_admitting": [
+        "test_patching.py::test_a_worker_waits_for_messages_without_spinning_while_it_admits"
+    ],
     "pin_registers_kept_adapters": ["test_engine_vs_peft.py::test_more_adapters_than_gpu_slots_still_match_peft"],
     "cpu_lora_ops_ignore_unadapted_tokens": ["test_patching.py::test_cpu_ops_ignore_unadapted_tokens"],
     "cpu_lora_device_of_repacked_layers": [
@@ -360,6 +363,47 @@ def test_vllm_console_script_runs():
     text = " ".join(proc.stdout.split())  # help is wrapped to the terminal's width
     assert "--enable-bdlora" in text and "Implies --enable-lora" in text
     assert "--allowed-adapter-roots DIR [DIR ...]" in text and "--block-diagonal-sharded-loras" in text
+
+
+def test_a_worker_waits_for_messages_without_spinning_while_it_admits():
+    """vLLM's message-queue reader spins (no poll of its notification socket) within its busy-loop window; while an
+    admission thread of the process reads, it polls the socket with a short recheck instead, and spins again after."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition, get_open_zmq_ipc_path
+
+    from vllm_bdlora.adapter_lifecycle.store import ADMISSIONS_READING
+    from vllm_bdlora.adapter_lifecycle.worker import IDLE_RECHECK_MS
+    from vllm_bdlora.patching.worker import patch_message_queue_waits_while_admitting
+
+    patch_message_queue_waits_while_admitting()
+    context = zmq.Context()
+    address = get_open_zmq_ipc_path()
+    writer = SpinCondition(is_reader=False, context=context, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=context, notify_address=address)
+    polls, poller = [], reader.poller
+
+    class RecordingPoller:
+        def poll(self, timeout=None):
+            polls.append(timeout)
+            return poller.poll(timeout=timeout)
+
+    reader.poller = RecordingPoller()
+    try:
+        reader.record_read()
+        reader.wait()
+        assert polls == []  # vLLM's busy loop: a sched_yield, no poll
+        with ADMISSIONS_READING.reading():
+            reader.record_read()
+            reader.wait()
+            reader.wait(timeout_ms=5000)
+            writer.notify()
+            reader.wait(timeout_ms=5000)  # woken by the notification (or its recheck), never the 5 s
+        assert polls == [IDLE_RECHECK_MS] * 3
+        reader.record_read()
+        reader.wait()
+        assert len(polls) == 3  # spinning again once no admission reads
+    finally:
+        context.destroy(linger=0)
 
 
 def test_cpu_ops_ignore_unadapted_tokens():

@@ -21,6 +21,7 @@ against the few that run at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -34,6 +35,32 @@ from vllm_bdlora.access import STORE_FULL
 from vllm_bdlora.adapter_lifecycle.calls import AdmissionState, Failed, Reading, Ready, Unknown
 
 logger = logging.getLogger("vllm.bdlora")
+
+
+class ReadingThreads:
+    """How many threads of this process are admitting adapters now, every store of the process together. While any
+    is, the process's reader of vLLM's message queue waits for a message rather than spinning for one
+    (`worker.wait_for_engine_message`), so that it does not take the interpreter lock from them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = 0
+
+    @contextlib.contextmanager
+    def reading(self):
+        with self._lock:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1
+
+    def any(self) -> bool:
+        return self._count > 0
+
+
+ADMISSIONS_READING = ReadingThreads()
 
 
 class StoreFull(RuntimeError):
@@ -110,7 +137,8 @@ class AdapterStore:
         staging.reading_since = time.monotonic()
         try:
             if not staging.abandoned:
-                staging.result = work()
+                with ADMISSIONS_READING.reading():
+                    staging.result = work()
         except BaseException as e:  # reported through status(); the engine core turns it into the client's answer
             staging.error = e
         finally:

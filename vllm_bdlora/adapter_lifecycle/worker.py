@@ -14,6 +14,8 @@ adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
   cache or GPU slots: its first request's step takes room).
 * `register_kept_before_pin`: a pin of an adapter the store keeps but vLLM's host cache does not hold registers it
   first, as vLLM's pin requires.
+* `wait_for_engine_message`: while the worker admits adapters, its main thread waits for the engine core's next
+  message without spinning for it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
 )
 from vllm_bdlora.adapter_lifecycle.finish import finish_admission
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter, read_adapter, read_on
-from vllm_bdlora.adapter_lifecycle.store import AdapterStore, host_budget_bytes
+from vllm_bdlora.adapter_lifecycle.store import ADMISSIONS_READING, AdapterStore, host_budget_bytes
 from vllm_bdlora.adapter_lifecycle.targets import tensor_parallel_size
 from vllm_bdlora.adapters import (
     AdapterFormat,
@@ -53,6 +55,10 @@ from vllm_bdlora.manager import is_first_tp_rank
 from vllm_bdlora.metrics import WorkerAdapterStats
 
 logger = logging.getLogger("vllm.bdlora")
+
+# How long a worker's main thread waits for the engine core's next message, at most, before it re-reads the queue
+# while the worker admits adapters (`wait_for_engine_message`).
+IDLE_RECHECK_MS = 1
 
 # True while a worker loads an adapter for an add_lora call (admission), as opposed to a step's request.
 _admitting = contextvars.ContextVar("bdlora_admitting", default=False)
@@ -266,6 +272,22 @@ def register_kept_before_pin(worker_manager, adapter_id: int) -> None:
     what this worker kept. Stock vLLM registers every adapter it loads, so a pin after a load finds it there; a BD
     server leaves adapters admitted while its caches are full to the store (`admission_leaves_engine_caches`)."""
     WorkerAdapters.of(worker_manager).register_kept(adapter_id)
+
+
+def wait_for_engine_message(condition, timeout_ms, wait: Callable):
+    """vLLM's message-queue reader spins for a second after every message it reads: check the queue, yield the CPU,
+    check again, holding the interpreter lock for each check. On a worker's main thread the engine core's admission
+    polls (every `engine.TICK_SECONDS`) keep it spinning for as long as adapters are read, and the admission threads
+    then wait for the lock after every tensor operation that released it: each stage of an admission costs 2-3x what
+    it costs alone (`bench/admission_stages.py`). While this process admits adapters, the reader takes vLLM's own
+    idle path instead, as if its busy-loop window had passed: it waits on the queue's notification socket, without
+    the lock, and wakes when the engine core writes."""
+    if not ADMISSIONS_READING.any():
+        return wait(condition, timeout_ms)
+    condition.last_read = float("-inf")
+    # vLLM's idle path may miss a notification (its own recheck interval bounds that at 5 s): re-read the queue's
+    # flag every millisecond instead, a thousand wake-ups a second against the spin's millions
+    return wait(condition, IDLE_RECHECK_MS if timeout_ms is None else min(timeout_ms, IDLE_RECHECK_MS))
 
 
 def load_adapter(worker_manager, lora_request, read: Callable):

@@ -41,6 +41,7 @@ from vllm_bdlora.patching.worker import (
     patch_cpu_pipeline_stage_buffers,
     patch_lora_layer_classes,
     patch_lora_manager,
+    patch_message_queue_waits_while_admitting,
     patch_peft_helper_defers_adapter_flags,
     patch_pin_registers_kept_adapters,
     patch_sampling_survives_non_finite_rows,
@@ -312,6 +313,22 @@ PATCHES: tuple[Patch, ...] = (
         "least recently used cache entry making room), then runs vLLM's pin.",
         removal="vLLM's pin loading an adapter it does not hold, or admission_leaves_engine_caches being removed.",
         apply=patch_pin_registers_kept_adapters,
+    ),
+    Patch(
+        name="message_queue_waits_while_admitting",
+        targets=("vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait",),
+        stage="plugin",
+        versions="0.26-0.33",
+        why="A worker's main thread spins on vLLM's message queue for a second after every message (check, "
+        "sched_yield, check), taking the interpreter lock for each check; the engine core's admission polls keep "
+        "it spinning while adapters are read, and the worker's admission threads, which need the same lock after "
+        "every tensor operation, ran each stage 2-3x slower than alone.",
+        how="While a thread of the process admits an adapter (store.ADMISSIONS_READING), SpinCondition.wait takes "
+        "vLLM's own idle path (adapter_lifecycle.worker.wait_for_engine_message): it waits on the queue's "
+        "notification socket, which the writer pings after every message, without the lock.",
+        removal="vLLM's reader waiting without the interpreter lock (a C spin loop that releases it, or an option "
+        "to shorten the busy loop), or admission leaving the worker process.",
+        apply=patch_message_queue_waits_while_admitting,
     ),
     Patch(
         name="whole_slot_fills",

@@ -178,6 +178,26 @@ def patch_pin_registers_kept_adapters() -> bool:
     return wrap_method(WorkerLoRAManager, "pin_adapter", make)
 
 
+def patch_message_queue_waits_while_admitting() -> bool:
+    """vLLM's message-queue reader waits for a message, rather than spinning for one, while its process admits
+    adapters (`wait_for_engine_message`)."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from vllm_bdlora.adapter_lifecycle.worker import wait_for_engine_message
+
+    require_parameters(SpinCondition.wait, ("timeout_ms",), "SpinCondition.wait")
+    if "self.last_read + self.busy_loop_s" not in inspect.getsource(inspect.unwrap(SpinCondition.wait)):
+        raise UpstreamContractError("vllm-bdlora: SpinCondition.wait no longer spins until last_read + busy_loop_s.")
+
+    def make(original):
+        def wait(self, timeout_ms=None):
+            return wait_for_engine_message(self, timeout_ms, original)
+
+        return wait
+
+    return wrap_method(SpinCondition, "wait", make)
+
+
 def patch_whole_slot_fills() -> bool:
     """A slot activation of an adapter kept as a slot image copies the image whole instead of calling every BD
     layer's set_lora (`vllm_bdlora.slot_arena.activate_filling_whole_slot`)."""
