@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 COMPILATION_CONFIG = """--compilation-config '{"pass_config":{"fuse_allreduce_rms":false}"""
 
@@ -103,14 +105,20 @@ def test_stopping_a_server_that_ignores_sigterm_ends_its_whole_process_group(tmp
         time.sleep(0.05)
 
 
-def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_accepts(tmp_path):
+@pytest.mark.parametrize("load_only", [False, True], ids=["serving", "load-only"])
+def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_accepts(tmp_path, load_only):
     out = tmp_path / "ab"
-    proc = run_script(tmp_path, "bench/hosts/many_adapters_ab.sh", str(ROOT), str(out), "2")
+    env = {"WORKLOAD": "single concurrency:1 fixed:64/8 8", "EXTRA": " --distributed-executor-backend mp"}
+    script = "bench/hosts/many_adapters_ab.sh"
+    proc = run_script(tmp_path, script, str(ROOT), str(out), "1", **(env if load_only else {}))
     assert proc.returncode == 0, proc.stdout[-3000:]
     sides = [line.split()[2:4] for line in proc.stdout.splitlines() if line.startswith("== ")]
-    assert sides == [["before", "1"], ["after", "1"], ["before", "2"], ["after", "2"]], proc.stdout
-    for side in ("before-1", "after-1", "before-2", "after-2"):
+    assert sides == [["before", "1"], ["after", "1"]], proc.stdout
+    for side in ("before-1", "after-1"):
         log = (out / f"{side}.log").read_text()
         servers = served(log)
         assert len(servers) == 1 and """'{"max_cudagraph_capture_size":128}'""" in servers[0], log[-3000:]
         assert "--enable-bdlora" in servers[0] and "--tensor-parallel-size 1" in servers[0], servers
+        workloads = "'single concurrency:1 fixed:64/8 8'" if load_only else "'zipf:1.0 poisson:8 fixed:1024/128 240'"
+        assert workloads in log, log[-3000:]
+        assert ("--distributed-executor-backend mp" in servers[0]) == load_only, servers

@@ -8,10 +8,15 @@
 # SHAPE_ARGS, LENGTHS and EXTRA (more server arguments) replace the configuration's, e.g. for a tiny model on CPU:
 #   SHAPE_ARGS="--model-shape tiny --adapters 32 --rank 16 --gpu-memory 1MiB --host-memory 4MiB --dtype float32
 #   --max-model-len 256 --max-num-seqs 8" LENGTHS=16/8 EXTRA=" --enforce-eager" bash ... OLD_TREE OUT 1
+# WORKLOAD (one "POPULARITY ARRIVALS LENGTHS REQUESTS") replaces the two workloads, e.g. to compare the adapters' load
+# (its time is in every summary) with a worker process of its own, as at TP > 1:
+#   WORKLOAD="single concurrency:1 fixed:64/8 8" EXTRA=" --distributed-executor-backend mp --enforce-eager" ...
 set -u
 old=${1:?old tree holding vllm_bdlora}; out=${2:?out}; rounds=${3:-2}
 shape_args=${SHAPE_ARGS:---model-shape llama-3.1-8b --adapters 256 --rank 4 --gpu-memory 512MiB --host-memory 2GiB --max-num-seqs 64 --max-model-len 2048}
 lengths=${LENGTHS:-1024/128}
+workloads=("zipf:1.0 poisson:8 fixed:$lengths 240" "distinct concurrency:4 fixed:$lengths 48")
+[ -n "${WORKLOAD:-}" ] && workloads=("$WORKLOAD")
 mkdir -p "$out"
 for round in $(seq 1 "$rounds"); do
   for side in before after; do
@@ -19,7 +24,7 @@ for round in $(seq 1 "$rounds"); do
     echo "== $(date +%T) $side $round"
     # shellcheck disable=SC2086  # shape_args is a list of arguments
     PYTHONPATH=$pythonpath python3 -m bench.many_adapters --tp 1 --modes bdlora --distinct-files 16 $shape_args \
-      --workloads "zipf:1.0 poisson:8 fixed:$lengths 240" "distinct concurrency:4 fixed:$lengths 48" \
+      --workloads "${workloads[@]}" \
       --extra-server-args="--compilation-config '{\"max_cudagraph_capture_size\":128}'${EXTRA:-}" \
       --workdir /tmp/many-adapters-ab --out "$out/$side-$round" > "$out/$side-$round.log" 2>&1
     echo "exit $? $(tail -n 2 "$out/$side-$round.log" | tr '\n' ' ' | cut -c1-300)"
