@@ -367,12 +367,13 @@ def test_vllm_console_script_runs():
 
 def test_a_worker_waits_for_messages_without_spinning_while_it_admits():
     """vLLM's message-queue reader spins (no poll of its notification socket) within its busy-loop window; while an
-    admission thread of the process reads, it polls the socket with a short recheck instead, and spins again after."""
+    admission thread of the process reads and the engine runs no steps, it polls the socket with a short recheck
+    instead; a step, or the end of the admissions, makes it spin again."""
     import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition, get_open_zmq_ipc_path
 
+    from vllm_bdlora.adapter_lifecycle import worker
     from vllm_bdlora.adapter_lifecycle.store import ADMISSIONS_READING
-    from vllm_bdlora.adapter_lifecycle.worker import IDLE_RECHECK_MS
     from vllm_bdlora.patching.worker import patch_message_queue_waits_while_admitting
 
     patch_message_queue_waits_while_admitting()
@@ -388,6 +389,7 @@ def test_a_worker_waits_for_messages_without_spinning_while_it_admits():
             return poller.poll(timeout=timeout)
 
     reader.poller = RecordingPoller()
+    worker.STEPS.last = float("-inf")
     try:
         reader.record_read()
         reader.wait()
@@ -398,10 +400,18 @@ def test_a_worker_waits_for_messages_without_spinning_while_it_admits():
             reader.wait(timeout_ms=5000)
             writer.notify()
             reader.wait(timeout_ms=5000)  # woken by the notification (or its recheck), never the 5 s
-        assert polls == [IDLE_RECHECK_MS] * 3
+            assert polls == [worker.IDLE_RECHECK_MS] * 3
+            worker.STEPS.mark()  # a serving engine: its steps keep the reader spinning
+            reader.record_read()
+            reader.wait()
+            assert len(polls) == 3
+            worker.STEPS.last = float("-inf")
+            reader.record_read()
+            reader.wait()
+            assert len(polls) == 4
         reader.record_read()
         reader.wait()
-        assert len(polls) == 3  # spinning again once no admission reads
+        assert len(polls) == 4  # spinning again once no admission reads
     finally:
         context.destroy(linger=0)
 

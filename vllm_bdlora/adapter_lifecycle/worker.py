@@ -14,8 +14,8 @@ adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
   cache or GPU slots: its first request's step takes room).
 * `register_kept_before_pin`: a pin of an adapter the store keeps but vLLM's host cache does not hold registers it
   first, as vLLM's pin requires.
-* `wait_for_engine_message`: while the worker admits adapters, its main thread waits for the engine core's next
-  message without spinning for it.
+* `wait_for_engine_message`: while the worker admits adapters and the engine runs no steps, its main thread waits for
+  the engine core's next message without spinning for it.
 """
 
 from __future__ import annotations
@@ -59,6 +59,22 @@ logger = logging.getLogger("vllm.bdlora")
 # How long a worker's main thread waits for the engine core's next message, at most, before it re-reads the queue
 # while the worker admits adapters (`wait_for_engine_message`).
 IDLE_RECHECK_MS = 1
+
+
+class StepClock:
+    """When this process last ran an engine step (`apply_in_id_order`, which every step with LoRA enabled calls)."""
+
+    def __init__(self):
+        self.last = float("-inf")
+
+    def mark(self) -> None:
+        self.last = time.monotonic()
+
+    def since(self) -> float:
+        return time.monotonic() - self.last
+
+
+STEPS = StepClock()
 
 # True while a worker loads an adapter for an add_lora call (admission), as opposed to a step's request.
 _admitting = contextvars.ContextVar("bdlora_admitting", default=False)
@@ -277,12 +293,13 @@ def register_kept_before_pin(worker_manager, adapter_id: int) -> None:
 def wait_for_engine_message(condition, timeout_ms, wait: Callable):
     """vLLM's message-queue reader spins for a second after every message it reads: check the queue, yield the CPU,
     check again, holding the interpreter lock for each check. On a worker's main thread the engine core's admission
-    polls (every `engine.TICK_SECONDS`) keep it spinning for as long as adapters are read, and the admission threads
-    then wait for the lock after every tensor operation that released it: each stage of an admission costs 2-3x what
-    it costs alone (`bench/admission_stages.py`). While this process admits adapters, the reader takes vLLM's own
-    idle path instead, as if its busy-loop window had passed: it waits on the queue's notification socket, without
-    the lock, and wakes when the engine core writes."""
-    if not ADMISSIONS_READING.any():
+    polls (every `engine.TICK_SECONDS`) kept it spinning for as long as adapters were read, and the admission threads
+    then waited for the lock after every tensor operation that released it: each stage of an admission cost 2-3x what
+    it costs alone (`bench/admission_stages.py`). While this process admits adapters, the busy-loop window counts
+    from the last engine step instead of the last message: a serving engine's steps keep the reader spinning, as vLLM
+    means it to (each step's message would otherwise wait for the reader to wake), and an engine that only polls
+    admissions lets it take vLLM's own idle path: wait on the queue's notification socket, without the lock."""
+    if not ADMISSIONS_READING.any() or STEPS.since() <= condition.busy_loop_s:
         return wait(condition, timeout_ms)
     condition.last_read = float("-inf")
     # vLLM's idle path may miss a notification (its own recheck interval bounds that at 5 s): re-read the queue's
@@ -298,6 +315,7 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     """vLLM's per-step `_apply_adapters` (`apply`) over the step's LoRA requests in adapter-id order, as every rank
     must load them (see `patch_adapter_load_order`), counted as GPU and host-cache lookups for /metrics, and where it
     fills GPU slots, timed as the step's slot fills."""
+    STEPS.mark()
     ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
     adapters = WorkerAdapters.of(worker_manager)
     kept = adapters.kept.in_memory if adapters.kept is not None else None
