@@ -39,8 +39,8 @@ logger = logging.getLogger("vllm.bdlora")
 
 class ReadingThreads:
     """How many threads of this process are admitting adapters now, every store of the process together. While any
-    is, the process's reader of vLLM's message queue waits for a message rather than spinning for one
-    (`worker.wait_for_engine_message`), so that it does not take the interpreter lock from them."""
+    is and the engine runs no steps, the process's reader of vLLM's message queue waits for a message rather than
+    spinning for one (`worker.wait_for_engine_message`), so that it does not take the interpreter lock from them."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -180,7 +180,7 @@ def patch_pin_registers_kept_adapters() -> bool:
 
 def patch_message_queue_waits_while_admitting() -> bool:
     """vLLM's message-queue reader waits for a message, rather than spinning for one, while its process admits
-    adapters (`wait_for_engine_message`)."""
+    adapters and runs no engine steps (`wait_for_engine_message`)."""
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     from vllm_bdlora.adapter_lifecycle.worker import wait_for_engine_message
