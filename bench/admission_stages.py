@@ -17,9 +17,10 @@ admission over HTTP is `bench/many_adapters.py`'s load phase.
 writes OUT/stages.json and OUT/stages.md: milliseconds per adapter (median over the adapters, after one warm-up
 adapter of each kind) for each stage, on one torch thread as a vLLM GPU worker runs, with every adapter's files read
 into the page cache first. BD's stages are timed twice: alone, and on a thread beside one that spins as a worker's main
-thread does on vLLM's message queue (`beside_a_spinning_reader`). A worker's main thread now waits instead while its
-threads admit (`vllm_bdlora.adapter_lifecycle.worker.wait_for_engine_message`), so the second timing is the contention
-that wait avoids; a server's loads over HTTP (`bench/many_adapters.py`) measure what is left.
+thread does on vLLM's message queue (`beside_a_spinning_reader`). A worker's main thread waits instead while its
+threads admit and its engine runs no steps (`vllm_bdlora.adapter_lifecycle.worker.wait_for_engine_message`), so the
+second timing is the contention that wait avoids, and what a worker pays when it admits while serving; a server's
+loads over HTTP (`bench/many_adapters.py`) measure the rest.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def stock_read(path: str) -> dict[str, float]:
 def beside_a_spinning_reader(admit):
     """`admit()` on a thread of its own while this thread spins as a vLLM worker's main thread does for a second after
     each call it reads from the engine core's message queue (check the queue, `os.sched_yield`, again; the admission
-    polls kept it spinning while adapters were read, until it waited instead): both need the interpreter lock, which
-    the admission thread takes back after every tensor operation that releases it."""
+    polls keep it spinning while adapters are read, unless its engine runs no steps and it waits instead): both need
+    the interpreter lock, which the admission thread takes back after every tensor operation that releases it."""
     import threading
 
     outcome = {}
