@@ -349,9 +349,10 @@ def test_a_request_waits_for_its_adapters_read_back_while_the_others_run(tmp_pat
     assert core.scheduled[-1] == "r6" and workers.calls[calls:] == ["RestoreAhead"]
 
 
-def test_a_worker_reads_back_no_adapter_vllms_host_cache_holds(tmp_path):
+def test_a_worker_reads_back_no_adapter_vllms_host_cache_holds(tmp_path, monkeypatch):
     """vLLM fills the slot of an adapter its host cache holds from there, so the worker neither reads it back nor
-    keeps it for a step that will not take it."""
+    keeps it for a step that will not take it. (The read-back of 1 is held until the answer is checked: finished, it
+    would spill 2 from this one-adapter budget, and a quick one did so before the worker looked at 2.)"""
     from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters
 
     _, workers, _ = spilling_engine(tmp_path, ranks=1)
@@ -362,7 +363,11 @@ def test_a_worker_reads_back_no_adapter_vllms_host_cache_holds(tmp_path):
     assert adapters.answer(RestoreAhead([1, 2])) == [] and store.needs_restore(1)  # spilled, and left there
     assert set(store._awaiting_step) == {2}  # in memory, not in vLLM's cache: kept for its step
     del manager._registered_adapters[1]
-    assert adapters.answer(RestoreAhead([1, 2])) == [1]
+    gate = gate_read_backs(monkeypatch)
+    try:
+        assert adapters.answer(RestoreAhead([1, 2])) == [1]
+    finally:
+        gate.set()
 
 
 def test_a_read_back_that_takes_too_long_holds_its_requests_no_longer(tmp_path, monkeypatch):
