@@ -5,6 +5,7 @@ adapters churn through two GPU slots and two host-cache entries and one adapter 
 residency and token counts equal to what the test sent and what the server logged. The cardinality cap and counters
 across reloads are checked without an engine."""
 
+import contextlib
 import json
 import subprocess
 import time
@@ -18,7 +19,7 @@ from tests.conftest import cpu_engine_env
 from tests.test_server import complete, server_env
 from tests.test_server_guards import assert_every_route_but_the_probes_needs_a_key
 from vllm_bdlora.metrics import OTHER, AdapterMetrics, worker_figures
-from vllm_bdlora.serve.process import free_port, running_server
+from vllm_bdlora.serve.process import free_port, running_server, tail
 
 KEY = "metrics-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -121,10 +122,42 @@ def test_tops_percentiles_lie_in_the_bucket_of_the_true_value():
     assert (name, total) == ("a", 50) and 0.9 <= p50 <= 1.0 and 6.5 / 1.5 < p99 <= bound <= 6.5 * 1.25, (p50, p99)
 
 
-def query(prometheus_url, promql):
-    answer = requests.get(f"{prometheus_url}/api/v1/query", params={"query": promql}, timeout=10).json()
+def query(scraper, promql):
+    try:
+        answer = requests.get(f"{scraper.url}/api/v1/query", params={"query": promql}, timeout=10).json()
+    except requests.RequestException as error:
+        pytest.fail(f"Prometheus did not answer {promql!r}: {error}; its log ends:\n{tail(str(scraper.log))}")
     assert answer["status"] == "success", answer
     return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in answer["data"]["result"]}
+
+
+@contextlib.contextmanager
+def running_prometheus(binary, config, workdir):
+    """Prometheus on 127.0.0.1, ready (`/-/ready` answers 200, so the test's queries reach Prometheus and nothing
+    else on its port); yields its URL and the path of its log."""
+    log_path = workdir / "prometheus.log"
+    url = f"http://127.0.0.1:{free_port()}"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address={url.removeprefix('http://')}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}/-/ready", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"Prometheus did not become ready on {url}; its log ends:\n{tail(str(log_path))}")
+            time.sleep(0.2)
+        yield SimpleNamespace(url=url, log=log_path)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def values_by(results, label):
@@ -133,7 +166,7 @@ def values_by(results, label):
 
 @pytest.mark.engine
 def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_path):
-    port, prometheus_port = free_port(), free_port()
+    port = free_port()
     command = [
         "vllm", "serve", assets["model"], "--enable-bdlora", "--tensor-parallel-size", "2", "--max-lora-rank", "64",
         "--max-loras", "2", "--max-cpu-loras", "2", "--dtype", "float32", "--max-model-len", "256",
@@ -149,69 +182,62 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
         f"- job_name: bdlora\n  static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
         f"  authorization: {{credentials: {KEY}}}\n"
     )
-    with running_server(command, str(log_path), 2, env, 240) as (_, url):
-        scraper = subprocess.Popen(
-            [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prometheus_port}"],
-            stdout=open(tmp_path / "prometheus.log", "w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        prometheus_url = f"http://127.0.0.1:{prometheus_port}"
-        try:
-            prompt_tokens = {}
-            for name, count in SENT.items():  # interleaved: slots and host entries churn
-                for _ in range(count):
-                    body = {"model": name, "prompt": "w10 w20 w30 w40 w50", "max_tokens": MAX_TOKENS,
-                            "temperature": 0, "ignore_eos": True}  # fmt: skip
-                    answer = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
-                    prompt_tokens[name] = prompt_tokens.get(name, 0) + answer["usage"]["prompt_tokens"]
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # Prometheus scrapes every 1 s
-                requests_by = values_by(query(prometheus_url, "vllm_bdlora:adapter_requests_total"), "adapter_name")
-                if requests_by == SENT:
-                    break
-                time.sleep(1)
-            assert requests_by == SENT
-            generated = values_by(query(prometheus_url, "vllm_bdlora:adapter_generation_tokens_total"),
-                                  "adapter_name")  # fmt: skip
-            assert generated == {name: count * MAX_TOKENS for name, count in SENT.items()}
-            prompts = values_by(query(prometheus_url, "vllm_bdlora:adapter_prompt_tokens_total"), "adapter_name")
-            assert prompts == prompt_tokens
-            unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, headers=AUTH,
-                                   timeout=60)  # fmt: skip
-            assert unload.status_code == 200, unload.text
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # the API server polls the engine every 2 s, Prometheus every 1 s
-                loaded = values_by(query(prometheus_url, "vllm:lora_adapter_loaded"), "adapter_name")
-                requests_by = values_by(query(prometheus_url, "vllm_bdlora:adapter_requests_total"), "adapter_name")
-                if "bd48" not in requests_by and "bd48" not in loaded and loaded:
-                    break
-                time.sleep(1)
-            # an unloaded adapter's series are gone, the others' stay
-            assert requests_by == {name: n for name, n in SENT.items() if name != "bd48"}, requests_by
-            assert "bd48" not in loaded and set(loaded) <= {"bd64", "std16"}  # unloaded: resident nowhere
-            gpu = query(prometheus_url, "vllm:num_gpu_loaded_lora_adapters")
-            assert 1 <= max(gpu.values()) <= 2
-            lookups = values_by(query(prometheus_url, "vllm:lora_cache_lookups_total"), "level")
-            hits = values_by(query(prometheus_url, "vllm:lora_cache_hits_total"), "level")
-            assert lookups["gpu"] > 0 and hits["gpu"] <= lookups["gpu"] and lookups["cpu"] > 0
-            log = log_path.read_text()
-            admitted = sum(f"vllm-bdlora: adapter '{name}' (" in log for name in SENT)
-            loads = values_by(query(prometheus_url, "vllm_bdlora:adapter_loads_total"), "kind")
-            assert loads["admission"] == admitted == 3  # one admission per adapter, as the log says
-            assert loads["reread"] > 0  # the host cache of 2 dropped one and a later request read it back
-            steps = query(prometheus_url, "vllm_bdlora:engine_step_seconds_count")
-            assert max(steps.values()) > 0
-            top = subprocess.run(["vllm-bdlora", "top", url, "--api-key", KEY, "--once", "--interval", "1"],
-                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-            assert top.returncode == 0, top.stderr
-            table = top.stdout.split("\n\n")[1].splitlines()[1:]  # between the server's line and the footer
-            rows = {line.split()[0]: line.split() for line in table}
-            assert {name: int(row[2]) for name, row in rows.items()} == {"bd64": 3, "std16": 2}, top.stdout  # not bd48
-            assert {row[1] for row in rows.values()} <= {"gpu", "host"} and "slots" in top.stdout.splitlines()[0]
-            assert_every_route_but_the_probes_needs_a_key(url, log_path.read_text(), KEY)
-        finally:
-            scraper.terminate()
-            scraper.wait(timeout=30)
+    with (
+        running_server(command, str(log_path), 2, env, 240) as (_, url),
+        running_prometheus(prometheus, config, tmp_path) as scraper,
+    ):
+        prompt_tokens = {}
+        for name, count in SENT.items():  # interleaved: slots and host entries churn
+            for _ in range(count):
+                body = {"model": name, "prompt": "w10 w20 w30 w40 w50", "max_tokens": MAX_TOKENS,
+                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+                answer = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
+                prompt_tokens[name] = prompt_tokens.get(name, 0) + answer["usage"]["prompt_tokens"]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # Prometheus scrapes every 1 s
+            requests_by = values_by(query(scraper, "vllm_bdlora:adapter_requests_total"), "adapter_name")
+            if requests_by == SENT:
+                break
+            time.sleep(1)
+        assert requests_by == SENT
+        generated = values_by(query(scraper, "vllm_bdlora:adapter_generation_tokens_total"),
+                              "adapter_name")  # fmt: skip
+        assert generated == {name: count * MAX_TOKENS for name, count in SENT.items()}
+        prompts = values_by(query(scraper, "vllm_bdlora:adapter_prompt_tokens_total"), "adapter_name")
+        assert prompts == prompt_tokens
+        unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "bd48"}, headers=AUTH,
+                               timeout=60)  # fmt: skip
+        assert unload.status_code == 200, unload.text
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the API server polls the engine every 2 s, Prometheus every 1 s
+            loaded = values_by(query(scraper, "vllm:lora_adapter_loaded"), "adapter_name")
+            requests_by = values_by(query(scraper, "vllm_bdlora:adapter_requests_total"), "adapter_name")
+            if "bd48" not in requests_by and "bd48" not in loaded and loaded:
+                break
+            time.sleep(1)
+        # an unloaded adapter's series are gone, the others' stay
+        assert requests_by == {name: n for name, n in SENT.items() if name != "bd48"}, requests_by
+        assert "bd48" not in loaded and set(loaded) <= {"bd64", "std16"}  # unloaded: resident nowhere
+        gpu = query(scraper, "vllm:num_gpu_loaded_lora_adapters")
+        assert 1 <= max(gpu.values()) <= 2
+        lookups = values_by(query(scraper, "vllm:lora_cache_lookups_total"), "level")
+        hits = values_by(query(scraper, "vllm:lora_cache_hits_total"), "level")
+        assert lookups["gpu"] > 0 and hits["gpu"] <= lookups["gpu"] and lookups["cpu"] > 0
+        log = log_path.read_text()
+        admitted = sum(f"vllm-bdlora: adapter '{name}' (" in log for name in SENT)
+        loads = values_by(query(scraper, "vllm_bdlora:adapter_loads_total"), "kind")
+        assert loads["admission"] == admitted == 3  # one admission per adapter, as the log says
+        assert loads["reread"] > 0  # the host cache of 2 dropped one and a later request read it back
+        steps = query(scraper, "vllm_bdlora:engine_step_seconds_count")
+        assert max(steps.values()) > 0
+        top = subprocess.run(["vllm-bdlora", "top", url, "--api-key", KEY, "--once", "--interval", "1"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert top.returncode == 0, top.stderr
+        table = top.stdout.split("\n\n")[1].splitlines()[1:]  # between the server's line and the footer
+        rows = {line.split()[0]: line.split() for line in table}
+        assert {name: int(row[2]) for name, row in rows.items()} == {"bd64": 3, "std16": 2}, top.stdout  # not bd48
+        assert {row[1] for row in rows.values()} <= {"gpu", "host"} and "slots" in top.stdout.splitlines()[0]
+        assert_every_route_but_the_probes_needs_a_key(url, log_path.read_text(), KEY)
 
 
 @pytest.fixture(scope="module")

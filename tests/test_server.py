@@ -207,6 +207,22 @@ def broken_copy(source, destination, edit_config=None):
     return destination
 
 
+def test_a_servers_port_is_one_the_kernel_never_hands_to_a_socket_bound_to_port_0():
+    """A running engine's workers bind dozens of listeners to port 0; a server's port must not be one of those the
+    kernel may choose for them before the server binds it."""
+    import socket
+
+    from vllm_bdlora.serve.process import ephemeral_port_range
+
+    low, high = ephemeral_port_range()
+    ports = [free_port() for _ in range(32)]
+    assert len(set(ports)) == len(ports), ports
+    assert not any(low <= port <= high for port in ports), (ports, low, high)
+    for port in ports:  # free on every interface, as `vllm serve` binds it
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
 @pytest.mark.engine
 def test_bad_adapters_get_400_and_the_server_keeps_serving(server, assets, reference_words, tmp_path):
     url, _, _ = server

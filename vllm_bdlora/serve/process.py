@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,7 +26,40 @@ def cpu_defaults(workers: int) -> dict[str, str]:
     return env
 
 
+LISTEN_PORTS_FLOOR = 20000  # under it: Ray's worker ports (10002-19999) and well-known services
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports this machine's kernel hands out to sockets bound to port 0 and to outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(field) for field in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
+    """A port free now on every interface for a server this process starts next, chosen below the kernel's ephemeral
+    range. A port the kernel chose (bind to port 0) is one it may hand again to any socket bound to port 0 before the
+    server binds it: a running vLLM engine on CPU opens a few dozen such listeners (its workers' gloo connections),
+    and a server that lost its port to one of them either failed to start or, worse, left its clients connected to
+    a listener that accepts and never answers. Ports below the range are never chosen by the kernel; a port this
+    process already handed out is not handed out again. Where the range leaves no room below it, the kernel
+    chooses."""
+    low, _ = ephemeral_port_range()
+    candidates = [port for port in range(LISTEN_PORTS_FLOOR, low) if port not in _handed_out]
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
