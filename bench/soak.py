@@ -222,11 +222,16 @@ def traffic(server, model, served, churned, adapters, expected, args, workdir) -
             churn_log["reload_mismatches"] += not ok
             bad_name = f"bad{cycle}"
             path = bad.make(adapters[name], workdir / "bad" / bad_name)
-            response = server.load(bad_name, path)
+            try:
+                response = server.load(bad_name, path)
+            except requests.RequestException as error:
+                response = error  # no answer: the server is gone or did not answer in time
             if fault.get("killed"):
-                break  # answered by a dying engine: says nothing about refusals
+                break  # answered (or not) by a dying engine: says nothing about refusals
             churn_log["bad_loads"] += 1
-            if response.status_code != bad.status or bad_name not in response.text:
+            if isinstance(response, Exception):
+                churn_log["bad_load_wrong_answers"].append((bad.kind, type(response).__name__))
+            elif response.status_code != bad.status or bad_name not in response.text:
                 churn_log["bad_load_wrong_answers"].append((bad.kind, response.status_code))
 
     def one(index: int):
