@@ -84,8 +84,10 @@ class BdLoraSettings:
     # An adapter whose files are not read, checked and cut on every rank within this many seconds is refused (a
     # stalled network filesystem, say); the engine keeps serving while it waits.
     adapter_load_timeout_s: float = 120.0
-    # Admissions that read at once on each worker (0: 4 on GPUs, 1 on the CPU backend, where they share the cores
-    # with the engine).
+    # Admissions that read at once on each worker (0: 2 on GPUs, 1 on the CPU backend, where they share the cores
+    # with the engine). The threads share the worker's interpreter lock with its main thread: on one H200, 1,024
+    # loads took 86 s on 2 threads, 109-126 s on 1 and 140 s on 4
+    # (bench/results/admission/load-1024-adapters-tp1-h200).
     admission_threads: int = 0
     # /health answers 503 when the engine core has not come back to its requests for this many seconds (a stopped or
     # hung worker); 0 turns the check off.

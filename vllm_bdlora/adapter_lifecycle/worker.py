@@ -123,7 +123,7 @@ class WorkerAdapters:
             from vllm.platforms import current_platform
 
             settings = self.settings
-            threads = settings.admission_threads or (1 if current_platform.is_cpu() else 4)
+            threads = settings.admission_threads or (1 if current_platform.is_cpu() else 2)
             budget = host_budget_bytes(settings.adapter_host_memory, tensor_parallel_size(self.manager))
             self.kept = AdapterStore(budget, settings.adapter_spill_dir, threads)
         return self.kept
