@@ -459,6 +459,25 @@ def test_admissions_run_on_threads_and_a_stuck_one_does_not_hold_up_the_next():
         store.take_staged(3)
 
 
+def test_beginning_an_admission_does_not_wait_for_its_thread_to_run(monkeypatch):
+    """A worker's main thread begins admissions for the engine core, which waits for its answer: it hands the new
+    thread over rather than wait in Thread.start for the thread to run (slowed down here to a second)."""
+    start = threading.Thread.start
+
+    def slow_start(thread):
+        if thread.name.startswith("bdlora-admit-"):
+            time.sleep(1.0)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    store = AdapterStore(host_budget=2**30, threads=2)
+    began = time.monotonic()
+    store.begin(1, "a", lambda: kept("a", 1.0))
+    store.begin(2, "b", lambda: kept("b", 2.0))
+    assert time.monotonic() - began < 0.5
+    assert store.take_staged(1, timeout=10).identity == "a" and store.take_staged(2, timeout=10).identity == "b"
+
+
 def test_ranks_that_read_different_files_are_refused_and_cleaned_up():
     request = SimpleNamespace(lora_name="ad", lora_int_id=3)
     removed = []
