@@ -50,6 +50,8 @@ class LlamaShape:
 SHAPES = {
     "llama-3.1-8b": LlamaShape(4096, 14336, 32, 32, 8, 128, 128256),
     "llama-3.1-70b": LlamaShape(8192, 28672, 80, 64, 8, 128, 128256),
+    # small enough for a CPU server, at the depth of a served model (16 layers: 112 LoRA modules)
+    "llama-3.2-1b": LlamaShape(2048, 8192, 16, 32, 8, 64, 128256),
     # CPU dry runs of the whole pipeline
     "tiny": LlamaShape(128, 256, 2, 4, 2, 32, 512, max_position_embeddings=1024),
 }
