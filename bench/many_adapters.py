@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import json
 import os
@@ -36,6 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.adapters import bd_rank_for, write_adapter
+from bench.sampled_stacks import recording
 from bench.shapes import SHAPES, make_dummy_model
 from bench.workload import plan, run, summarise, timings_rows
 from vllm_bdlora.serve.process import free_port, launch, stop_server, tail, wait_gpu_memory_released, wait_healthy
@@ -66,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default="/tmp/bdlora-many-adapters")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-load", action="store_true",
+                   help="py-spy samples the server's processes while the adapters load (`bench.sampled_stacks`): "
+                        "OUT/logs/load-profile-MODE-{all,gil}.txt")  # fmt: skip
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.mode_list = [m for m in args.modes.split(",") if m]
@@ -267,7 +272,9 @@ def run_mode(args, mode: str, model: str, vocab: int, writer, csv_file) -> tuple
         server["start_s"] = round(time.monotonic() - started, 1)
         if names:
             before_load = settled_scrape(url)
-            server["load_all_s"] = round(load_adapters(url, names, paths), 1)
+            profile = os.path.join(args.out, "logs", f"load-profile-{mode}")
+            with recording(proc.pid, profile) if args.profile_load else contextlib.nullcontext():
+                server["load_all_s"] = round(load_adapters(url, names, paths), 1)
             print(f"[many] {mode}: {len(names)} adapters loaded in {server['load_all_s']} s", flush=True)
             # where the load phase's time went: reads on admission threads, vLLM's add_lora in the engine loop
             server["load_figures"] = server_figures(before_load, settled_scrape(url))

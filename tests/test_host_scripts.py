@@ -126,9 +126,10 @@ def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_a
 
 def test_the_load_timing_script_starts_one_server_per_thread_count_and_stock(tmp_path):
     """load_adapters.sh: a BD server per admission thread count (the JSON of --additional-config intact through
-    the benchmark's split and vLLM's parser), then stock vLLM's loader on adapters of the same size."""
+    the benchmark's split and vLLM's parser), then stock vLLM's loader on adapters of the same size; PROFILE_LOAD
+    reaches the benchmark as its option."""
     out = tmp_path / "load"
-    proc = run_script(tmp_path, "bench/hosts/load_adapters.sh", str(out), "3", "32")
+    proc = run_script(tmp_path, "bench/hosts/load_adapters.sh", str(out), "3", "32", PROFILE_LOAD="1")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("== ")] == [
         "bd-threads-3", "stock"], proc.stdout  # fmt: skip
@@ -137,5 +138,6 @@ def test_the_load_timing_script_starts_one_server_per_thread_count_and_stock(tmp
     assert len(servers) == 1 and "--enable-bdlora" in servers[0], servers
     assert """--additional-config '{"bdlora":{"admission_threads":3}}'""" in servers[0], servers
     assert "--distributed-executor-backend mp" in servers[0] and "--adapters 32" in log, log[-3000:]
+    assert "--profile-load" in log, log[-3000:]
     stock = served((out / "stock.log").read_text())
     assert len(stock) == 1 and "--enable-lora" in stock[0] and "--enable-bdlora" not in stock[0], stock

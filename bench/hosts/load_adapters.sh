@@ -8,11 +8,13 @@
 # GPU memory; BD r'=4 in one block against a standard r=4 adapter: the same 20 MiB per adapter.
 #   bash bench/hosts/load_adapters.sh OUT ["THREADS ..."] [ADAPTERS]   -> OUT/bd-threads-N, OUT/stock (+ .log each)
 # SIDES (default "bd stock") picks the sides; the BD side runs once per THREADS value (default "1 4 2").
+# PROFILE_LOAD=1 has py-spy (installed from .whl) sample every server's processes while its adapters load:
+# OUT/NAME/logs/load-profile-MODE-{all,gil}.txt (`python -m bench.sampled_stacks FILE` for a table per thread).
 set -u
 out=${1:?out}; threads=${2:-1 4 2}; adapters=${3:-1024}
 common=(--tp 1 --distinct-files 16 --model-shape llama-3.1-8b --adapters "$adapters" --gpu-memory 512MiB
         --host-memory 24GiB --max-num-seqs 64 --max-model-len 2048 --workloads "single concurrency:1 fixed:64/8 8"
-        --workdir /tmp/load-adapters)
+        --workdir /tmp/load-adapters${PROFILE_LOAD:+ --profile-load})
 # A load runs no graph; the one request workload after it only checks that the server serves.
 server_args=" --distributed-executor-backend mp --enforce-eager"
 mkdir -p "$out"
