@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,12 +76,6 @@ class LayerPlace:
         end = self.slice_rows[index + 1] if index + 1 < len(self.slice_rows) else self.b_shape[0]
         return end - self.slice_rows[index]
 
-    def past_width(self, index: int, width: int) -> tuple[Strided, Strided]:
-        """Slice `index`'s A rows and B columns past `width` (all of them for width 0)."""
-        a, b = self.a_of_slice(index, self.width), self.b_of_slice(index, self.slice_height(index), self.width)
-        return (Strided(a.offset + width * a.shape[1], (self.width - width, a.shape[1]), a.strides),
-                Strided(b.offset + width, (b.shape[0], self.width - width), b.strides))  # fmt: skip
-
 
 @dataclass(frozen=True)
 class SlotImage:
@@ -94,9 +88,17 @@ class SlotImage:
     factors: torch.Tensor
     widths: torch.Tensor
     modules: Mapping[str, tuple[Strided, Strided]]
+    # the views `image_of` made to copy into: `views` hands them out rather than making two more per module
+    made_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
+
+    def remember_views(self, views: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.made_views.update(views)
 
     def views(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`module`'s A and B, as views of the image."""
+        made = self.made_views.get(module)
+        if made is not None:
+            return made
         a, b = self.modules[module]
         return a.of(self.factors), b.of(self.factors)
 
@@ -158,28 +160,29 @@ class SlotArena:
         image = self.image_over(self.image_memory.take(), {})
         factors, places = image.factors, image.modules
         filled = [0] * image.widths.shape[0]
-        targets, sources = [], []
+        targets, sources, made = [], [], {}
         for name, target, lora_a, lora_b in modules:
             place, index, width = self.place_of(target.layer), target.slice_index, lora_a.shape[0]
             a, b = place.a_of_slice(index, width), place.b_of_slice(index, lora_b.shape[0], width)
-            targets += [a.of(factors), b.of(factors)]
+            made[name] = (a.of(factors), b.of(factors))
+            targets += made[name]
             sources += [lora_a, lora_b]
             filled[place.widths_at + index] = width
             places[name] = (a, b)
-        # One tensor operation for every copy, and one for the widths: an admission runs on a thread beside the
-        # worker's main thread, and every operation hands the interpreter lock back and forth between them.
+        # Zeros wherever the copies leave a slice short of the buffer width (the fused expand loads whole tiles of B
+        # and multiplies what lies past the width by zeros: it must be finite), and for the slices the adapter does
+        # not adapt: the whole image is zeroed first, in one operation, rather than each slice's tails (two views
+        # and a zero_ per module: a thousand operations at Llama-8B's depth, each handing the interpreter lock to
+        # the worker's other threads and waiting for it back). An adapter of full width everywhere, the common
+        # case, needs no zeroing at all.
+        if any(filled[place.widths_at + index] < place.width
+               for place in self.places.values() for index in range(len(place.slice_rows))):  # fmt: skip
+            factors.zero_()
+        # One tensor operation for every copy, and one for the widths, for the same reason.
         if targets:
             torch._foreach_copy_(targets, sources)
         image.widths.copy_(torch.tensor(filled, dtype=image.widths.dtype))
-        # Zeros wherever the copies left a slice short of the buffer width (the fused expand loads whole tiles of B
-        # and multiplies what lies past the width by zeros: it must be finite), and for the slices the adapter does
-        # not adapt. Nothing reads the alignment gaps between layers. An adapter of full width everywhere, the
-        # common case, needs no zeroing at all.
-        for place in self.places.values():
-            for index in range(len(place.slice_rows)):
-                if filled[place.widths_at + index] < place.width:
-                    for tail in place.past_width(index, filled[place.widths_at + index]):
-                        tail.of(factors).zero_()
+        image.remember_views(made)
         return image
 
     def image_over(self, memory: torch.Tensor, modules: Mapping[str, tuple[Strided, Strided]]) -> SlotImage:
