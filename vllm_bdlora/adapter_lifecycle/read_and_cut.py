@@ -359,9 +359,11 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
     problems = stage_magnitudes(staged, dora.magnitudes, fmt.dora)
     if problems:
         raise AdapterRejected(name, problems)
-    for weights in lora_model.loras.values():  # what vLLM's manager would do on every load, done once
-        if weights.scaling != 1 and isinstance(weights.lora_b, torch.Tensor):
-            weights.lora_b.mul_(weights.scaling)
+    # what vLLM's manager would do on every load, done once (in one operation: see `values.norms_and_finite`)
+    scaled = [w for w in lora_model.loras.values() if w.scaling != 1 and isinstance(w.lora_b, torch.Tensor)]
+    if scaled:
+        torch._foreach_mul_([w.lora_b for w in scaled], [float(w.scaling) for w in scaled])
+        for weights in scaled:
             weights.scaling = 1.0
     block_diagonal = sum(item.local.nblocks > 1 for item in staged)
     widths = sorted({item.local.width for item in staged})
@@ -371,8 +373,9 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
         f"{block_diagonal} block-diagonal; per-GPU width {'/'.join(map(str, widths)) or '-'} "
         f"of {next(iter(targets.values())).layer.lora_width if targets else '-'}"
     )
-    for item in staged:  # the shares' tensors now live in vLLM's module weights
-        item.local = _emptied(item.local)
+    if image is None:  # the shares' tensors now live in vLLM's module weights (an image's were let go above)
+        for item in staged:
+            item.local = _emptied(item.local)
     pack = packing_ahead(worker_manager._adapter_manager) if image is not None else None
     admitted = AdmittedAdapter(name, lora_model, identity, summary, not_served, deployment_targets,
                                staged=staged if fmt.dora else [], dora=fmt.dora, image=image,
