@@ -47,6 +47,7 @@ from vllm_bdlora.adapter_lifecycle.values import (
     config_scale_problems,
     module_gain,
     norm_and_finite,
+    norms_and_finite,
     value_problems,
 )
 from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
@@ -253,6 +254,26 @@ def test_the_largest_finite_factors_are_finite(dtype):
     assert norm_and_finite(factor)[1]
     factor[511, 4095] = float("nan")
     assert not norm_and_finite(factor)[1]
+
+
+def test_the_batched_norms_answer_what_each_factor_alone_does():
+    """One reduction for all factors of at most 32 bits, the rest one by one, in their order: the same norms and the
+    same finiteness as `norm_and_finite` per factor, NaN, Inf and the dtype's largest values included."""
+    generator = torch.Generator().manual_seed(3)
+    factors = [torch.randn(4, 4096, generator=generator).to(torch.bfloat16),
+               torch.randn(14336, 4, generator=generator),
+               torch.randn(8, 8, generator=generator, dtype=torch.float64),
+               torch.randn(4, 16, generator=generator).half(),
+               torch.full((64, 64), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)]  # fmt: skip
+    factors[1][7, 1] = float("nan")
+    factors[3][0, 0] = float("inf")
+    factors[2][1, 1] = float("inf")
+    expected = [norm_and_finite(factor) for factor in factors]
+    batched = list(norms_and_finite(factors))
+    finiteness = [True, False, False, False, True]
+    assert [finite for _, finite in batched] == [finite for _, finite in expected] == finiteness
+    for (norm, finite), (reference, _) in zip(batched, expected, strict=True):
+        assert not finite or norm == pytest.approx(reference, rel=1e-12) and norm > 0
 
 
 @pytest.mark.parametrize("name", ["support-bd128", "org/adapter:v1.2", "a", "x" * ADAPTER_NAME_MAX, "tenant_7@eu+1"])

@@ -91,9 +91,6 @@ class SlotImage:
     # the views `image_of` made to copy into: `views` hands them out rather than making two more per module
     made_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
 
-    def remember_views(self, views: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.made_views.update(views)
-
     def views(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`module`'s A and B, as views of the image."""
         made = self.made_views.get(module)
@@ -182,7 +179,7 @@ class SlotArena:
         if targets:
             torch._foreach_copy_(targets, sources)
         image.widths.copy_(torch.tensor(filled, dtype=image.widths.dtype))
-        image.remember_views(made)
+        image.made_views.update(made)
         return image
 
     def image_over(self, memory: torch.Tensor, modules: Mapping[str, tuple[Strided, Strided]]) -> SlotImage:

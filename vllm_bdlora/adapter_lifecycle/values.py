@@ -107,7 +107,7 @@ def norms_and_finite(tensors: list) -> Iterator[tuple[float, bool]]:
     """`norm_and_finite` of each tensor, in order. The floating factors of at most 32 bits (all of a served adapter's)
     are reduced in one operation: an admission runs on a thread beside the worker's main thread and other admissions,
     and a reduction per factor (448 at Llama-8B's depth) hands the interpreter lock over and waits for it back 448
-    times (a third of an admission's time inside a GPU server, `bench/results/admission`)."""
+    times (38 of an admission's 160 ms of thread time inside a GPU server, `bench/results/admission`)."""
     import torch
 
     batched = [i for i, t in enumerate(tensors) if t.is_floating_point() and t.dtype != torch.float64]
