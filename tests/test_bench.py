@@ -689,9 +689,8 @@ def test_switch_table_pairs_rounds_and_names_changed_plans(tmp_path):
 
 
 def _stand_in_host(tmp_path, python_source: str, **env):
-    """bench/hosts/gpu_host.sh with its /root moved under tmp_path and a stand-in `python3` (running
+    """bench/hosts/gpu_host.sh with its /root moved under tmp_path (HOST_ROOT) and a stand-in `python3` (running
     python_source) first on PATH; returns a runner of one step (its completed process) and the stand-in /root."""
-    import re
     import subprocess
     import sys
 
@@ -701,11 +700,11 @@ def _stand_in_host(tmp_path, python_source: str, **env):
     fake.chmod(0o755)
     root = tmp_path / "root"
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "hosts", "gpu_host.sh")
-    (tmp_path / "host.sh").write_text(re.sub(r"/root\b", str(root), open(script).read()))
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), **env}
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "HOST_ROOT": str(root), **env}  # fmt: skip
 
     def step(*args):
-        return subprocess.run(["bash", str(tmp_path / "host.sh"), *args], env=env, cwd=tmp_path,
+        return subprocess.run(["bash", script, *args], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
 
     return step, root

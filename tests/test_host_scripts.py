@@ -41,10 +41,32 @@ def test_the_many_adapter_script_starts_servers_vllm_accepts(tmp_path):
 def test_the_host_sweep_step_starts_servers_vllm_accepts(tmp_path):
     """gpu_host.sh's sweep (and every queue line, which runs it) with the README's TP=4 arguments."""
     proc = run_script(tmp_path, "bench/hosts/gpu_host.sh", "sweep", "4", "64", "bdlora,bdfused,slora", "5",
-                      "--concurrency", "64", "--profile-concurrency", "64", OUT=str(tmp_path / "out"))  # fmt: skip
+                      "--concurrency", "64", "--profile-concurrency", "64", OUT=str(tmp_path / "out"),
+                      HOST_ROOT=str(tmp_path))  # fmt: skip
     servers = served(proc.stdout)
     assert len(servers) == 3 and all(COMPILATION_CONFIG in line for line in servers), proc.stdout[-3000:]
     assert ": error: " not in proc.stdout and "usage:" not in proc.stdout  # argparse's refusals (theirs and vLLM's)
+
+
+def test_a_queued_sweep_line_keeps_its_quoted_arguments_whole(tmp_path):
+    """gpu_host.sh's queue runs each sweep line in the background; a quoted argument (server arguments with spaces)
+    must reach the sweep as one word, as it would on a command line."""
+    import time
+
+    host_root = tmp_path / "host"
+    host_root.mkdir()
+    line = 'llama-3.1-8b 2 16 bdlora --concurrency 16 --extra-server-args "--max-loras 3 --enforce-eager"'
+    proc = run_script(tmp_path, "bench/hosts/gpu_host.sh", "queue", line, HOST_ROOT=str(host_root))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log_path = host_root / "queue.log"
+    deadline = time.monotonic() + 240
+    while "queue done" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(1)
+    log = log_path.read_text()
+    assert "queue done" in log, log[-3000:]
+    servers = served(log)
+    assert servers and all("--max-loras 3 --enforce-eager" in server for server in servers), log[-3000:]
+    assert ": error: " not in log and "usage:" not in log, log[-3000:]
 
 
 def test_a_json_argument_whose_quotes_the_split_strips_is_caught(tmp_path):

@@ -16,7 +16,8 @@
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
 #     SHAPE=llama-3.1-70b picks another model shape (results in tp$TP-70b).
 #   bash bench/hosts/gpu_host.sh queue "[NAME=VALUE ...] SHAPE TP RANKS MODES [SWEEP ARGS]" ...   # sweeps in the
-#     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone;
+#     background, one after another; NAME=VALUE (e.g. CAPTURE_SIZE=1024) applies to that line's sweep alone; a
+#     line's words are quoted as on a command line (--extra-server-args "--max-loras 4" is one argument);
 #     a line "run COMMAND" runs COMMAND there instead (GPU tests, the soak: results under /root/results/NAME)
 #   bash bench/hosts/gpu_host.sh watch SECONDS      # keep the host held (at most SECONDS: it returns when the
 #     queue is done), then bring back /root/results (and the FlashInfer JIT cache and the compile caches, for
@@ -26,7 +27,10 @@
 #     goes back, so no server start is wasted at call boundaries. Follow it with back-to-back `watch` calls
 #     (the host is released after 30 s idle); the last one's SECONDS must end before the device budget does.
 set -uo pipefail
-OUT=${OUT:-/root/out}
+# Where a step keeps what outlives a call (bundle parts, results, queue, caches): /root on the hosts; a dry run of
+# the steps elsewhere (tests/test_host_scripts.py) points it at a folder of its own.
+export HOST_ROOT=${HOST_ROOT:-/root}
+OUT=${OUT:-$HOST_ROOT/out}
 STEP=${1:?step}
 # VLLM_RELEASE=0.33.0 runs every step on the release that `install-release 0.33.0` put in /opt/vllm-0.33.0 (its
 # own prefix, ahead of the image's packages), so that one host serves two releases side by side.
@@ -57,19 +61,19 @@ line_dir() { echo "$1" | tr -d ' -' | tr ',' '_'; }  # a benchmark argument line
 COMPILE_CACHE_DIRS=(.cache/vllm/torch_compile_cache .triton/cache)
 bring_back_compile_caches() {
   local present=() dir size_mib limit_mib=${COMPILE_CACHE_MAX_MIB:-75}
-  for dir in "${COMPILE_CACHE_DIRS[@]}"; do [ -d "/root/$dir" ] && present+=("$dir"); done
+  for dir in "${COMPILE_CACHE_DIRS[@]}"; do [ -d "$HOST_ROOT/$dir" ] && present+=("$dir"); done
   [ ${#present[@]} -gt 0 ] || return 0
   # Each watch call brings them back again (a call's $OUT starts empty); compress them again only when a server
   # has written to them since the last call's archive.
-  if [ ! -e /root/compile-cache.tgz ] || [ -n "$(cd /root && find "${present[@]}" -newer compile-cache.tgz -print -quit)" ]; then
-    tar czf /root/compile-cache.tgz -C /root "${present[@]}" || { rm -f /root/compile-cache.tgz; return 0; }
+  if [ ! -e $HOST_ROOT/compile-cache.tgz ] || [ -n "$(cd $HOST_ROOT && find "${present[@]}" -newer compile-cache.tgz -print -quit)" ]; then
+    tar czf $HOST_ROOT/compile-cache.tgz -C $HOST_ROOT "${present[@]}" || { rm -f $HOST_ROOT/compile-cache.tgz; return 0; }
   fi
-  size_mib=$(( ($(stat -c %s /root/compile-cache.tgz) + 1048575) / 1048576 ))
+  size_mib=$(( ($(stat -c %s $HOST_ROOT/compile-cache.tgz) + 1048575) / 1048576 ))
   if (( size_mib > limit_mib )); then
     echo "compile caches: $size_mib MiB compressed, over $limit_mib MiB: not brought back"
     return 0
   fi
-  split -b 15M -d -a 2 /root/compile-cache.tgz "$OUT/compile-cache-"
+  split -b 15M -d -a 2 $HOST_ROOT/compile-cache.tgz "$OUT/compile-cache-"
   echo "compile caches: $size_mib MiB compressed, in $(ls "$OUT"/compile-cache-?? | wc -l) part(s) compile-cache-NN"
 }
 # restore_flashinfer_cache SITE DIR: a FlashInfer JIT cache brought back by an earlier host's `watch` (copied to
@@ -84,36 +88,36 @@ restore_flashinfer_cache() {
   [ -e "${caches[0]}" ] || return 0
   find "$site/flashinfer" "$site/tvm_ffi" -exec touch -h -d 2020-01-01 {} + 2>/dev/null
   for cache in "${caches[@]}"; do
-    tar xzf "$cache" -C /root && echo "restored $cache (FlashInfer sources under $site dated back)"
+    tar xzf "$cache" -C $HOST_ROOT && echo "restored $cache (FlashInfer sources under $site dated back)"
   done
 }
 restore_compile_caches() {
-  local parts=(/root/pkg/compile-cache-??)
+  local parts=($HOST_ROOT/pkg/compile-cache-??)
   [ -e "${parts[0]}" ] || return 0
-  if cat "${parts[@]}" | tar xz -C /root; then
-    echo "restored the compile caches of an earlier host (${#parts[@]} part(s)): $(cd /root && du -sh "${COMPILE_CACHE_DIRS[@]}" 2>/dev/null | tr '\t\n' '  ')"
+  if cat "${parts[@]}" | tar xz -C $HOST_ROOT; then
+    echo "restored the compile caches of an earlier host (${#parts[@]} part(s)): $(cd $HOST_ROOT && du -sh "${COMPILE_CACHE_DIRS[@]}" 2>/dev/null | tr '\t\n' '  ')"
   else
-    echo "the compile-cache parts in /root/pkg did not unpack (one missing?): servers compile as on a fresh host"
+    echo "the compile-cache parts in $HOST_ROOT/pkg did not unpack (one missing?): servers compile as on a fresh host"
   fi
 }
 case $STEP in
 install)
   # A host taken back between the part calls comes back bare, so later parts land without the earlier ones: stop
   # here with what is there rather than let `queue` start sweeps that each fail on a missing vLLM.
-  if ! { bash .gpu/install_bundle.sh /root/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl; }; then
-    echo "install failed; /root/pkg holds: $(ls /root/pkg 2>/dev/null | tr '\n' ' ')"
+  if ! { bash .gpu/install_bundle.sh $HOST_ROOT/pkg && python3 -m pip install -q --no-index --no-deps .whl/*.whl; }; then
+    echo "install failed; $HOST_ROOT/pkg holds: $(ls $HOST_ROOT/pkg 2>/dev/null | tr '\n' ' ')"
     echo "it needs every part p00..pNN, bundle.md5 and the FlashInfer wheel there;"
     echo "this call must carry .gpu/install_bundle.sh and .whl"
     exit 1
   fi
-  restore_flashinfer_cache "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" /root/pkg
+  restore_flashinfer_cache "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" $HOST_ROOT/pkg
   restore_compile_caches
   # Wheels a run needs beyond the bundle (Ray, tblib) travel as parts w00..wNN of a tar holding the wheels and a
   # requirements.txt naming what to install; pip takes the rest of their needs from the host (README.md).
-  if [ -e /root/pkg/w00 ]; then
-    mkdir -p /root/wheels && cat /root/pkg/w?? | tar x -C /root/wheels \
-      && python3 -m pip install -q --no-index --find-links /root/wheels -r /root/wheels/requirements.txt \
-      && echo "installed from wheels: $(tr '\n' ' ' < /root/wheels/requirements.txt)" || exit 1
+  if [ -e $HOST_ROOT/pkg/w00 ]; then
+    mkdir -p $HOST_ROOT/wheels && cat $HOST_ROOT/pkg/w?? | tar x -C $HOST_ROOT/wheels \
+      && python3 -m pip install -q --no-index --find-links $HOST_ROOT/wheels -r $HOST_ROOT/wheels/requirements.txt \
+      && echo "installed from wheels: $(tr '\n' ' ' < $HOST_ROOT/wheels/requirements.txt)" || exit 1
   fi
   python3 -c "import vllm, vllm_bdlora, peft; print('vllm', vllm.__version__, 'peft', peft.__version__)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader ;;
@@ -122,7 +126,7 @@ install-release)
   # to /root/pkg/vllm-VERSION, one call per part) unpacked into /opt/vllm-VERSION, with this checkout's wheel
   # (.whl) and an env.sh that puts the prefix ahead of the image: its own torch, Triton, NCCL and vLLM; the
   # image's other CUDA libraries (bench/hosts/releases/vllm-VERSION.json says which and why).
-  VERSION=${2:?release, e.g. 0.33.0}; parts=/root/pkg/vllm-$VERSION; prefix=$PREFIX_ROOT/vllm-$VERSION
+  VERSION=${2:?release, e.g. 0.33.0}; parts=$HOST_ROOT/pkg/vllm-$VERSION; prefix=$PREFIX_ROOT/vllm-$VERSION
   [ -e "$parts/bundle.md5" ] || { echo "no $parts/bundle.md5; $parts holds: $(ls "$parts" 2>/dev/null | tr '\n' ' ')"; exit 1; }
   want=$(cut -d' ' -f1 "$parts/bundle.md5")
   got=$(cat "$parts"/p?? | md5sum | cut -d' ' -f1)
@@ -130,7 +134,7 @@ install-release)
   rm -rf "$prefix" && mkdir -p "$prefix"
   cat "$parts"/p?? | xz -dc -T0 | tar x -C "$prefix" || { echo "unpacking the bundle failed"; exit 1; }
   # The release's own tests (`bench.hosts.bundle tests`), for bench/hosts/vllm_lora_suite.py
-  if [ -e "$parts/tests.tar.xz" ]; then tar xJf "$parts/tests.tar.xz" -C /root && echo "vLLM's tests in /root/vllm-$VERSION"; fi
+  if [ -e "$parts/tests.tar.xz" ]; then tar xJf "$parts/tests.tar.xz" -C $HOST_ROOT && echo "vLLM's tests in $HOST_ROOT/vllm-$VERSION"; fi
   restore_flashinfer_cache "$prefix" "$parts"
   rm -rf "/tmp/plugin-$VERSION"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/plugin-$VERSION .whl/*.whl \
@@ -171,16 +175,16 @@ ab)  # old code beside this checkout through the layer op, the same benchmark co
   # /root/ab as $OUT/ab.tgz: a call's $OUT starts empty and comes back only a few folders deep, so results that
   # must outlive the call (old1 one call, new1 the next) live under /root. Tables: python -m bench.kernels.ab_table
   OLD=${2:?old vllm_bdlora tgz}; SIDES=${3:?sides}; shift 3
-  if [ ! -d /root/old/vllm_bdlora ]; then mkdir -p /root/old && tar xzf "$OLD" -C /root/old && cp -r bench /root/old/; fi
+  if [ ! -d $HOST_ROOT/old/vllm_bdlora ]; then mkdir -p $HOST_ROOT/old && tar xzf "$OLD" -C $HOST_ROOT/old && cp -r bench $HOST_ROOT/old/; fi
   for side in $SIDES; do
-    tree=$PWD; [[ $side == old* ]] && tree=/root/old
+    tree=$PWD; [[ $side == old* ]] && tree=$HOST_ROOT/old
     for args in "$@"; do
       echo "== $(date +%T) $side $args"
       (cd "$tree" && python3 -m bench.kernels.fused_lora $args --paths layer_op \
-        --out "/root/ab/$side/$(line_dir "$args")" 2>&1 | cut -c1-200 | tail -2)
+        --out "$HOST_ROOT/ab/$side/$(line_dir "$args")" 2>&1 | cut -c1-200 | tail -2)
     done
   done
-  mkdir -p "$OUT" && tar czf "$OUT/ab.tgz" -C /root ab ;;
+  mkdir -p "$OUT" && tar czf "$OUT/ab.tgz" -C $HOST_ROOT ab ;;
 switch)  # switch VAR FIRST-LAST "ARGS" ...: every ARGS line of bench.kernels.decode_lora with VAR=0 and VAR=1, round r
   # running 0 then 1 (odd r) or 1 then 0 (even r) so drift hits both -> /root/switch/V-rR/LINE; all of /root/switch
   # (earlier calls' rounds too) as $OUT/switch.tgz. Kernel tests and timings need only torch + Triton: no bundle.
@@ -191,71 +195,72 @@ switch)  # switch VAR FIRST-LAST "ARGS" ...: every ARGS line of bench.kernels.de
       for args in "$@"; do
         echo "== $(date +%T) round $r $VAR=$v $args"
         env "$VAR=$v" PYTHONPATH="$PWD" python3 -m bench.kernels.decode_lora $args \
-          --out "/root/switch/$v-r$r/$(line_dir "$args")" 2>&1 | tail -1
+          --out "$HOST_ROOT/switch/$v-r$r/$(line_dir "$args")" 2>&1 | tail -1
       done
     done
   done
-  mkdir -p "$OUT" && tar czf "$OUT/switch.tgz" -C /root switch ;;
+  mkdir -p "$OUT" && tar czf "$OUT/switch.tgz" -C $HOST_ROOT switch ;;
 rounds)  # rounds OLD.tgz FIRST-LAST "MODULE ARGS" ...: every line (a bench module, e.g. bench.kernels.decode_lora,
   # and its arguments) with the old tree and with this checkout, round r old then new (odd r) or new then old (even
   # r), so drift hits both -> /root/rounds/SIDE-rR/LINE (SIDE old or new); all of /root/rounds as $OUT/rounds.tgz.
   # Each tree runs its own benchmark code. Kernel timings need only torch + Triton: no bundle.
   OLD=${2:?old tree tgz}; ROUNDS=${3:?rounds, e.g. 1-2}; shift 3; lines=("$@")
-  if [ ! -d /root/old/vllm_bdlora ]; then mkdir -p /root/old && tar xzf "$OLD" -C /root/old; fi
+  if [ ! -d $HOST_ROOT/old/vllm_bdlora ]; then mkdir -p $HOST_ROOT/old && tar xzf "$OLD" -C $HOST_ROOT/old; fi
   for r in $(seq "${ROUNDS%-*}" "${ROUNDS#*-}"); do
     if (( r % 2 )); then order="old new"; else order="new old"; fi
     for side in $order; do
-      tree=$PWD; [ "$side" = old ] && tree=/root/old
+      tree=$PWD; [ "$side" = old ] && tree=$HOST_ROOT/old
       for line in "${lines[@]}"; do
         read -r module args <<< "$line"
         echo "== $(date +%T) round $r $side $line"
         # shellcheck disable=SC2086  # args: the line's own words
-        (cd "$tree" && PYTHONPATH="$tree" python3 -m "$module" $args --out "/root/rounds/$side-r$r/$(line_dir "${module##*.} $args")" \
+        (cd "$tree" && PYTHONPATH="$tree" python3 -m "$module" $args --out "$HOST_ROOT/rounds/$side-r$r/$(line_dir "${module##*.} $args")" \
           2>&1 | tail -1 | cut -c1-300)
       done
     done
   done
-  mkdir -p "$OUT" && tar czf "$OUT/rounds.tgz" -C /root rounds ;;
+  mkdir -p "$OUT" && tar czf "$OUT/rounds.tgz" -C $HOST_ROOT rounds ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
   RESULTS=tp$TP-${SHAPE##*-}${QUANTIZATION:+-$QUANTIZATION}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}${VLLM_RELEASE:+-vllm$VLLM_RELEASE}
   # Cache sizes before and after: the first TP>1 server on a fresh host stalls ~90 s after graph capture,
   # whatever the mode, while /root/.cache/flashinfer grows from 12 KB to 8 MB (FlashInfer JIT; README.md).
-  du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
-  ${PYTHON:-python3} -m bench.sweep --model-shape "$SHAPE" --tp "$TP" --workdir /root/bench --out "/root/results/$RESULTS" \
+  du -sh $HOST_ROOT/.cache/* $HOST_ROOT/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches before"
+  ${PYTHON:-python3} -m bench.sweep --model-shape "$SHAPE" --tp "$TP" --workdir $HOST_ROOT/bench --out "$HOST_ROOT/results/$RESULTS" \
     --modes "$MODES" --ranks "$RANKS" --io 1024/128 --concurrency 1,16,64 --adapters 1 --max-model-len 2048 \
     --start-timeout 420 --stop-after-minutes "$MINUTES" --extra-server-args "$GRAPH_ARGS" "${@:6}" 2>&1 \
     | grep -v "^\s*$" | tail -40
-  du -sh /root/.cache/* /root/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches after"
-  mkdir -p "$OUT" && tar czf "$OUT/$RESULTS.tgz" --exclude='*.pt.trace.json*' -C /root/results "$RESULTS" ;;
+  du -sh $HOST_ROOT/.cache/* $HOST_ROOT/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches after"
+  mkdir -p "$OUT" && tar czf "$OUT/$RESULTS.tgz" --exclude='*.pt.trace.json*' -C $HOST_ROOT/results "$RESULTS" ;;
 queue)
   if ! python3 -c "import vllm, vllm_bdlora" 2> /dev/null; then
     echo "no vLLM or vllm_bdlora on this host: copy the bundle parts and run install first (README.md)"; exit 3
   fi
-  shift; printf '%s\n' "$@" > /root/queue.plan
-  # A line may start with NAME=VALUE settings for its sweep alone (CAPTURE_SIZE=1024 llama-3.1-8b 2 64 ...).
+  shift; printf '%s\n' "$@" > $HOST_ROOT/queue.plan
+  # A line may start with NAME=VALUE settings for its sweep alone (CAPTURE_SIZE=1024 llama-3.1-8b 2 64 ...). A sweep
+  # line is split into words as the shell splits a command line (eval), so a quoted sweep argument stays one word.
   setsid nohup bash -c 'while read -r line; do
       echo "== $(date +%T) $line"
       if [[ $line == "run "* ]]; then bash -c "${line#run }" < /dev/null; echo "== $(date +%T) exit $?"; continue; fi
-      set -- $line; settings=()
+      eval "set -- $line"; settings=()
       while [[ $1 == *=* ]]; do settings+=("$1"); shift; done
-      env "${settings[@]}" SHAPE=$1 OUT=/root/queue-out bash bench/hosts/gpu_host.sh sweep "$2" "$3" "$4" 999 "${@:5}" < /dev/null
-    done < /root/queue.plan; echo "== $(date +%T) queue done"' > /root/queue.log 2>&1 < /dev/null &
-  sleep 2; cat /root/queue.log ;;
+      env "${settings[@]}" SHAPE=$1 OUT=$HOST_ROOT/queue-out bash bench/hosts/gpu_host.sh sweep "$2" "$3" "$4" 999 "${@:5}" < /dev/null
+    done < $HOST_ROOT/queue.plan; echo "== $(date +%T) queue done"' > $HOST_ROOT/queue.log 2>&1 < /dev/null &
+  sleep 2; cat $HOST_ROOT/queue.log ;;
 watch)
   # A host released between calls (30 s idle) comes back bare: say so at once rather than sleep on it (sleeping on
   # a bare host once cost 9 minutes of device time).
-  if [ ! -e /root/queue.log ]; then echo "no /root/queue.log: this is a fresh host; bring-up and queue again"; exit 3; fi
+  if [ ! -e $HOST_ROOT/queue.log ]; then echo "no $HOST_ROOT/queue.log: this is a fresh host; bring-up and queue again"; exit 3; fi
   # Up to SECONDS, but back as soon as the queue has finished: sleeping past its end costs device time for nothing.
   deadline=$(( $(date +%s) + ${2:-500} ))
-  while (( $(date +%s) < deadline )) && ! grep -q "^== .* queue done" /root/queue.log; do sleep 5; done
-  date +%T; grep "^== " /root/queue.log
+  while (( $(date +%s) < deadline )) && ! grep -q "^== .* queue done" $HOST_ROOT/queue.log; do sleep 5; done
+  date +%T; grep "^== " $HOST_ROOT/queue.log
   # A line that fails fast leaves no results folder; its reason is only in the queue's log.
-  grep -iE "error|traceback|failed|no such|usage:" /root/queue.log | grep -v "^== " | tail -8 | cut -c1-300
-  for d in /root/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
+  grep -iE "error|traceback|failed|no such|usage:" $HOST_ROOT/queue.log | grep -v "^== " | tail -8 | cut -c1-300
+  for d in $HOST_ROOT/results/*/; do echo "-- $d"; tail -n +2 "$d/points.csv" 2>/dev/null | cut -d, -f1-12; \
     ls -t "$d"logs/server_*.log 2>/dev/null | head -1 | xargs -r tail -n 2 | cut -c1-200; done
-  mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C /root/results .
-  if [ -d /root/.cache/flashinfer ]; then tar czf "$OUT/flashinfer-cache.tgz" -C /root .cache/flashinfer; fi
+  mkdir -p "$OUT" && tar czf "$OUT/results.tgz" --exclude='*.pt.trace.json*' -C $HOST_ROOT/results .
+  if [ -d $HOST_ROOT/.cache/flashinfer ]; then tar czf "$OUT/flashinfer-cache.tgz" -C $HOST_ROOT .cache/flashinfer; fi
   bring_back_compile_caches ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
