@@ -114,11 +114,21 @@ def test_settings(additional_config, enabled):
         ({"one_launch_max_mixed_width": False}, "must be an integer >= 0"),
         ({"one_launch_max_adapters": -1}, "must be an integer >= 0"),
         ({"one_launch_max_adapters": 2.5}, "must be an integer >= 0"),
+        ({"read_back_hold_s": -1}, "read_back_hold_s"),
+        ({"named_kept_s": "30"}, "named_kept_s"),
     ],
 )
 def test_bad_settings(section, message):
     with pytest.raises(ValueError, match=message):
         BdLoraSettings.from_additional_config({"bdlora": section})
+
+
+def test_the_read_back_holds_are_settings():
+    """How long a request waits for its adapter's read-back, and how long a named adapter is kept from spilling."""
+    defaults = BdLoraSettings.from_additional_config({"bdlora": {}})
+    assert (defaults.read_back_hold_s, defaults.named_kept_s) == (2.0, 30.0)
+    given = BdLoraSettings.from_additional_config({"bdlora": {"read_back_hold_s": 0.5, "named_kept_s": 5}})
+    assert (given.read_back_hold_s, given.named_kept_s) == (0.5, 5)
 
 
 def test_dora_and_kernel_settings():

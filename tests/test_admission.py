@@ -382,11 +382,10 @@ def test_a_spilled_adapter_is_read_back_ahead_of_the_step_and_a_load_meanwhile_w
     assert store.resident_bytes <= store.host_budget  # another adapter was spilled to make room
 
 
-def test_an_adapter_a_request_named_stays_in_memory_until_a_step_takes_it(tmp_path, monkeypatch):
+def test_an_adapter_a_request_named_stays_in_memory_until_a_step_takes_it(tmp_path):
     """Adapters named by requests (found in memory, or read back) are passed over when the budget spills, while
-    another can go, until a step takes them (`get`) or `NAMED_KEPT_S` passes; when every other one is named, the
+    another can go, until a step takes them (`get`) or `named_kept_s` passes; when every other one is named, the
     least recently used goes after all."""
-    from vllm_bdlora.adapter_lifecycle import store as store_module
 
     def read_back(adapter_id):
         assert store.restore_ahead([adapter_id]) == [adapter_id]
@@ -410,7 +409,7 @@ def test_an_adapter_a_request_named_stays_in_memory_until_a_step_takes_it(tmp_pa
     assert store.restore_ahead([6, 7]) == []  # every one but the next kept is named: the least recently used goes
     store.keep(8, kept("id8", 8.0))
     assert store.resident_ids() == {6, 7, 8}
-    monkeypatch.setattr(store_module, "NAMED_KEPT_S", 0.0)
+    store.named_kept_s = 0.0
     assert store.restore_ahead([6]) == []  # named, but for no time: 6 is as any other
     store.get(7)
     store.get(8)

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_bdlora.adapter_lifecycle import engine as engine_module
 from vllm_bdlora.adapter_lifecycle.calls import (
     WORKER_METHOD,
     AdmissionReceipt,
@@ -373,7 +372,7 @@ def test_a_worker_reads_back_no_adapter_vllms_host_cache_holds(tmp_path, monkeyp
 def test_a_read_back_that_takes_too_long_holds_its_requests_no_longer(tmp_path, monkeypatch):
     core, workers, admissions = spilling_engine(tmp_path)
     gate = gate_read_backs(monkeypatch)
-    monkeypatch.setattr(engine_module, "READ_BACK_HOLD_S", 0.2)
+    admissions.read_back_hold_s = 0.2
     core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(1), client_index=0))
     assert core.scheduled == []
     poll_until(admissions, lambda: core.scheduled == ["r1"], seconds=5)

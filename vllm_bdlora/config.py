@@ -89,6 +89,16 @@ class BdLoraSettings:
     # loads took 86 s on 2 threads, 109-126 s on 1 and 140 s on 4
     # (bench/results/admission/load-1024-adapters-tp1-h200).
     admission_threads: int = 0
+    # The longest the engine core holds a request while workers read its spilled adapter back ahead of its step. A
+    # read-back of an 8B adapter's share takes tens of milliseconds from a local disk; past this (a slow spill disk,
+    # or an adapter spilled again as soon as it was read back, under a host budget too small for the traffic) the
+    # request goes to the scheduler and its step reads the adapter, as it would without the hold.
+    read_back_hold_s: float = 2.0
+    # An adapter a request just named (read back, or found in memory) is not spilled before a step takes it while
+    # another adapter can go instead, for at most this long: the read-backs for the requests queued behind its own
+    # would otherwise spill it, and its step would read it from the spill file after all. Past this its request was
+    # most likely given up.
+    named_kept_s: float = 30.0
     # /health answers 503 when the engine core has not come back to its requests for this many seconds (a stopped or
     # hung worker); 0 turns the check off.
     engine_stall_timeout_s: float = 30.0
@@ -170,7 +180,13 @@ class BdLoraSettings:
             gpu_memory = parse_bytes(gpu_memory, "lora_gpu_memory")
         seconds = {
             key: _non_negative_number(section.get(key, getattr(cls, key)), key)
-            for key in ("adapter_load_timeout_s", "engine_stall_timeout_s", "lora_wait_limit_s")
+            for key in (
+                "adapter_load_timeout_s",
+                "engine_stall_timeout_s",
+                "lora_wait_limit_s",
+                "read_back_hold_s",
+                "named_kept_s",
+            )
         }
         threads = section.get("admission_threads", cls.admission_threads)
         max_named = section.get("metrics_max_adapters", cls.metrics_max_adapters)

@@ -20,7 +20,7 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
   to read it back into memory, off the step, if the worker spilled it to disk (an adapter with requests in the
   scheduler is in a GPU slot or kept in memory for their step). Where a rank is reading it back, the
   request is held (with any other request of the adapter that arrives meanwhile) and handed to the scheduler once no
-  rank is, or after `READ_BACK_HOLD_S`: the step that fills the adapter's slot then finds it in memory, where it
+  rank is, or after `read_back_hold_s`: the step that fills the adapter's slot then finds it in memory, where it
   would otherwise have stopped every running request for the read.
 * `remove` (an unload): the adapter is removed on every rank (GPU slot, host cache, what its workers kept) once no
   request of it is left; new requests cannot name it any more (the API server forgot the name first).
@@ -69,11 +69,6 @@ logger = logging.getLogger("vllm.bdlora")
 
 ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
 TICK_SECONDS = 0.01
-# The longest a request is held for its adapter's read-back. A read-back of an 8B adapter's share takes tens of
-# milliseconds from a local disk; past this (a slow spill disk, or an adapter spilled again as soon as it was read
-# back, under a host budget too small for the traffic) the request goes to the scheduler and its step reads the
-# adapter, as it would without the hold.
-READ_BACK_HOLD_S = 2.0
 GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side Request when it is first hashed
 
 
@@ -128,9 +123,10 @@ class _ReadBack:
 class EngineAdmissions:
     """One engine core's admissions in flight, held requests and removals waiting for their requests to end."""
 
-    def __init__(self, core, timeout_s: float):
+    def __init__(self, core, timeout_s: float, read_back_hold_s: float = 2.0):
         self.core = core
         self.timeout_s = timeout_s
+        self.read_back_hold_s = read_back_hold_s  # `BdLoraSettings.read_back_hold_s`
         self.ready: set[int] = set()
         self.pending: dict[int, _Pending] = {}
         self.removals: set[int] = set()
@@ -158,7 +154,7 @@ class EngineAdmissions:
             with cls._creation:
                 admissions = getattr(core, "_bdlora_admissions", None)
                 if admissions is None:
-                    admissions = cls(core, settings.adapter_load_timeout_s)
+                    admissions = cls(core, settings.adapter_load_timeout_s, settings.read_back_hold_s)
                     core._bdlora_admissions = admissions
         return admissions
 
@@ -223,7 +219,7 @@ class EngineAdmissions:
 
     def _poll_read_backs(self) -> None:
         """Hand the held requests of every adapter no rank is reading back any more (or held for
-        `READ_BACK_HOLD_S`) to the scheduler. An adapter spilled again before its step (a host budget that holds
+        `read_back_hold_s`) to the scheduler. An adapter spilled again before its step (a host budget that holds
         fewer adapters than the requests in flight name) is read in that step: reading it back again here would
         spill another, round after round."""
         ids = list(self.reading_back)
@@ -231,7 +227,7 @@ class EngineAdmissions:
         now = time.monotonic()
         for adapter_id in ids:
             waiting = self.reading_back[adapter_id]
-            if adapter_id in reading and now - waiting.since < READ_BACK_HOLD_S:
+            if adapter_id in reading and now - waiting.since < self.read_back_hold_s:
                 continue
             self._release_read_back(adapter_id)
 

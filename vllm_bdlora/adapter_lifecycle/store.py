@@ -119,22 +119,18 @@ class _Spilled:
     places: list  # (key, offset, shape, dtype, pinned), keys as the adapter's `host_tensors` names them
 
 
-# An adapter a request just named (`restore_ahead`: read back, or found in memory) is not spilled before a step
-# takes it (`get`) while another adapter can go instead, for at most this long: the read-backs for the requests
-# queued behind its own would otherwise spill it, and its step would read it from the spill file after all. Past
-# this its request was most likely given up.
-NAMED_KEPT_S = 30.0
-
-
 class AdapterStore:
     """One worker's admitted adapters (keyed by vLLM's adapter id), the admissions it runs, and its spill files.
 
     `host_budget`: bytes of adapter tensors kept in host memory; the least recently used beyond it are spilled to
     `spill_dir` (None: the system's temporary directory) and read back when a load asks for them. `threads`: how many
-    admissions read at once."""
+    admissions read at once. `named_kept_s`: how long an adapter a request named (`restore_ahead`: read back, or
+    found in memory) is kept from spilling before a step takes it (`get`), while another can go instead
+    (`BdLoraSettings.named_kept_s`)."""
 
-    def __init__(self, host_budget: int, spill_dir: str | None = None, threads: int = 4):
+    def __init__(self, host_budget: int, spill_dir: str | None = None, threads: int = 4, named_kept_s: float = 30.0):
         self.host_budget = host_budget
+        self.named_kept_s = named_kept_s
         self.spill_dir = spill_dir or tempfile.gettempdir()
         self._lock = threading.Lock()
         self._admitted: OrderedDict[int, object] = OrderedDict()  # least recently used first
@@ -261,7 +257,7 @@ class AdapterStore:
     def restore_ahead(self, adapter_ids, record: Callable[[float], None] | None = None) -> list[int]:
         """Read each spilled adapter of `adapter_ids` back into memory on a thread of its own, so that the step that
         needs it finds it there (a load meanwhile waits for it, `get`); `record(seconds)` hears each one's time.
-        Each is kept in memory until a step takes it (`NAMED_KEPT_S`). Returns the ids not in memory yet: those
+        Each is kept in memory until a step takes it (`named_kept_s`). Returns the ids not in memory yet: those
         whose read-back began now or was already under way (the engine core holds their requests back until no rank
         reports them, `engine.EngineAdmissions.hold`)."""
         reading = []
@@ -269,7 +265,7 @@ class AdapterStore:
             with self._lock:
                 if adapter_id in self._admitted:
                     self._admitted.move_to_end(adapter_id)
-                    self._awaiting_step[adapter_id] = time.monotonic() + NAMED_KEPT_S
+                    self._awaiting_step[adapter_id] = time.monotonic() + self.named_kept_s
                     continue
                 if adapter_id in self._restoring:
                     reading.append(adapter_id)
@@ -291,7 +287,7 @@ class AdapterStore:
         try:
             if self._restore(adapter_id, wait_for_others=False) is not None:
                 with self._lock:
-                    self._awaiting_step[adapter_id] = time.monotonic() + NAMED_KEPT_S
+                    self._awaiting_step[adapter_id] = time.monotonic() + self.named_kept_s
                 self._enforce_budget(keep=adapter_id)
                 if record is not None:
                     record(time.perf_counter() - started)

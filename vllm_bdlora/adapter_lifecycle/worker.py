@@ -125,7 +125,7 @@ class WorkerAdapters:
             settings = self.settings
             threads = settings.admission_threads or (1 if current_platform.is_cpu() else 2)
             budget = host_budget_bytes(settings.adapter_host_memory, tensor_parallel_size(self.manager))
-            self.kept = AdapterStore(budget, settings.adapter_spill_dir, threads)
+            self.kept = AdapterStore(budget, settings.adapter_spill_dir, threads, settings.named_kept_s)
         return self.kept
 
     # -- the engine core's calls ----------------------------------------------------------------------------------
