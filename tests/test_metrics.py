@@ -19,7 +19,7 @@ from tests.conftest import cpu_engine_env
 from tests.test_server import complete, server_env
 from tests.test_server_guards import assert_every_route_but_the_probes_needs_a_key
 from vllm_bdlora.metrics import OTHER, AdapterMetrics, worker_figures
-from vllm_bdlora.serve.process import free_port, running_server, tail
+from vllm_bdlora.serve.process import free_port, running_server, tail, wait_healthy
 
 KEY = "metrics-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -144,16 +144,7 @@ def running_prometheus(binary, config, workdir):
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{url}/-/ready", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"Prometheus did not become ready on {url}; its log ends:\n{tail(str(log_path))}")
-            time.sleep(0.2)
+        wait_healthy(process, url, str(log_path), 60, route="/-/ready", name="Prometheus")
         yield SimpleNamespace(url=url, log=log_path)
     finally:
         process.terminate()

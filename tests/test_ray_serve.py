@@ -18,7 +18,7 @@ import requests
 from bench.bad_adapters import BAD_ADAPTERS
 from tests.conftest import cpu_engine_env, ray_serve_llm_unavailable, readme_block_after
 from vllm_bdlora.peft_reference import greedy, load_reference
-from vllm_bdlora.serve.process import free_port, tail
+from vllm_bdlora.serve.process import free_port, wait_healthy
 
 UNAVAILABLE = ray_serve_llm_unavailable()
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")]
@@ -115,11 +115,7 @@ def ray_serve(assets, s3_store, tmp_path_factory):
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not ready(url):
-            assert proc.poll() is None, f"serve run exited with {proc.returncode}:\n{tail(str(log_path), 60)}"
-            assert time.monotonic() < deadline, f"not ready after {START_TIMEOUT} s:\n{tail(str(log_path), 60)}"
-            time.sleep(2)
+        wait_healthy(proc, url, str(log_path), START_TIMEOUT, route="/v1/models", name="serve run")
         yield url, log_path
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # serve run shuts its application and local Ray cluster down
@@ -128,13 +124,6 @@ def ray_serve(assets, s3_store, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def ready(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/v1/models", timeout=10).status_code == 200
-    except requests.RequestException:  # not listening yet, or Serve's proxy up before the application
-        return False
 
 
 def complete(url: str, model: str) -> requests.Response:

@@ -80,20 +80,29 @@ def launch(
 
 
 def wait_healthy(
-    proc: subprocess.Popen, url: str, log_path: str, timeout: float, progress: Callable[[str], None] | None = None
+    proc: subprocess.Popen,
+    url: str,
+    log_path: str,
+    timeout: float,
+    progress: Callable[[str], None] | None = None,
+    route: str = "/health",
+    name: str = "vllm serve",
 ) -> None:
-    """Wait for /health; `progress`, if given, hears every 10 s what the server's log says it is doing."""
+    """Wait for `route` (vLLM's /health; another server's readiness route, e.g. Prometheus's /-/ready) to answer 200,
+    so that what is sent to `url` next reaches the server and nothing else on its port; raises with the log's last
+    lines if the process exits or `timeout` passes. `progress`, if given, hears every 10 s what a vLLM server's log
+    says it is doing."""
     import requests
 
     started = time.monotonic()
     deadline, next_report = started + timeout, started + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}; last log lines:\n{tail(log_path)}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}; last log lines:\n{tail(log_path)}")
         try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+            if requests.get(f"{url}{route}", timeout=2).status_code == 200:
                 return
-        except requests.ConnectionError:
+        except requests.RequestException:
             pass
         if progress and time.monotonic() >= next_report:
             next_report += 10
@@ -102,9 +111,9 @@ def wait_healthy(
     last = tail(log_path)
     if not last.strip():
         last = "(none: the log is empty; the server had written nothing yet, e.g. still importing on a busy machine)\n"
+    phase = f"; it was {start_phase(log_path)}" if name == "vllm serve" else ""
     raise TimeoutError(
-        f"vllm serve was not healthy after {timeout:.0f} s (log: {log_path}; it was {start_phase(log_path)}); "
-        f"last log lines:\n{last}"
+        f"{name} was not healthy after {timeout:.0f} s (log: {log_path}{phase}); last log lines:\n{last}"
     )
 
 
