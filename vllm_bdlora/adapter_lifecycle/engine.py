@@ -64,6 +64,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     load_timeout_refusal,
     verdict,
 )
+from vllm_bdlora.config import BdLoraSettings
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -123,7 +124,7 @@ class _ReadBack:
 class EngineAdmissions:
     """One engine core's admissions in flight, held requests and removals waiting for their requests to end."""
 
-    def __init__(self, core, timeout_s: float, read_back_hold_s: float = 2.0):
+    def __init__(self, core, timeout_s: float, read_back_hold_s: float = BdLoraSettings.read_back_hold_s):
         self.core = core
         self.timeout_s = timeout_s
         self.read_back_hold_s = read_back_hold_s  # `BdLoraSettings.read_back_hold_s`
@@ -146,8 +147,6 @@ class EngineAdmissions:
         """The core's admissions when BD-LoRA is on, else None."""
         admissions = getattr(core, "_bdlora_admissions", None)
         if admissions is None:
-            from vllm_bdlora.config import BdLoraSettings
-
             settings = BdLoraSettings.from_vllm_config(getattr(core, "vllm_config", None))
             if not settings.enabled or getattr(core.vllm_config, "lora_config", None) is None:
                 return None

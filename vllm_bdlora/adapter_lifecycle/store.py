@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from vllm_bdlora.access import STORE_FULL
 from vllm_bdlora.adapter_lifecycle.calls import AdmissionState, Failed, Reading, Ready, Unknown
+from vllm_bdlora.config import BdLoraSettings
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -128,7 +129,8 @@ class AdapterStore:
     found in memory) is kept from spilling before a step takes it (`get`), while another can go instead
     (`BdLoraSettings.named_kept_s`)."""
 
-    def __init__(self, host_budget: int, spill_dir: str | None = None, threads: int = 4, named_kept_s: float = 30.0):
+    def __init__(self, host_budget: int, spill_dir: str | None = None, threads: int = 4,
+                 named_kept_s: float = BdLoraSettings.named_kept_s):  # fmt: skip
         self.host_budget = host_budget
         self.named_kept_s = named_kept_s
         self.spill_dir = spill_dir or tempfile.gettempdir()
