@@ -9,24 +9,56 @@ from pathlib import Path
 
 import pytest
 
+from bench.dry_run import HOST_VARIABLE
+
 ROOT = Path(__file__).parents[1]
 COMPILATION_CONFIG = """--compilation-config '{"pass_config":{"fuse_allreduce_rms":false}"""
 
 
-def run_script(tmp_path, *args, **env) -> subprocess.CompletedProcess:
-    stub = tmp_path / "bin"
-    stub.mkdir(exist_ok=True)
-    (stub / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} -m bench.dry_run "$@"\n')
-    (stub / "python3").chmod(0o755)
-    environment = {**os.environ, **env, "PATH": f"{stub}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(["bash", *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def dry_run_host(tmp_path_factory):
+    """One `bench.dry_run --host` for the module: vLLM's parser imported once, each command checked in a fork."""
+    import time
+
+    workdir = tmp_path_factory.mktemp("dry_run_host")
+    socket_path, log_path = workdir / "host.sock", workdir / "host.log"
+    with open(log_path, "w") as log:
+        command = [sys.executable, "-m", "bench.dry_run", "--host", str(socket_path)]
+        environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+        host = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not socket_path.exists():
+            assert host.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        yield str(socket_path)
+    finally:
+        host.terminate()
+        host.wait(timeout=30)
+
+
+@pytest.fixture
+def run_script(dry_run_host):
+    """Run a host script (`bash SCRIPT ARGS`) with the dry-run `python3` first on PATH."""
+
+    def run(script_tmp_path, *args, **env) -> subprocess.CompletedProcess:
+        stub = script_tmp_path / "bin"
+        stub.mkdir(exist_ok=True)
+        (stub / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} -m bench.dry_run "$@"\n')
+        (stub / "python3").chmod(0o755)
+        environment = {**os.environ, **env, "PATH": f"{stub}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+                       HOST_VARIABLE: dry_run_host}  # fmt: skip
+        return subprocess.run(["bash", *args], cwd=ROOT, env=environment, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    return run
 
 
 def served(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("dry-run: vllm serve ")]
 
 
-def test_the_many_adapter_script_starts_servers_vllm_accepts(tmp_path):
+def test_the_many_adapter_script_starts_servers_vllm_accepts(run_script, tmp_path):
     out = tmp_path / "many"
     proc = run_script(tmp_path, "bench/hosts/many_adapters.sh", "4", str(out))
     log = Path(f"{out}.log").read_text()
@@ -38,7 +70,7 @@ def test_the_many_adapter_script_starts_servers_vllm_accepts(tmp_path):
     assert "dry-run: python3 -m bench.admission_stages --adapters 8" in stages, stages
 
 
-def test_the_host_sweep_step_starts_servers_vllm_accepts(tmp_path):
+def test_the_host_sweep_step_starts_servers_vllm_accepts(run_script, tmp_path):
     """gpu_host.sh's sweep (and every queue line, which runs it) with the README's TP=4 arguments."""
     proc = run_script(tmp_path, "bench/hosts/gpu_host.sh", "sweep", "4", "64", "bdlora,bdfused,slora", "5",
                       "--concurrency", "64", "--profile-concurrency", "64", OUT=str(tmp_path / "out"),
@@ -48,7 +80,7 @@ def test_the_host_sweep_step_starts_servers_vllm_accepts(tmp_path):
     assert ": error: " not in proc.stdout and "usage:" not in proc.stdout  # argparse's refusals (theirs and vLLM's)
 
 
-def test_a_queued_sweep_line_keeps_its_quoted_arguments_whole(tmp_path):
+def test_a_queued_sweep_line_keeps_its_quoted_arguments_whole(run_script, tmp_path):
     """gpu_host.sh's queue runs each sweep line in the background; a quoted argument (server arguments with spaces)
     must reach the sweep as one word, as it would on a command line."""
     import time
@@ -69,16 +101,16 @@ def test_a_queued_sweep_line_keeps_its_quoted_arguments_whole(tmp_path):
     assert ": error: " not in log and "usage:" not in log, log[-3000:]
 
 
-def test_a_json_argument_whose_quotes_the_split_strips_is_caught(tmp_path):
+def test_a_json_argument_whose_quotes_the_split_strips_is_caught(dry_run_host, tmp_path):
     """What the many-adapter script once shipped: the JSON inside --extra-server-args without its own quotes."""
     argv = ["-m", "bench.many_adapters", "--modes", "bdlora", "--workloads", "single poisson:8 fixed:1024/128 10",
             "--out", str(tmp_path), "--extra-server-args", '--compilation-config {"pass_config":{}}']  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "bench.dry_run", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                          env={**os.environ, HOST_VARIABLE: dry_run_host}, timeout=300)  # fmt: skip
     assert proc.returncode == 2 and "compilation-config" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_the_release_check_runs_every_step_with_arguments_its_tools_accept(tmp_path):
+def test_the_release_check_runs_every_step_with_arguments_its_tools_accept(run_script, tmp_path):
     """release_check.sh on a make-believe four-GPU host with an installed release: every stream's steps run, the
     sweeps' servers parse with vLLM's parser, vLLM's suite and pytest get arguments their parsers accept."""
     stub = tmp_path / "bin"
@@ -128,7 +160,7 @@ def test_stopping_a_server_that_ignores_sigterm_ends_its_whole_process_group(tmp
 
 
 @pytest.mark.parametrize("load_only", [False, True], ids=["serving", "load-only"])
-def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_accepts(tmp_path, load_only):
+def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_accepts(run_script, tmp_path, load_only):
     out = tmp_path / "ab"
     env = {"WORKLOAD": "single concurrency:1 fixed:64/8 8", "EXTRA": " --distributed-executor-backend mp"}
     script = "bench/hosts/many_adapters_ab.sh"
@@ -146,7 +178,7 @@ def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_a
         assert ("--distributed-executor-backend mp" in servers[0]) == load_only, servers
 
 
-def test_the_load_timing_script_starts_one_server_per_thread_count_and_stock(tmp_path):
+def test_the_load_timing_script_starts_one_server_per_thread_count_and_stock(run_script, tmp_path):
     """load_adapters.sh: a BD server per admission thread count (the JSON of --additional-config intact through
     the benchmark's split and vLLM's parser), then stock vLLM's loader on adapters of the same size; PROFILE_LOAD
     reaches the benchmark as its option."""
