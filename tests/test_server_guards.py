@@ -544,46 +544,45 @@ def test_a_stopped_worker_turns_health_to_503_and_back(server, reference_words):
     assert complete(url, "bd64") == reference_words["bd64"]
 
 
-def test_dead_engine_turns_health_to_503_and_exits_non_zero(assets, tmp_path):
-    """A worker killed under a generation and an adapter load: /health turns 503 within 2 s, both requests are
-    answered, and the process exits with status 1 (vLLM alone leaves the load waiting forever, and its HTTP
-    server's shutdown waits for it: the process never exits)."""
+def test_dead_engine_turns_health_to_503_and_exits_non_zero(server, roots):
+    """The module's last test, since it ends the module's server: a worker killed under a generation and an adapter
+    load: /health turns 503 within 2 s, both requests are answered, and the process exits with status 1 (vLLM alone
+    leaves the load waiting forever, and its HTTP server's shutdown waits for it: the process never exits)."""
     import psutil
 
-    log_path = tmp_path / "server.log"
-    command = serve_command(assets["model"], free_port(), {"bd64": assets["bd64"]},
-                            "--allowed-adapter-roots", os.path.dirname(assets["std16"]))  # fmt: skip
-    with running_server(command, str(log_path), 2, server_env(), START_TIMEOUT) as (proc, url):
-        answers = {}
+    url, log_path, proc = server
+    inside, _ = roots
+    log_start = len(log_path.read_text())
+    answers = {}
 
-        def post(name, route, body):
-            try:
-                answers[name] = requests.post(f"{url}{route}", json=body, headers=AUTH, timeout=90)
-            except requests.RequestException as e:
-                answers[name] = e
+    def post(name, route, body):
+        try:
+            answers[name] = requests.post(f"{url}{route}", json=body, headers=AUTH, timeout=90)
+        except requests.RequestException as e:
+            answers[name] = e
 
-        generation = {"model": "bd64", "prompt": "w5 w6", "max_tokens": 200, "ignore_eos": True}
-        client = threading.Thread(target=post, args=("generation", "/v1/completions", generation))
-        client.start()
-        time.sleep(1)
-        processes = psutil.Process(proc.pid).children(recursive=True)
-        worker = next(p for p in processes if "Worker_TP1" in " ".join(p.cmdline()))
-        worker.kill()
-        killed = time.monotonic()
-        # Sent while the engine core still waits on the dead worker (9 s on CPU): the load reaches the engine
-        # core, which dies without answering it.
-        load = {"lora_name": "std16", "lora_path": str(assets["std16"])}
-        loader = threading.Thread(target=post, args=("load", "/v1/load_lora_adapter", load))
-        loader.start()
-        while requests.get(f"{url}/health", timeout=5).status_code == 200:
-            assert time.monotonic() - killed < 2, "/health still answers 200 two seconds after a worker died"
-            time.sleep(0.1)
-        client.join(timeout=60)
-        loader.join(timeout=60)
-        assert not client.is_alive(), "an in-flight request hangs after the engine died"
-        assert not loader.is_alive(), "an adapter load in flight hangs after the engine died"
-        assert isinstance(answers["load"], requests.Response) and answers["load"].status_code >= 500, answers["load"]
-        assert proc.wait(timeout=60) == 1
-        log = log_path.read_text()
-        assert "the engine died" in log and "call(s) waiting on the dead engine" in log
-        assert "did not stop within" not in log  # the orderly stop, not the deadline, ended it
+    generation = {"model": "bd64", "prompt": "w5 w6", "max_tokens": 200, "ignore_eos": True}
+    client = threading.Thread(target=post, args=("generation", "/v1/completions", generation))
+    client.start()
+    time.sleep(1)
+    processes = psutil.Process(proc.pid).children(recursive=True)
+    worker = next(p for p in processes if "Worker_TP1" in " ".join(p.cmdline()))
+    worker.kill()
+    killed = time.monotonic()
+    # Sent while the engine core still waits on the dead worker (9 s on CPU): the load reaches the engine
+    # core, which dies without answering it.
+    load = {"lora_name": "std16-late", "lora_path": str(inside / "std16")}
+    loader = threading.Thread(target=post, args=("load", "/v1/load_lora_adapter", load))
+    loader.start()
+    while requests.get(f"{url}/health", timeout=5).status_code == 200:
+        assert time.monotonic() - killed < 2, "/health still answers 200 two seconds after a worker died"
+        time.sleep(0.1)
+    client.join(timeout=60)
+    loader.join(timeout=60)
+    assert not client.is_alive(), "an in-flight request hangs after the engine died"
+    assert not loader.is_alive(), "an adapter load in flight hangs after the engine died"
+    assert isinstance(answers["load"], requests.Response) and answers["load"].status_code >= 500, answers["load"]
+    assert proc.wait(timeout=60) == 1
+    log = log_path.read_text()[log_start:]
+    assert "the engine died" in log and "call(s) waiting on the dead engine" in log
+    assert "did not stop within" not in log  # the orderly stop, not the deadline, ended it
