@@ -11,8 +11,22 @@ from vllm_bdlora.sizing import ModelShape
 
 
 def check(*args):
+    """`vllm-bdlora check ARGS` as a user runs it: (exit status, what it printed)."""
     proc = subprocess.run(["vllm-bdlora", "check", *map(str, args)], capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout
+
+
+@pytest.fixture
+def check_here(capsys):
+    """The same command's code in this process (vLLM imported once for the module, not per command)."""
+    from vllm_bdlora.serve.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main(["check", *map(str, args)])
+        return code, capsys.readouterr().out
+
+    return run
 
 
 def test_served_adapters_pass_and_say_how_they_are_sharded(assets):
@@ -27,7 +41,7 @@ def test_served_adapters_pass_and_say_how_they_are_sharded(assets):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_what_a_worker_keeps_compares_with_the_dense_adapter_and_its_files(assets, tp):
+def test_what_a_worker_keeps_compares_with_the_dense_adapter_and_its_files(assets, tp, check_here):
     """A BD adapter's files hold its factors without their zeros; a worker keeps its shard's blocks (at TP=1 the
     whole adapter as one dense block), stock vLLM the dense adapter in every worker: all three in one unit."""
     shape = ModelShape.from_config(assets["model"])
@@ -37,14 +51,14 @@ def test_what_a_worker_keeps_compares_with_the_dense_adapter_and_its_files(asset
         assert verdict.host_bytes == verdict.dense_bytes
     else:
         assert verdict.host_bytes < verdict.dense_bytes
-    code, out = check(f"bd64={assets['bd64']}", "--model", assets["model"], "--tp", tp, "--max-lora-rank", 64)
+    code, out = check_here(f"bd64={assets['bd64']}", "--model", assets["model"], "--tp", tp, "--max-lora-rank", 64)
     line = next(line for line in out.splitlines() if line.startswith("host memory per admitted adapter"))
     assert line.count(" MiB") == 3 and "dense" in line and "without their zeros" in line, line
 
 
-def test_refusals_name_the_fix_the_server_names(assets, tmp_path):
+def test_refusals_name_the_fix_the_server_names(assets, tmp_path, check_here):
     other = tiny.make_tiny_llama(str(tmp_path / "wider"), hidden_size=256)
-    code, out = check(f"wide={assets['std64']}", f"dora={assets['dora16']}",
+    code, out = check_here(f"wide={assets['std64']}", f"dora={assets['dora16']}",
                       f"foreign={tiny.make_adapter(other, str(tmp_path / 'foreign'), rank=8)}",
                       "--model", assets["model"], "--tp", 2, "--max-lora-rank", 64)  # fmt: skip
     assert code == 1
@@ -52,7 +66,7 @@ def test_refusals_name_the_fix_the_server_names(assets, tmp_path):
     assert "dora: REFUSED" in out and "serve it with --enable-dora" in out
     assert "foreign: REFUSED" in out
     assert "made for another base model: lora_A takes 256 inputs, this model's layer takes 128" in out
-    code, out = check(assets["bd64"], "--model", assets["model"], "--tp", 2, "--max-lora-rank", 48)
+    code, out = check_here(assets["bd64"], "--model", assets["model"], "--tp", 2, "--max-lora-rank", 48)
     assert code == 1 and "is not one vLLM accepts" in out
 
 
