@@ -28,7 +28,7 @@ def dry_run_host(tmp_path_factory):
         host = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
-        while not socket_path.exists():
+        while "listening" not in log_path.read_text():  # said once it accepts connections
             assert host.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.1)
         yield str(socket_path)
