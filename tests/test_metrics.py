@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tests.conftest import cpu_engine_env
 from tests.test_server import complete, server_env
 from tests.test_server_guards import assert_every_route_but_the_probes_needs_a_key
-from vllm_bdlora.metrics import OTHER, AdapterMetrics, worker_figures
+from vllm_bdlora.metrics import ADMISSION_STAGES, OTHER, AdapterMetrics, StageClock, worker_figures
 from vllm_bdlora.serve.process import free_port, running_server, tail, wait_healthy
 
 KEY = "metrics-key"
@@ -45,6 +45,21 @@ def test_an_unloaded_adapters_series_go_and_free_its_place_under_the_cap():
     text = generate_latest(metrics.registry).decode()
     assert 'adapter_name="a"' not in text and 'adapter_name="b"' in text
     assert metrics.label("c") == "c"  # a's place under the cap went to the next name
+
+
+def test_a_stage_clock_charges_waiting_to_the_wall_clock_and_work_to_both():
+    clock = StageClock()
+    time.sleep(0.2)
+    clock.lap("waited")
+    spin_until = time.perf_counter() + 0.2
+    while time.perf_counter() < spin_until:
+        pass
+    clock.lap("worked")
+    time.sleep(0.05)
+    clock.lap("waited")
+    (waited_wall, waited_cpu), (worked_wall, worked_cpu) = clock.laps["waited"], clock.laps["worked"]
+    assert waited_wall >= 0.25 and waited_cpu < 0.1
+    assert worked_wall >= 0.2 and 0.1 < worked_cpu <= worked_wall + 1e-3
 
 
 def test_engine_counts_are_exported_as_the_workers_keep_them_across_a_reload():
@@ -219,6 +234,14 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
         loads = values_by(query(scraper, "vllm_bdlora:adapter_loads_total"), "kind")
         assert loads["admission"] == admitted == 3  # one admission per adapter, as the log says
         assert loads["reread"] > 0  # the host cache of 2 dropped one and a later request read it back
+        # where the admissions' time went, stage by stage: within what the admission threads took in all, and no
+        # stage used more of its thread's CPU than it took on the wall clock
+        wall, cpu = (values_by(query(scraper, f'vllm_bdlora:admission_stage_seconds_total{{clock="{clock}"}}'),
+                               "stage") for clock in ("wall", "cpu"))  # fmt: skip
+        assert set(wall) == set(cpu) == set(ADMISSION_STAGES), (wall, cpu)
+        admission_seconds = max(query(scraper, 'vllm_bdlora:adapter_load_seconds_sum{kind="admission"}').values())
+        assert 0 < sum(wall.values()) <= admission_seconds, (wall, admission_seconds)
+        assert all(cpu[stage] <= wall[stage] + 1e-3 for stage in wall) and wall["open"] > 0 and wall["cut"] > 0
         steps = query(scraper, "vllm_bdlora:engine_step_seconds_count")
         assert max(steps.values()) > 0
         top = subprocess.run(["vllm-bdlora", "top", url, "--api-key", KEY, "--once", "--interval", "1"],

@@ -22,6 +22,10 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   what the admission thread read, keeping it in vLLM's host cache and copying it into a GPU slot; without, reading
   the files too (also counted as "admission") before the same),
   `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
+* `vllm_bdlora:admission_stage_seconds_total{stage,clock}`: where the admission threads' time went, per stage of an
+  admission (`ADMISSION_STAGES`), by the wall clock and by the thread's own CPU clock (`StageClock`), summed over the
+  admissions that succeeded (divide by `adapter_loads_total{kind="admission"}` for one adapter's): wall minus CPU is
+  time the thread waited, for the interpreter lock above all while other threads of its worker run Python;
 * per adapter, from the API server's own requests: `vllm_bdlora:adapter_requests_total`,
   `vllm_bdlora:adapter_prompt_tokens_total`, `vllm_bdlora:adapter_generation_tokens_total`,
   `vllm_bdlora:adapter_ttft_seconds` and `vllm_bdlora:adapter_tpot_seconds` (histograms), `{adapter_name}`.
@@ -57,6 +61,27 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0, 1
                 10.0, 15.0, 20.0, 30.0, 60.0)  # fmt: skip
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 LOAD_KINDS = ("admission", "add_lora", "reread", "restore", "restore_ahead", "in_step", "slot_fill")
+# An admission's stages (`adapter_lifecycle.read_and_cut.read_adapter`): its files opened, mapped and their header and
+# config checked; every module checked and cut to the rank's share; the shares copied into the slot image; vLLM's
+# LoRAModel built over them; their values checked; the rest (magnitudes, scaling, packing ahead).
+ADMISSION_STAGES = ("open", "cut", "image", "vllm_model", "check", "finish")
+CLOCKS = ("wall", "cpu")
+
+
+class StageClock:
+    """Wall and thread-CPU seconds between laps, summed per stage: `lap(stage)` charges the time since the previous
+    lap (or the clock's start) to `stage`. CPU time is the calling thread's own (`time.thread_time`): a thread waiting
+    for the interpreter lock, a page or a file accrues wall time only."""
+
+    def __init__(self):
+        self.laps: dict[str, tuple[float, float]] = {}
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def lap(self, stage: str) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        spent_wall, spent_cpu = self.laps.get(stage, (0.0, 0.0))
+        self.laps[stage] = (spent_wall + wall - self._wall, spent_cpu + cpu - self._cpu)
+        self._wall, self._cpu = wall, cpu
 
 
 class Histogram:
@@ -88,6 +113,7 @@ class WorkerAdapterStats:
         self.lookups = defaultdict(int)
         self.hits = defaultdict(int)
         self.loads = {kind: Histogram(LOAD_BUCKETS) for kind in LOAD_KINDS}
+        self.stage_seconds = {stage: [0.0, 0.0] for stage in ADMISSION_STAGES}  # [wall, cpu]
 
     def record_lookups(self, manager, adapter_ids, kept_in_memory: Callable[[int], bool] | None = None) -> int:
         """Per step, per adapter the step needs: in a GPU slot already (a GPU hit), else in host memory (a CPU hit):
@@ -121,12 +147,22 @@ class WorkerAdapterStats:
         with self.lock:
             self.loads[kind].observe(seconds)
 
+    def record_stages(self, laps: dict[str, tuple[float, float]]) -> None:
+        """One admission's `StageClock.laps`."""
+        with self.lock:
+            for stage, (wall, cpu) in laps.items():
+                spent = self.stage_seconds[stage]
+                spent[0] += wall
+                spent[1] += cpu
+
     def snapshot(self, worker_manager, store) -> dict:
         manager = worker_manager._adapter_manager
         names = store.names() if store is not None else {}
         with self.lock:
             counts = {"lookups": dict(self.lookups), "hits": dict(self.hits),
-                      "loads": {kind: h.snapshot() for kind, h in self.loads.items()}}  # fmt: skip
+                      "loads": {kind: h.snapshot() for kind, h in self.loads.items()},
+                      "admission_stages": {stage: list(spent) for stage, spent in
+                                           self.stage_seconds.items()}}  # fmt: skip
         return {
             **counts,
             "gpu": [i for i in manager.lora_index_to_id if i is not None],
@@ -374,6 +410,13 @@ class EngineAdapterCollector:
                 seconds.add_metric([kind], cumulative_buckets(LOAD_BUCKETS, snapshot["counts"]), snapshot["sum"])
             add(loads)
             add(seconds)
+            stages = CounterMetricFamily("vllm_bdlora:admission_stage_seconds",
+                                         "Admission threads' seconds per stage, wall and thread CPU.",
+                                         labels=["stage", "clock"])  # fmt: skip
+            for stage, spent in (workers.get("admission_stages") or {}).items():
+                for clock, value in zip(CLOCKS, spent, strict=True):
+                    stages.add_metric([stage, clock], value)
+            add(stages)
         if "steps" in stats:
             steps = HistogramMetricFamily("vllm_bdlora:engine_step_seconds", "Engine steps that ran the model.")
             steps.add_metric([], cumulative_buckets(STEP_BUCKETS, stats["steps"]["counts"]), stats["steps"]["sum"])

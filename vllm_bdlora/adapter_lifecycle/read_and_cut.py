@@ -38,6 +38,7 @@ from vllm_bdlora.adapters import AdapterFormat, AdapterRejected, adapter_format,
 from vllm_bdlora.compat import adapter_absolute_path, allowed_max_lora_ranks, packing_ahead
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.dora import DoraAdapter, is_magnitude_tensor, stage_magnitudes
+from vllm_bdlora.metrics import StageClock
 from vllm_bdlora.sharding import LocalFactors, ShardingError, foreign_model_problem, localize
 from vllm_bdlora.slot_arena import IMAGE_ATTRIBUTE, SlotArena, SlotImage
 
@@ -284,8 +285,10 @@ VLLM_REFUSAL_HINT = (
 )
 
 
-def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> AdmittedAdapter:
-    """Read, check and cut one adapter (see the module's docstring); safe to run on an admission thread."""
+def read_adapter(worker_manager, lora_request, settings: BdLoraSettings, clock: StageClock | None = None
+                 ) -> AdmittedAdapter:  # fmt: skip
+    """Read, check and cut one adapter (see the module's docstring); safe to run on an admission thread. `clock`, where
+    given, is charged each of `metrics.ADMISSION_STAGES` as it ends."""
     from vllm.exceptions import LoRAAdapterNotFoundError
     from vllm.lora.lora_model import LoRAModel
 
@@ -302,6 +305,7 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
         raise AdapterRejected(name, [f"lora_path: {e}"]) from None
     if not os.path.exists(source):
         raise LoRAAdapterNotFoundError(name, lora_request.lora_path)
+    lap = clock.lap if clock is not None else lambda stage: None
     mapper = lora_weights_mapper(manager.model)
     deployment_targets = getattr(manager.lora_config, "target_modules", None)
     try:
@@ -319,9 +323,11 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
         arena = SlotArena.of(manager)
         imaged = arena is not None and arena.takes_images and not fmt.dora
         views = opened.tensor_views()
+        lap("open")
         try:
             cut = cut_to_rank(views, fmt, manager, name, mapper, deployment_targets, copy_shares=not imaged)
             tensors, staged, not_served, magnitudes = cut
+            lap("cut")
             image = None
             if imaged:
                 # BD modules go from the mapped file straight into the adapter's slot image (checked below for a
@@ -337,6 +343,7 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
         if not opened.unchanged():
             raise AdapterRejected(name, ["its weights file changed while it was read"], REWRITE_HINT)
         identity = opened.identity
+    lap("image")
     model = worker_manager._adapter_manager.model
     try:
         lora_model = LoRAModel.from_lora_tensors(
@@ -351,7 +358,9 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
         raise AdapterRejected(name, [f"{WEIGHTS_FILE}: {e}"], VLLM_REFUSAL_HINT) from None
     if image is not None:
         image.bind(lora_model.loras)  # where vLLM's loader copied what it was handed, the image is what stays
+    lap("vllm_model")
     check_values(lora_model, name, worker_manager.lora_config.lora_dtype)
+    lap("check")
     for item in staged:
         item.weights = lora_model.loras.get(item.name)
     staged = [item for item in staged if item.weights is not None]
@@ -381,6 +390,7 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings) -> Admi
                                staged=staged if fmt.dora else [], dora=fmt.dora, image=image,
                                arena=arena if image is not None else None, pack=pack)  # fmt: skip
     admitted.pack_ahead()
+    lap("finish")
     return admitted
 
 
@@ -416,9 +426,15 @@ def rank_limit_hint(message: str, manager) -> str | None:
             f"needs its rank x TP") if fit else f"vLLM accepts --max-lora-rank {accepted} only"  # fmt: skip
 
 
-def read_on(device, worker_manager, lora_request, settings: BdLoraSettings) -> AdmittedAdapter:
+def read_on(device, worker_manager, lora_request, settings: BdLoraSettings,
+            record_stages: Callable[[dict], None] | None = None) -> AdmittedAdapter:  # fmt: skip
     """`read_adapter` on an admission thread of a worker whose GPU is `device`: a new thread's current CUDA device is
-    the first GPU, and pinning host memory there would open a CUDA context on another worker's GPU."""
+    the first GPU, and pinning host memory there would open a CUDA context on another worker's GPU. A successful
+    admission's stage times go to `record_stages` (`metrics.WorkerAdapterStats.record_stages`)."""
+    clock = StageClock()
     if getattr(device, "type", None) == "cuda":
         torch.cuda.set_device(device)
-    return read_adapter(worker_manager, lora_request, settings)
+    admitted = read_adapter(worker_manager, lora_request, settings, clock)
+    if record_stages is not None:
+        record_stages(clock.laps)
+    return admitted

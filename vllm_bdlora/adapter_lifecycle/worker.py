@@ -137,7 +137,8 @@ class WorkerAdapters:
             case BeginAdmissions(requests=requests):
                 device = getattr(self.worker_manager, "device", None)
                 for request in requests:
-                    read = functools.partial(read_on, device, self.worker_manager, request, self.settings)
+                    read = functools.partial(read_on, device, self.worker_manager, request, self.settings,
+                                             self.stats.record_stages)  # fmt: skip
                     self.store.begin(request.lora_int_id, request.lora_name, read)
                 return True
             case AdmissionStates(adapter_ids=ids):
