@@ -217,6 +217,7 @@ def settled_scrape(url: str, tries: int = 5) -> dict:
 def server_figures(before: dict, after: dict) -> dict:
     """What the server saw during one workload, from two scrapes of its /metrics: hit rates, loads by kind (count,
     mean, p99), engine step times (p50, p99)."""
+    from vllm_bdlora.metrics import CLOCKS
     from vllm_bdlora.serve.top import by_label, quantile
 
     def grown(name, label, **fixed):
@@ -244,6 +245,12 @@ def server_figures(before: dict, after: dict) -> dict:
             figures[f"loads_{kind}"] = count
             figures[f"load_{kind}_mean_ms"] = sums.get(kind, 0) / count * 1e3
             figures[f"load_{kind}_p99_ms"] = quantile(buckets, 0.99) * 1e3
+    admitted = counts.get("admission")
+    for clock in CLOCKS:  # one admission's stages, on the first worker's admission threads
+        spent = grown("vllm_bdlora:admission_stage_seconds_total", "stage", clock=clock)
+        for stage, seconds in spent.items():
+            if admitted and seconds:
+                figures[f"admission_{stage}_{clock}_ms"] = seconds / admitted * 1e3
     steps = {}
     for labels, value in after.get("vllm_bdlora:engine_step_seconds_bucket", {}).items():
         steps[dict(labels)["le"]] = value - before.get("vllm_bdlora:engine_step_seconds_bucket", {}).get(labels, 0)

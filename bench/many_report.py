@@ -38,6 +38,29 @@ def slot_hits(row: dict) -> str:
     return f"{fmt(100 * row['gpu_hit_rate'], 1, '%')} ({int(row['gpu_misses'])} fills)"
 
 
+def admission_stage_lines(servers: list[dict]) -> list[str]:
+    """Where one admission's time went on the first worker's admission threads, stage by stage: wall and thread CPU
+    (`vllm_bdlora.metrics.StageClock`; wall minus CPU is waiting, for the interpreter lock above all)."""
+    from vllm_bdlora.metrics import ADMISSION_STAGES
+
+    timed = [s for s in servers if any(k.startswith("admission_") for k in s.get("load_figures") or {})]
+    if not timed:
+        return []
+    lines = ["", "## One admission's stages (ms per adapter, wall / thread CPU, first worker)", "",
+             "| mode | " + " | ".join(ADMISSION_STAGES) + " | all |",
+             "|---|" + "---|" * (len(ADMISSION_STAGES) + 1)]  # fmt: skip
+    for s in timed:
+        figures = s["load_figures"]
+        cells = []
+        for stage in (*ADMISSION_STAGES, None):
+            pair = [sum(figures.get(f"admission_{st}_{clock}_ms", 0.0) for st in ([stage] if stage else
+                                                                                  ADMISSION_STAGES))
+                    for clock in ("wall", "cpu")]  # fmt: skip
+            cells.append(f"{fmt(pair[0], 1)} / {fmt(pair[1], 1)}")
+        lines.append(f"| {s['mode']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summary_lines(rows: list[dict], servers: list[dict], environment: dict) -> list[str]:
     lines = ["# Many adapters", ""]
     runs = environment.get("runs") or []
@@ -59,6 +82,7 @@ def summary_lines(rows: list[dict], servers: list[dict], environment: dict) -> l
             f"{fmt(s.get('start_s'), 0, ' s')} | {fmt(s.get('load_all_s'), 0, ' s')} | "
             f"{load_figures(s.get('load_figures') or {})} |" + (f" failed: {s['failure']}" if "failure" in s else "")
         )
+    lines += admission_stage_lines(servers)
     by_workload = defaultdict(list)
     for row in rows:
         by_workload[row["workload"]].append(row)

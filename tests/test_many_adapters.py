@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from bench.workload import Timing, plan, popularity_weights, summarise, tiers
+from vllm_bdlora.metrics import ADMISSION_STAGES
 
 
 def test_zipf_shares_fall_with_rank_and_tiers_split_the_expected_requests():
@@ -100,6 +101,12 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     # the load phase's time split: 64 reads on admission threads, 64 add_lora calls the engine loop waited for
     load = server["load_figures"]
     assert load["loads_admission"] == load["loads_add_lora"] == 64 and load["load_add_lora_mean_ms"] > 0, load
+    # and one admission's stages, per adapter: together within the admission's own time, none over its wall time on
+    # the CPU clock
+    walls = [load.get(f"admission_{stage}_wall_ms", 0.0) for stage in ADMISSION_STAGES]
+    assert 0 < sum(walls) <= load["load_admission_mean_ms"] and walls[0] > 0, load
+    assert all(load.get(f"admission_{stage}_cpu_ms", 0.0) <= wall + 1e-3
+               for stage, wall in zip(ADMISSION_STAGES, walls, strict=True))  # fmt: skip
     zipf, distinct = rows
     assert 0 <= zipf["gpu_hit_rate"] <= 1 and zipf["steps"] > 0 and zipf["step_p99_ms"] > 0
     # distinct through few slots: every request's adapter fills a slot (a lookup per step and adapter: the steps after
@@ -121,4 +128,5 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     summary = (out / "summary.md").read_text()
     assert "## Servers (equal memory)" in summary and "| bdlora | 64 | 60/60 |" in summary
     assert "add_lora 64 (" in summary
+    assert "## One admission's stages" in summary and "| bdlora | " in summary.split("## One admission's stages")[1]
     assert (out / "plots" / "ttft_cdf_zipf1.0_poisson20_fixed16-8_60.png").exists(), sys.argv
