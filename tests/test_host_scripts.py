@@ -180,10 +180,11 @@ def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_a
 
 def test_the_load_timing_script_starts_one_server_per_thread_count_and_stock(run_script, tmp_path):
     """load_adapters.sh: a BD server per admission thread count (the JSON of --additional-config intact through
-    the benchmark's split and vLLM's parser), then stock vLLM's loader on adapters of the same size; PROFILE_LOAD
-    reaches the benchmark as its option."""
+    the benchmark's split and vLLM's parser), then stock vLLM's loader on adapters of the same size; PROFILE_LOAD,
+    BD_RANK and HOST_MEMORY reach the benchmark as its options."""
     out = tmp_path / "load"
-    proc = run_script(tmp_path, "bench/hosts/load_adapters.sh", str(out), "3", "32", PROFILE_LOAD="1")
+    proc = run_script(tmp_path, "bench/hosts/load_adapters.sh", str(out), "3", "32", PROFILE_LOAD="1", BD_RANK="8",
+                      HOST_MEMORY="48GiB")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("== ")] == [
         "bd-threads-3", "stock"], proc.stdout  # fmt: skip
@@ -193,5 +194,8 @@ def test_the_load_timing_script_starts_one_server_per_thread_count_and_stock(run
     assert """--additional-config '{"bdlora":{"admission_threads":3}}'""" in servers[0], servers
     assert "--distributed-executor-backend mp" in servers[0] and "--adapters 32" in log, log[-3000:]
     assert "--profile-load" in log, log[-3000:]
+    # BD r'=8 (--rank 4, whose pair it is) against a standard r=8: the same bytes
+    assert "--rank 4 " in log and "--host-memory 48GiB" in log, log[-3000:]
+    assert "--rank 8 " in (out / "stock.log").read_text()
     stock = served((out / "stock.log").read_text())
     assert len(stock) == 1 and "--enable-lora" in stock[0] and "--enable-bdlora" not in stock[0], stock
