@@ -85,9 +85,9 @@ class BdLoraSettings:
     # stalled network filesystem, say); the engine keeps serving while it waits.
     adapter_load_timeout_s: float = 120.0
     # Admissions that read at once on each worker (0: 2 on GPUs, 1 on the CPU backend, where they share the cores
-    # with the engine). The threads share the worker's interpreter lock: on one H200, 1,024 loads took 84 s on 2
-    # threads and 105 s on 1 (bench/results/admission/load-1024-adapters-tp1-h200), 140 s on 4 on hosts of the same
-    # kind.
+    # with the engine). The threads share the worker's interpreter lock: on one H200, 1,024 loads took 72 s on 2
+    # threads and 82 s on 1 (bench/results/admission/load-1024-adapters-tp1-h200), and 140 s on 4 where 2 took 86 s
+    # on a host of the same kind.
     admission_threads: int = 0
     # The longest the engine core holds a request while workers read its spilled adapter back ahead of its step. A
     # read-back of an 8B adapter's share takes tens of milliseconds from a local disk; past this (a slow spill disk,
