@@ -116,6 +116,14 @@ def write_adapter_set(args, mode: str) -> tuple[list[str], list[str]]:
     return names, paths
 
 
+def slot_images_kept() -> bool:
+    """Whether a BD server here keeps admitted adapters as slot images: its fused kernels run (`lora_kernels` "auto",
+    the default, picks them on a CUDA GPU)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def budgets(args, mode: str) -> dict:
     """What the same GPU and host memory mean for `mode`: its slots, its host-cache entries, and the bytes."""
     from bench.adapters import trainable_params
@@ -134,6 +142,10 @@ def budgets(args, mode: str) -> dict:
     element = 2 if args.dtype in ("float16", "bfloat16") else 4
     adapter_bytes = trainable_params(shape_spec, rank, nblocks) * element
     per_worker = adapter_bytes // args.tp if mode == "bdlora" else adapter_bytes  # BD: each worker keeps its share
+    if mode == "bdlora" and slot_images_kept():
+        # as the image of a whole slot (`vllm_bdlora.slot_arena`): zeros past the width of an adapter narrower than
+        # the slot, which the host budget counts too
+        per_worker = max(per_worker, cost.projections)
     return {
         "gpu_memory_bytes": gpu, "host_memory_bytes": host, "max_lora_rank": max_lora_rank,
         "slot_bytes": cost.total, "max_loras": slots_that_fit(gpu, cost),

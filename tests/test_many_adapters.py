@@ -55,6 +55,24 @@ def test_summary_counts_goodput_and_tiers():
     assert out["all_ttft_p50_ms"] == pytest.approx(550) and out["error_examples"] == ["refused"]
 
 
+@pytest.mark.parametrize(("rank", "image_over_share"), [(2, 2.0), (4, 1.0)])
+def test_a_bd_adapter_narrower_than_a_slot_takes_a_whole_slot_of_host_memory_on_a_gpu(monkeypatch, rank,
+                                                                                       image_over_share):  # fmt: skip
+    """On a GPU a BD worker keeps each adapter as an image of a whole slot: at TP=1 a BD r'=4 adapter (--rank 2) in
+    slots of vLLM's smallest width, 8, takes twice its bytes, an r'=8 one its own."""
+    from bench import many_adapters
+
+    args = many_adapters.parse_args(["--tp", "1", "--rank", str(rank), "--gpu-memory", "512MiB",
+                                     "--host-memory", "24GiB", "--workloads", "zipf:1.0 poisson:4 fixed:1024/128 10",
+                                     "--out", "/tmp/x"])  # fmt: skip
+    on_cpu = many_adapters.budgets(args, "bdlora")
+    monkeypatch.setattr(many_adapters, "slot_images_kept", lambda: True)
+    on_gpu = many_adapters.budgets(args, "bdlora")
+    assert on_gpu["max_lora_rank"] == 8 and on_cpu["host_bytes_per_adapter"] == on_cpu["adapter_bytes"]
+    assert on_gpu["host_bytes_per_adapter"] == pytest.approx(image_over_share * on_gpu["adapter_bytes"], rel=0.01)
+    assert on_gpu["host_entries"] == 24 * 2**30 // on_gpu["host_bytes_per_adapter"]
+
+
 def test_equal_memory_gives_bd_more_host_entries_and_records_both():
     """BD r'=32 in 4 blocks against standard r=16 (equal parameters at TP=4): each BD worker keeps a quarter of an
     adapter where stock vLLM keeps all of it, so the same host memory holds four times the adapters."""
