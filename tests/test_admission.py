@@ -25,6 +25,7 @@ from vllm_bdlora.access import (
     is_allowed_adapter_path,
     needs_api_key,
 )
+from vllm_bdlora.adapter_lifecycle import values
 from vllm_bdlora.adapter_lifecycle.calls import (
     AdmissionReceipt,
     Failed,
@@ -43,8 +44,11 @@ from vllm_bdlora.adapter_lifecycle.files import (
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore, StoreFull
 from vllm_bdlora.adapter_lifecycle.values import (
+    ESTIMATE_MARGIN,
     MAX_GAIN,
     config_scale_problems,
+    estimated_norms,
+    gain_limit,
     module_gain,
     norm_and_finite,
     norms_and_finite,
@@ -274,6 +278,60 @@ def test_the_batched_norms_answer_what_each_factor_alone_does():
     assert [finite for _, finite in batched] == [finite for _, finite in expected] == finiteness
     for (norm, finite), (reference, _) in zip(batched, expected, strict=True):
         assert not finite or norm == pytest.approx(reference, rel=1e-12) and norm > 0
+
+
+def test_a_bfloat16_norms_estimate_lies_well_within_its_margin():
+    """The premise of the estimates: bfloat16 factors of an 8B adapter's shapes (strided slices included, as a
+    narrow adapter's B is in its slot image) reduced in bfloat16 land within a quarter of `ESTIMATE_MARGIN` of their
+    float64 norms."""
+    generator = torch.Generator().manual_seed(11)
+    factors = [torch.randn(8, 4096, generator=generator).to(torch.bfloat16) * 3,
+               torch.randn(14336, 8, generator=generator).to(torch.bfloat16)[:, :4],
+               torch.randn(4096, 16, generator=generator).to(torch.bfloat16)[::2] * 1e-3,
+               torch.full((1024, 8), 7.0).to(torch.bfloat16)]  # fmt: skip
+    for (estimate, finite, exact), factor in zip(estimated_norms(factors), factors, strict=True):
+        reference = norm_and_finite(factor)[0]
+        assert finite and not exact and abs(estimate - reference) <= ESTIMATE_MARGIN / 4 * reference
+
+
+@pytest.mark.parametrize("serving", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("over", [False, True])
+def test_bfloat16_factors_a_hair_from_the_limit_get_the_float64_verdict(serving, over):
+    """A gain 0.1% either side of the limit is inside the estimates' margin: such a module is judged on float64
+    norms, refused exactly when they say so and named with their gain."""
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(8, 4096, generator=generator).to(torch.bfloat16)
+    b = torch.randn(4096, 8, generator=generator).to(torch.bfloat16)
+    scaling = gain_limit(serving) / module_gain(a, b, 1.0) * (1.001 if over else 0.999)
+    non_finite, problems = value_problems([("model.layers.0.mlp.up_proj", a, b, scaling)], serving)
+    assert non_finite == [] and bool(problems) == over, problems
+    if over:
+        assert f"gain {module_gain(a, b, scaling):.3g} " in problems[0]
+
+
+def test_only_modules_an_estimate_leaves_open_are_reduced_again_in_float64(monkeypatch):
+    """bfloat16 factors clear of every limit (trained adapters' gains are 1e1 to 1e4) are reduced once; a module near
+    the limit and a factor past bfloat16's range (finite, its estimate not) are reduced again, in float64, and only
+    they."""
+    again = []
+    exact = values.norm_and_finite
+    monkeypatch.setattr(values, "norm_and_finite", lambda tensor: again.append(tensor) or exact(tensor))
+    generator = torch.Generator().manual_seed(2)
+
+    def factors(scale=1.0):
+        return (torch.randn(8, 512, generator=generator).to(torch.bfloat16) * scale,
+                torch.randn(512, 8, generator=generator).to(torch.bfloat16))  # fmt: skip
+
+    clear = [(f"model.layers.{i}.mlp.up_proj", *factors(), 2.0) for i in range(4)]
+    assert value_problems(clear, torch.bfloat16) == ([], []) and again == []
+    near_a, near_b = factors()
+    near = ("model.layers.4.mlp.up_proj", near_a, near_b, 0.99 * MAX_GAIN / module_gain(near_a, near_b, 1.0))
+    huge = torch.full((64, 64), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)
+    again.clear()
+    non_finite, problems = value_problems([*clear, near, ("model.layers.5.mlp.up_proj", huge, huge, 1.0)],
+                                          torch.bfloat16)  # fmt: skip
+    assert non_finite == [] and [p.split(":")[0] for p in problems] == ["model.layers.5.mlp.up_proj"], problems
+    assert {id(t) for t in again} == {id(near_a), id(near_b), id(huge)}, len(again)
 
 
 @pytest.mark.parametrize("name", ["support-bd128", "org/adapter:v1.2", "a", "x" * ADAPTER_NAME_MAX, "tenant_7@eu+1"])

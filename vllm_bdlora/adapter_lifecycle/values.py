@@ -61,24 +61,36 @@ def config_scale_problems(config: dict) -> list[str]:
     return problems
 
 
+# A bfloat16 factor's norm reduced in bfloat16 (a float sum, rounded to bfloat16's 8 significant bits: within 2^-8 of
+# the exact norm) takes a third of the float64 reduction's time on a CPU (`bench/results/admission`). Taken as at most
+# this far from the exact norm either way, it decides a module only where the bound it gives is clear of every limit;
+# any other module, and any factor whose estimate is not finite, is decided on float64 norms, so the verdicts and
+# the messages are the float64 reduction's.
+ESTIMATE_MARGIN = 2**-4
+
+
 def value_problems(modules: Iterable[tuple[str, object, object, float]], dtype) -> tuple[list[str], list[str]]:
     """(NaN or Inf in a factor, gains the serving `dtype` cannot hold safely) for every (module, lora_A, lora_B,
-    scaling), in one pass: each factor's float64 norm answers both (a NaN or Inf makes it non-finite, and the gain is
-    their product), so an admission reduces each factor once, not once per check. `dtype` None: finiteness only."""
+    scaling), in one pass: each factor's norm answers both (a NaN or Inf makes it non-finite, and the gain is their
+    product), so an admission reduces each factor once, not once per check: estimated where that is cheaper
+    (`estimated_norms`), in float64 wherever an estimate does not settle the verdict. `dtype` None: finiteness
+    only."""
     import torch
 
     limit, largest = (gain_limit(dtype), float(torch.finfo(dtype).max)) if dtype is not None else (None, None)
     dtype_name = str(dtype).removeprefix("torch.")
     non_finite, gains = [], []
     modules = list(modules)
-    checked = norms_and_finite([tensor for _, lora_a, lora_b, _ in modules for tensor in (lora_a, lora_b)
-                                if tensor is not None])  # fmt: skip
+    estimates = iter(estimated_norms([tensor for _, lora_a, lora_b, _ in modules for tensor in (lora_a, lora_b)
+                                      if tensor is not None]))  # fmt: skip
     for module, lora_a, lora_b, scaling in modules:
+        factors = [(name, tensor, next(estimates)) for name, tensor in (("lora_A", lora_a), ("lora_B", lora_b))
+                   if tensor is not None]  # fmt: skip
+        # (norm, finite, exact): an estimate that is not finite may be a finite factor past bfloat16's range
+        factors = [(name, tensor, found if found[1] or found[2] else (*norm_and_finite(tensor), True))
+                   for name, tensor, found in factors]  # fmt: skip
         norms = {}
-        for factor, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
-            if tensor is None:
-                continue
-            norm, finite = next(checked)
+        for factor, _, (norm, finite, _) in factors:
             if not finite:
                 non_finite.append(f"{module}: {factor} holds NaN or Inf")
             norms[factor] = norm if finite else None
@@ -87,6 +99,11 @@ def value_problems(modules: Iterable[tuple[str, object, object, float]], dtype) 
         if not math.isfinite(scaling):
             gains.append(f"{module}: its scaling {scaling} is not finite")
             continue
+        if not all(exact for _, _, (_, _, exact) in factors):
+            upper = {name: norm * (1 + ESTIMATE_MARGIN) for name, _, (norm, _, _) in factors}
+            if abs(scaling) * upper["lora_A"] * upper["lora_B"] <= limit and abs(scaling) * upper["lora_B"] <= largest:
+                continue  # clear of both limits: so are the exact norms
+            norms = {name: norm_and_finite(tensor)[0] for name, tensor, _ in factors}
         gain = abs(float(scaling)) * norms["lora_A"] * norms["lora_B"]
         if not math.isfinite(gain) or gain > limit:
             gains.append(
@@ -101,6 +118,21 @@ def value_problems(modules: Iterable[tuple[str, object, object, float]], dtype) 
                     f"{dtype_name} holds"
                 )
     return non_finite, gains
+
+
+def estimated_norms(tensors: list) -> list[tuple[float, bool, bool]]:
+    """(norm, finite, exact) of each tensor, in order: bfloat16 tensors' norms estimated (see `ESTIMATE_MARGIN`; not
+    finite where an entry is NaN or Inf, or the norm is past bfloat16's range), in one reduction; the others' as
+    `norms_and_finite` answers, exact."""
+    import torch
+
+    estimated = [i for i, t in enumerate(tensors) if t.dtype == torch.bfloat16]
+    found = dict(zip(estimated, torch.stack(torch._foreach_norm([tensors[i] for i in estimated], 2)).float().tolist()
+                     if estimated else [], strict=True))  # fmt: skip
+    others = [i for i in range(len(tensors)) if i not in found]
+    exact = dict(zip(others, norms_and_finite([tensors[i] for i in others]), strict=True))
+    return [(found[i], math.isfinite(found[i]), False) if i in found else (*exact[i], True)
+            for i in range(len(tensors))]  # fmt: skip
 
 
 def norms_and_finite(tensors: list) -> Iterator[tuple[float, bool]]:
