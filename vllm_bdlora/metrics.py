@@ -62,9 +62,10 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0, 1
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 LOAD_KINDS = ("admission", "add_lora", "reread", "restore", "restore_ahead", "in_step", "slot_fill")
 # An admission's stages (`adapter_lifecycle.read_and_cut.read_adapter`): its files opened, mapped and their header and
-# config checked; every module checked and cut to the rank's share; the shares copied into the slot image; vLLM's
-# LoRAModel built over them; their values checked; the rest (magnitudes, scaling, packing ahead).
-ADMISSION_STAGES = ("open", "cut", "image", "vllm_model", "check", "finish")
+# config checked; every module checked and cut to the rank's share; a region of host memory taken for its slot image
+# (pinned, where no freed one is left, on a GPU); the shares copied into the image; vLLM's LoRAModel built over them;
+# their values checked; the rest (magnitudes, scaling, packing ahead).
+ADMISSION_STAGES = ("open", "cut", "region", "image", "vllm_model", "check", "finish")
 CLOCKS = ("wall", "cpu")
 
 

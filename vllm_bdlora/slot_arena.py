@@ -149,12 +149,13 @@ class SlotArena:
         return self.places[id(layer)]
 
     # -- an admission thread ------------------------------------------------------------------------------------
-    def image_of(self, modules: Iterable[tuple[str, object, torch.Tensor, torch.Tensor]]) -> SlotImage:
+    def image_of(self, modules: Iterable[tuple[str, object, torch.Tensor, torch.Tensor]],
+                 memory: torch.Tensor | None = None) -> SlotImage:  # fmt: skip
         """The image of an adapter whose BD modules are `modules`: (name, `targets.LoRATarget`, A (width, in), B
         (height, width)), this rank's share, converted to the LoRA dtype as they are copied in. One region of
-        `image_memory` per adapter: vLLM's loader, handed the image's views (`SlotImage.views`), neither copies nor
-        pins them again."""
-        image = self.image_over(self.image_memory.take(), {})
+        `image_memory` per adapter (`memory`, where the caller took it already): vLLM's loader, handed the image's
+        views (`SlotImage.views`), neither copies nor pins them again."""
+        image = self.image_over(self.image_memory.take() if memory is None else memory, {})
         factors, places = image.factors, image.modules
         filled = [0] * image.widths.shape[0]
         targets, sources, made = [], [], {}

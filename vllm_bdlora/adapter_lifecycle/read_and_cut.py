@@ -332,8 +332,10 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings, clock: 
             if imaged:
                 # BD modules go from the mapped file straight into the adapter's slot image (checked below for a
                 # rewrite meanwhile): vLLM's loader gets views of it
-                image = arena.image_of((item.name, item.target, item.local.lora_a, item.local.lora_b)
-                                       for item in staged)  # fmt: skip
+                region = arena.image_memory.take()  # a fresh one is pinned here: timed on its own
+                lap("region")
+                image = arena.image_of(((item.name, item.target, item.local.lora_a, item.local.lora_b)
+                                        for item in staged), region)  # fmt: skip
                 for item in staged:
                     a_name, b_name = item.tensor_names
                     tensors[a_name], tensors[b_name] = image.views(item.name)
