@@ -49,14 +49,14 @@ def admission_stage_lines(servers: list[dict]) -> list[str]:
     lines = ["", "## One admission's stages (ms per adapter, wall / thread CPU, first worker)", "",
              "| mode | " + " | ".join(ADMISSION_STAGES) + " | all |",
              "|---|" + "---|" * (len(ADMISSION_STAGES) + 1)]  # fmt: skip
+
+    def ms(figures, stages, clock):
+        return sum(figures.get(f"admission_{stage}_{clock}_ms", 0.0) for stage in stages)
+
     for s in timed:
         figures = s["load_figures"]
-        cells = []
-        for stage in (*ADMISSION_STAGES, None):
-            pair = [sum(figures.get(f"admission_{st}_{clock}_ms", 0.0) for st in ([stage] if stage else
-                                                                                  ADMISSION_STAGES))
-                    for clock in ("wall", "cpu")]  # fmt: skip
-            cells.append(f"{fmt(pair[0], 1)} / {fmt(pair[1], 1)}")
+        cells = [f"{fmt(ms(figures, stages, 'wall'), 1)} / {fmt(ms(figures, stages, 'cpu'), 1)}"
+                 for stages in (*((stage,) for stage in ADMISSION_STAGES), ADMISSION_STAGES)]  # fmt: skip
         lines.append(f"| {s['mode']} | " + " | ".join(cells) + " |")
     return lines
 
