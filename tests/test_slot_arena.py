@@ -210,7 +210,7 @@ def test_on_a_gpu_images_are_pinned_and_a_recycled_region_waits_for_the_fill_rea
     del image, weights
     assert arena.image_memory.free_regions == free + 1
     recycled = arena.image_memory.take()
-    assert arena._last_fill.query()  # the fill that read the region is done before the region is handed out
+    assert all(done.query() for done in arena._last_fills.values())  # the fill that read the region is done first
     recycled.fill_(255)
     torch.cuda.synchronize()
     assert torch.equal(arena.factors[2].cpu().nan_to_num(7.0), want.nan_to_num(7.0))

@@ -129,7 +129,7 @@ class SlotArena:
         self.image_widths_at = _aligned(elements * self.factors.element_size())
         self.image_memory = ImageMemory(self.image_widths_at + slices * 4, pinned=self.factors.is_cuda,
                                         before_reuse=self.wait_for_fills)  # fmt: skip
-        self._last_fill = None  # a CUDA event behind the latest fill's copies
+        self._last_fills: dict[int, torch.cuda.Event] = {}  # by stream: an event behind its latest fill's copies
         self.filling_whole_slots = False  # while True, the layers' own set_lora/reset_lora do nothing
         # Images carry factors and widths only: a layer with DoRA scales per slot needs its per-layer fill.
         self.takes_images = all(getattr(layer, "dora_scale", None) is None for layer in layers)
@@ -192,18 +192,19 @@ class SlotArena:
     # -- a step ---------------------------------------------------------------------------------------------------
     def fill(self, index: int, image: SlotImage) -> None:
         """Slot `index` holds `image`'s adapter: every layer's factors and widths, in two copies. A pageable source
-        (CPU servers) is staged before `copy_` returns, a pinned one is read by the GPU in order with the step."""
+        (CPU servers) is staged before `copy_` returns, a pinned one is read by the GPU in order with the current
+        stream's work (the step's, or the fill stream's ahead of a step: `adapter_lifecycle.fill_ahead`)."""
         self.factors[index].copy_(image.factors, non_blocking=True)
         self.widths[:, index].copy_(image.widths, non_blocking=True)
         if self.factors.is_cuda:  # the image's region may be reused once these copies are done (`wait_for_fills`)
+            stream = torch.cuda.current_stream()
             done = torch.cuda.Event()
-            done.record()
-            self._last_fill = done
+            done.record(stream)
+            self._last_fills[stream.stream_id] = done
 
     def wait_for_fills(self) -> None:
-        """Until every fill enqueued so far has read its image (fills run on one stream, in order)."""
-        done = self._last_fill
-        if done is not None:
+        """Until every fill enqueued so far has read its image (each stream's fills run in order)."""
+        for done in list(self._last_fills.values()):
             done.synchronize()
 
     @contextlib.contextmanager
