@@ -20,9 +20,10 @@ after the batch]}
 RESULT: {"outputs": [{"token_ids": [...], "logprobs": [...], "top_logprobs": [{token: logprob}]}],
 "collectives": {probe: [per-worker {op: count}]}, "errors": {adapter name: message or null},
 "pinned": {"registered_before": [per-worker bool], "returned": bool, "slots": [per-worker slot ids], "id": int},
-"after": [outputs], "kv_non_finite": [per-worker count]}. "poison" admits that adapter, then sets every weight
-of its LoRA slot to NaN on every worker (what admission refuses, written past it) before the batch runs; the host
-is discarded after that spec, so no other spec meets the poisoned slot.
+"after": [outputs], "kv_non_finite": [per-worker count]}; with "adapter_loads" also "adapter_loads" (per-worker loads by
+kind, after the batch), and after "after", "adapter_loads_after" and "slots_after" (per-worker slot ids). "poison"
+admits that adapter, then sets every weight of its LoRA slot to NaN on every worker (what admission refuses, written
+past it) before the batch runs; the host is discarded after that spec, so no other spec meets the poisoned slot.
 """
 
 import gc
@@ -228,6 +229,9 @@ def run_spec(engine: Engine, spec: dict) -> dict:
     if spec.get("after"):
         result["after"] = [_output(generate([request], spec["max_tokens"])[0]) for request in spec["after"]]
         result["kv_non_finite"] = llm.collective_rpc(_kv_non_finite)
+        if spec.get("adapter_loads"):
+            result["adapter_loads_after"] = llm.collective_rpc(_adapter_loads)
+            result["slots_after"] = llm.collective_rpc(_slot_adapter_ids)
     if spec.get("count_collectives"):
         llm.collective_rpc(_install_counters)
         result["collectives"] = {}

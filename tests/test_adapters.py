@@ -106,6 +106,7 @@ def test_settings(additional_config, enabled):
         ({"enabled": "yes"}, "true or false"),
         ({"dora": 1}, "true or false"),
         ({"one_launch_decode": "off"}, "true or false"),
+        ({"fill_slots_ahead": 0}, "true or false"),
         ({"one_launch_max_tokens": 24}, r"must be one of \[16, 32, 64\]"),
         ({"one_launch_max_tokens": True}, r"must be one of \[16, 32, 64\]"),
         ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused', 'auto'\]"),
@@ -129,6 +130,11 @@ def test_the_read_back_holds_are_settings():
     assert (defaults.read_back_hold_s, defaults.named_kept_s) == (2.0, 30.0)
     given = BdLoraSettings.from_additional_config({"bdlora": {"read_back_hold_s": 0.5, "named_kept_s": 5}})
     assert (given.read_back_hold_s, given.named_kept_s) == (0.5, 5)
+
+
+def test_slots_are_filled_ahead_of_the_step_unless_turned_off():
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).fill_slots_ahead
+    assert not BdLoraSettings.from_additional_config({"bdlora": {"fill_slots_ahead": False}}).fill_slots_ahead
 
 
 def test_dora_and_kernel_settings():

@@ -93,20 +93,34 @@ def test_more_adapters_than_gpu_slots_still_match_peft(assets, prompts, peft_ref
     scheduler runs at most two adapters at a time, so slots are refilled by adapters of other ranks and other
     target modules (in batch order: bd64_nb4 and bd32_attn after bd64 and bd48, then bd32_mlp and std16). A slot
     that kept columns or layers of its previous adapter would change these tokens."""
-    engine = engine_kwargs(assets["model"], 2, bdlora=True, max_loras=2)
+    engine = engine_kwargs(assets["model"], 2, bdlora=True, max_loras=2, max_cpu_loras=4)
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts, load_first=list(ADAPTERS))
-    # then pin an adapter that vLLM's host cache (two entries) dropped during the batch, and ask it and another
-    # one request at a time: the pin registers it from what the workers kept, it holds a slot, the other one
-    # takes the free slot
-    pinned, other = BATCH[1], BATCH[-1]
-    spec |= {"pin": pinned, "after": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in (pinned, other)]}
+    # then pin an adapter that vLLM's host cache (four entries) dropped during the batch, and ask it and others one
+    # request at a time: the pin registers it from what the workers kept, it holds a slot, the others take the
+    # other slot in turn
+    pinned, other, third = BATCH[1], BATCH[-1], BATCH[-2]
+    after = (pinned, other, third)
+    spec |= {"pin": pinned, "after": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in after]}
+    spec |= {"adapter_loads": True}
     assert len(ADAPTERS) > 2 * engine["max_loras"]
     result = run_engine(spec, tmp_path_factory.mktemp("bd_tp2_two_slots"))
     assert_matches_reference(result, peft_reference)
     pin = result["pinned"]
     assert pin["returned"] and not any(pin["registered_before"]), pin
     assert all(pin["id"] in slots for slots in pin["slots"]), pin
-    assert_matches_reference({"outputs": result["after"]}, peft_reference, batch=[pinned, other])
+    assert_matches_reference({"outputs": result["after"]}, peft_reference, batch=list(after))
+    # the third, asked alone, was copied into the unpinned slot as its request arrived (vLLM's host cache held it),
+    # the same slot on both ranks, and its step filled nothing
+    ahead = [
+        after["loads"]["slot_fill_ahead"] - before["loads"]["slot_fill_ahead"]
+        for before, after in zip(result["adapter_loads"], result["adapter_loads_after"], strict=True)
+    ]
+    in_step = [
+        after["loads"]["slot_fill"] - before["loads"]["slot_fill"]
+        for before, after in zip(result["adapter_loads"], result["adapter_loads_after"], strict=True)
+    ]
+    assert ahead == [1, 1] and in_step == [0, 0], (result["adapter_loads"], result["adapter_loads_after"])
+    assert result["slots_after"][0] == result["slots_after"][1], result["slots_after"]
     # Loading all six first (add_lora, as load requests do) took free slots only: no resident adapter was evicted
     # by a load, and the first adapters loaded that were not resident went into the free slots in load order.
     slots = result["slots_around_loads"]

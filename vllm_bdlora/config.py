@@ -94,6 +94,11 @@ class BdLoraSettings:
     # or an adapter spilled again as soon as it was read back, under a host budget too small for the traffic) the
     # request goes to the scheduler and its step reads the adapter, as it would without the hold.
     read_back_hold_s: float = 2.0
+    # A request naming an adapter that vLLM's host cache holds but no GPU slot does has it copied into a slot the step
+    # in flight does not run as it arrives, so the step that runs it does not fill it (on a GPU the copy runs on a
+    # stream of its own, beside the step in flight); false fills every slot inside the step that first runs it, as
+    # vLLM does (vllm_bdlora/adapter_lifecycle/fill_ahead.py).
+    fill_slots_ahead: bool = True
     # An adapter a request just named (read back, or found in memory) is not spilled before a step takes it while
     # another adapter can go instead, for at most this long: the read-backs for the requests queued behind its own
     # would otherwise spill it, and its step would read it from the spill file after all. Past this its request was
@@ -133,6 +138,7 @@ class BdLoraSettings:
             "enabled": section.get("enabled", True),
             "dora": section.get("dora", False),
             "one_launch_decode": section.get("one_launch_decode", cls.one_launch_decode),
+            "fill_slots_ahead": section.get("fill_slots_ahead", cls.fill_slots_ahead),
         }
         for key, value in values.items():
             if not isinstance(value, bool):
@@ -201,6 +207,7 @@ class BdLoraSettings:
             dora=values["enabled"] and values["dora"],
             lora_kernels=kernels,
             one_launch_decode=values["one_launch_decode"],
+            fill_slots_ahead=values["fill_slots_ahead"],
             one_launch_max_tokens=max_tokens,
             one_launch_max_mixed_width=mixed_width,
             one_launch_max_adapters=max_mixed,

@@ -8,8 +8,9 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   unchanged: `vllm:lora_adapter_loaded{adapter_name,level="gpu"|"cpu",pinned}` (1 while the adapter holds a GPU
   slot, or is kept in host memory), `vllm:num_gpu_loaded_lora_adapters`, `vllm:num_cpu_loaded_lora_adapters`,
   `vllm:lora_cache_lookups_total{level}` / `vllm:lora_cache_hits_total{level}` (one lookup per adapter per engine step
-  at the GPU level, one per slot fill at the CPU level, a hit where the adapter is in host memory: vLLM's host cache
-  or what the worker kept of it, not a spill file). A name vLLM registers itself is left to vLLM.
+  at the GPU level, one per slot fill (in a step or ahead of it) at the CPU level, a hit where the adapter is in host
+  memory: vLLM's host cache or what the worker kept of it, not a spill file). A name vLLM registers itself is left to
+  vLLM.
 * `vllm_bdlora:lora_slots{state="used"|"total"}`, `vllm_bdlora:adapters_kept{where="memory"|"spilled"}`,
   `vllm_bdlora:adapter_host_bytes`, `vllm_bdlora:adapter_loads_total{kind}` and `vllm_bdlora:adapter_load_seconds{kind}`
   (kind "admission": files read, checked and cut, off the engine's step; "reread": a load from what a worker kept;
@@ -17,6 +18,8 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   when a request named it; "in_step": an adapter the engine had not admitted, read inside a step; "slot_fill": one
   per adapter a step copied into a GPU slot, the host time that step spent making its adapters resident shared evenly
   among them, including any reread, restore or in_step load within it: what the step's requests waited for fills;
+  "slot_fill_ahead": one per adapter copied into a GPU slot between steps, as a request named it, the host time it
+  took (no step waits for it; that adapter's first step then finds it in its slot, a GPU hit);
   "add_lora": vLLM's add_lora on a worker for a load request, which the engine loop waits for (with BD-LoRA the
   adapters one poll found ready, one after another in one call; without, one call per load): with BD-LoRA taking
   what the admission thread read, keeping it in vLLM's host cache and copying it into a GPU slot; without, reading
@@ -60,7 +63,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5,
                 10.0, 15.0, 20.0, 30.0, 60.0)  # fmt: skip
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-LOAD_KINDS = ("admission", "add_lora", "reread", "restore", "restore_ahead", "in_step", "slot_fill")
+LOAD_KINDS = ("admission", "add_lora", "reread", "restore", "restore_ahead", "in_step", "slot_fill", "slot_fill_ahead")
 # An admission's stages (`adapter_lifecycle.read_and_cut.read_adapter`): its files opened, mapped and their header and
 # config checked; every module checked and cut to the rank's share; a region of host memory taken for its slot image
 # (pinned, where no freed one is left, on a GPU); the shares copied into the image; vLLM's LoRAModel built over them;
@@ -143,6 +146,15 @@ class WorkerAdapterStats:
         with self.lock:
             for _ in range(fills):
                 self.loads["slot_fill"].observe(seconds / fills)
+
+    def record_fill_ahead(self, seconds: float) -> None:
+        """An adapter copied into a GPU slot between steps, from host memory (`fill_ahead.py`): a "slot_fill_ahead"
+        load, and a host-memory lookup that hit, as the fill in a step would have counted (so the CPU level counts
+        every fill, wherever it ran; the step that runs the adapter then counts a GPU hit)."""
+        with self.lock:
+            self.loads["slot_fill_ahead"].observe(seconds)
+            self.lookups["cpu"] += 1
+            self.hits["cpu"] += 1
 
     def record_load(self, kind: str, seconds: float) -> None:
         with self.lock:

@@ -18,7 +18,8 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
   others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
 * `restore_ahead`: a request naming an admitted adapter none of whose requests the scheduler holds asks every worker
   to read it back into memory, off the step, if the worker spilled it to disk (an adapter with requests in the
-  scheduler is in a GPU slot or kept in memory for their step). Where a rank is reading it back, the
+  scheduler is in a GPU slot or kept in memory for their step), or to copy it into a GPU slot the step in flight
+  does not run, where vLLM's host cache holds it (`fill_ahead.py`). Where a rank is reading it back, the
   request is held (with any other request of the adapter that arrives meanwhile) and handed to the scheduler once no
   rank is, or after `read_back_hold_s`: the step that fills the adapter's slot then finds it in memory, where it
   would otherwise have stopped every running request for the read.
@@ -205,16 +206,20 @@ class EngineAdmissions:
             return True
         if adapter_id == self._releasing or self._in_use(adapter_id):
             return False
-        if not self.restore_ahead(adapter_id) or not self.defers:
+        if not self.restore_ahead(request.lora_request) or not self.defers:
             return False
         self.reading_back[adapter_id] = _ReadBack(time.monotonic(), [(request, wave)])
         self._start_ticking()
         return True
 
-    def restore_ahead(self, adapter_id: int) -> bool:
-        """Ask every worker to read `adapter_id` back if it spilled it, and to keep it in memory until a step takes
-        it; True if a rank is reading it back."""
-        return any(adapter_id in reading for reading in self._rpc(RestoreAhead([adapter_id])))
+    def restore_ahead(self, lora_request) -> bool:
+        """Ask every worker to read the adapter back if it spilled it, and to keep it in memory until a step takes
+        it, or, where vLLM's host cache holds it, to copy it into a GPU slot the step in flight does not run; True if
+        a rank is reading it back."""
+        adapter_id = lora_request.lora_int_id
+        keep = frozenset(self._adapters_in_use() | set(self.reading_back))  # their requests need their slots first
+        call = RestoreAhead([adapter_id], fill=[lora_request], keep=keep)
+        return any(adapter_id in reading for reading in self._rpc(call))
 
     def _poll_read_backs(self) -> None:
         """Hand the held requests of every adapter no rank is reading back any more (or held for
@@ -406,8 +411,12 @@ class EngineAdmissions:
         self.core.request_block_hasher = hash_blocks
 
     def _in_use(self, adapter_id: int) -> bool:
+        return adapter_id in self._adapters_in_use()
+
+    def _adapters_in_use(self) -> set[int]:
+        """The adapters the scheduler holds requests of (running or waiting)."""
         requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
-        return any(getattr(r.lora_request, "lora_int_id", None) == adapter_id for r in requests.values())
+        return {r.lora_request.lora_int_id for r in requests.values() if getattr(r, "lora_request", None)}
 
     # -- the ticker -------------------------------------------------------------------------------------------------
     def _busy(self) -> bool:

@@ -6,9 +6,12 @@ adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
   report states, complete the ready ones (vLLM's add_lora of each), forget, report figures, read spilled adapters
   back ahead of the steps that need them.
 * `add_lora_reporting_failures`: vLLM's add_lora on one rank, answering a receipt or a failure instead of raising.
+* `fill_ahead` (`WorkerAdapters.fill_ahead`, on the engine core's `calls.RestoreAhead`): an adapter a request just
+  named, in vLLM's host cache but in no GPU slot, copied into a slot between steps (`fill_ahead.py`).
 * `load_adapter`: vLLM's `_load_adapter`, which fills a GPU slot: the adapter comes from the store (the result of its
   admission, kept in host memory or read back from a spill file), never from its files again.
-* `apply_in_id_order`: the adapters a step needs, in the same order on every rank, counted as lookups.
+* `apply_in_id_order`: the adapters a step needs, in the same order on every rank, counted as lookups; the step waits
+  for the fills made ahead of it.
 * `remove_adapter`: an unload: GPU slot and host cache (vLLM's), and everything the store kept.
 * `admission_leaves_engine_caches`: whether an adapter being admitted stops at the store (no room in vLLM's host
   cache or GPU slots: its first request's step takes room).
@@ -38,6 +41,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     ForgetAdmissions,
     RestoreAhead,
 )
+from vllm_bdlora.adapter_lifecycle.fill_ahead import AheadFills, host_entry_to_drop, slot_to_take
 from vllm_bdlora.adapter_lifecycle.finish import finish_admission
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter, read_adapter, read_on
 from vllm_bdlora.adapter_lifecycle.store import ADMISSIONS_READING, AdapterStore, host_budget_bytes
@@ -99,6 +103,7 @@ class WorkerAdapters:
         self.worker_manager = worker_manager
         self.stats = WorkerAdapterStats()
         self.kept: AdapterStore | None = None  # None until BD-LoRA first admits an adapter here
+        self.ahead = AheadFills(getattr(worker_manager, "device", None))
 
     @classmethod
     def of(cls, worker_manager) -> WorkerAdapters:
@@ -147,17 +152,20 @@ class WorkerAdapters:
                 return [self.store.forget(adapter_id) for adapter_id in ids]
             case AdapterFigures():
                 return self.stats.snapshot(self.worker_manager, self.kept)
-            case RestoreAhead(adapter_ids=ids, begin=begin):
+            case RestoreAhead(adapter_ids=ids, begin=begin, fill=fill, keep=keep):
                 if self.kept is None:
                     return []
                 if not begin:
                     return self.kept.reading_back(list(ids))
                 # an adapter vLLM's host cache holds fills its slot from there: the store's copy is not needed
                 registered = self.manager._registered_adapters
-                return self.kept.restore_ahead(
+                reading = self.kept.restore_ahead(
                     [i for i in ids if i not in registered],
                     lambda seconds: self.stats.record_load("restore_ahead", seconds),
                 )
+                if self.settings.fill_slots_ahead:
+                    self.fill_ahead(fill, keep, reading)
+                return reading
         raise TypeError(f"vllm-bdlora: not an admission call: {type(call).__name__}")
 
     def receipt(self, lora_request, loaded: bool) -> AdmissionReceipt:
@@ -165,6 +173,42 @@ class WorkerAdapters:
         return AdmissionReceipt(bool(loaded), admitted.identity if admitted else None)
 
     # -- a slot fill ------------------------------------------------------------------------------------------------
+    def fill_ahead(self, lora_requests, keep=frozenset(), reading=()) -> int:
+        """Copy each adapter of `lora_requests` that no GPU slot holds, but vLLM's host cache or this worker's memory
+        does (not `reading`: being read back), into a slot no adapter of `keep` holds, now rather than in the step
+        that runs it (`fill_ahead.py`); stops at the first for which no such slot is left. Returns how many it
+        filled."""
+        manager, filled = self.manager, 0
+        for request in lora_requests:
+            adapter_id = request.lora_int_id
+            if adapter_id in manager._active_adapters or adapter_id in reading:
+                continue
+            registered = adapter_id in manager._registered_adapters
+            if not registered and not (self.kept is not None and self.kept.in_memory(adapter_id)):
+                continue
+            slot = slot_to_take(manager, keep)
+            if slot is None:
+                break
+            evicted = manager.lora_index_to_id[slot]
+            dropped = None if registered else host_entry_to_drop(manager, evicted, keep)
+            if dropped is False:
+                break
+            started = time.perf_counter()
+            with self.ahead.filling(slot):
+                if evicted is not None:
+                    manager.deactivate_adapter(evicted)
+                if dropped is not None:
+                    manager.remove_adapter(dropped)
+                if not registered:  # from what this worker kept: a reread, as a step's load from the store is
+                    registered = self.register_kept(adapter_id)
+                    self.stats.record_load("reread", time.perf_counter() - started)
+                if registered:
+                    manager.activate_adapter(adapter_id)
+            self.stats.record_fill_ahead(time.perf_counter() - started)
+            keep = keep | {adapter_id}  # its request is on its way to the scheduler
+            filled += 1
+        return filled
+
     def load(self, lora_request, read: Callable):
         """vLLM's `_load_adapter` with vllm-bdlora's rules: `read(request)` is vLLM's own reader, used only with BD-LoRA
         off. With it on, the adapter comes from the store: the result of its admission (begun by the engine core
@@ -315,16 +359,20 @@ def load_adapter(worker_manager, lora_request, read: Callable):
 def apply_in_id_order(worker_manager, requests, apply: Callable):
     """vLLM's per-step `_apply_adapters` (`apply`) over the step's LoRA requests in adapter-id order, as every rank
     must load them (see `patch_adapter_load_order`), counted as GPU and host-cache lookups for /metrics, and where it
-    fills GPU slots, timed as the step's slot fills."""
+    fills GPU slots, timed as the step's slot fills. The step's kernels wait for the fills made ahead of it, and the
+    next fills ahead for what it runs (`fill_ahead.AheadFills`)."""
     STEPS.mark()
     ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
     adapters = WorkerAdapters.of(worker_manager)
+    manager = adapters.manager
+    adapters.ahead.step_begins()
     kept = adapters.kept.in_memory if adapters.kept is not None else None
-    fills = adapters.stats.record_lookups(adapters.manager, [r.adapter_id for r in ordered], kept)
+    fills = adapters.stats.record_lookups(manager, [r.adapter_id for r in ordered], kept)
     started = time.perf_counter()
     applied = apply(ordered)
     if fills:
         adapters.stats.record_fills(fills, time.perf_counter() - started)
+    adapters.ahead.step_runs(manager, [r.adapter_id for r in ordered])
     return applied
 
 

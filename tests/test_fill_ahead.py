@@ -1,0 +1,192 @@
+"""GPU slots filled between steps, as a request names its adapter (`vllm_bdlora.adapter_lifecycle.fill_ahead`): which
+slot is taken, what is filled, what the engine core asks, and on a GPU the order of the copies against the steps.
+The engine tests check the answers against PEFT (`test_more_adapters_than_gpu_slots_still_match_peft`,
+`test_gpu_engine.py::test_slots_filled_ahead_on_gpu_match_peft`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_bdlora.adapter_lifecycle.calls import RestoreAhead
+from vllm_bdlora.adapter_lifecycle.engine import EngineAdmissions
+from vllm_bdlora.adapter_lifecycle.fill_ahead import AheadFills, slot_to_take
+from vllm_bdlora.adapter_lifecycle.store import AdapterStore
+from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order
+from vllm_bdlora.config import BdLoraSettings
+
+
+class Recency(OrderedDict):
+    """vLLM's LRU cache as the slot choice reads it: `order` least recently used first, `pinned_items`."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned_items = set()
+
+    @property
+    def order(self):
+        return dict.fromkeys(self)
+
+    def touch(self, key):
+        self.move_to_end(key)
+
+
+class Slots:
+    """vLLM's LRU LoRA model manager as far as slots go: activation takes the first free slot (evicting the least
+    recently used active adapter when there is none), deactivation frees one."""
+
+    def __init__(self, slots: int, registered=(), active=(), settings=None, capacity=None):
+        self.lora_index_to_id = [None] * slots
+        self.capacity = capacity or max(slots, len(registered))
+        self._active_adapters = Recency()
+        self._registered_adapters = Recency()
+        self._registered_adapters.update(dict.fromkeys(registered))
+        self._bdlora_settings = settings or BdLoraSettings(enabled=True)
+        self.activated = []
+        for adapter_id in active:
+            self.activate_adapter(adapter_id)
+
+    def activate_adapter(self, adapter_id):
+        if adapter_id in self._active_adapters:
+            self._active_adapters.touch(adapter_id)
+            return False
+        if None not in self.lora_index_to_id:
+            self.deactivate_adapter(next(iter(self._active_adapters)))
+        slot = self.lora_index_to_id.index(None)
+        self.lora_index_to_id[slot] = adapter_id
+        self._active_adapters[adapter_id] = None
+        self.activated.append((adapter_id, slot))
+        return True
+
+    def remove_adapter(self, adapter_id):
+        self.deactivate_adapter(adapter_id)
+        return self._registered_adapters.pop(adapter_id, False) is None
+
+    def deactivate_adapter(self, adapter_id):
+        if adapter_id not in self._active_adapters:
+            return False
+        del self._active_adapters[adapter_id]
+        self.lora_index_to_id[self.lora_index_to_id.index(adapter_id)] = None
+        return True
+
+
+def lora(adapter_id):
+    return SimpleNamespace(lora_int_id=adapter_id, adapter_id=adapter_id, lora_name=f"a{adapter_id}")
+
+
+def worker_of(manager) -> WorkerAdapters:
+    adapters = WorkerAdapters(SimpleNamespace(_adapter_manager=manager, device=None))
+    adapters.kept = AdapterStore(2**30, threads=1)
+    return adapters
+
+
+def test_the_slot_taken_is_a_free_one_else_the_least_recently_used_one_no_request_needs():
+    manager = Slots(3, active=[1, 2])
+    assert slot_to_take(manager) == 2  # free
+    manager.activate_adapter(3)
+    manager._active_adapters.touch(1)  # recency now 2, 3, 1
+    assert slot_to_take(manager) == 1  # 2's
+    assert slot_to_take(manager, keep={2}) == 2  # 3's
+    manager._active_adapters.pinned_items.add(3)
+    assert slot_to_take(manager, keep={2}) == 0  # 1's: 3 is pinned
+    assert slot_to_take(manager, keep={1, 2}) is None  # every slot is pinned or has requests
+
+
+def test_a_worker_fills_ahead_only_what_vllms_host_cache_holds_and_takes_no_slot_a_request_needs():
+    manager = Slots(2, registered=[1, 2, 3, 5, 6], active=[1, 2])
+    adapters = worker_of(manager)
+    # 3 takes 2's slot (1 has requests); 4 is not in vLLM's host cache (its step loads it); 5 would need 1's or 3's
+    filled = adapters.fill_ahead([lora(3), lora(4), lora(5)], keep=frozenset({1}))
+    assert filled == 1 and manager.lora_index_to_id == [1, 3]
+    assert adapters.stats.loads["slot_fill_ahead"].count == 1
+    assert adapters.fill_ahead([lora(3)]) == 0  # in a slot already: nothing to do
+    assert adapters.fill_ahead([lora(6)]) == 1 and manager.lora_index_to_id == [6, 3]  # 1 no longer needed: LRU
+
+
+def test_an_adapter_kept_in_memory_is_registered_first_dropping_no_host_entry_another_slot_needs():
+    """vLLM's own eviction from a full host cache would drop the least recently used entry and its slot with it;
+    the entry dropped is the one whose slot is taken, or one in no slot."""
+    manager = Slots(2, registered=[1, 2, 3], active=[1, 2], capacity=3)
+    adapters = worker_of(manager)
+    adapters.kept = SimpleNamespace(in_memory=lambda adapter_id: adapter_id in (4, 5, 6))
+    registered = []
+    adapters.register_kept = lambda adapter_id: registered.append(adapter_id) or manager._registered_adapters.update(
+        {adapter_id: None}) or True  # fmt: skip
+    # 4 takes 2's slot (1 has requests); 2's host entry goes (1's has requests, and 2 is the LRU one left)
+    assert adapters.fill_ahead([lora(4)], keep=frozenset({1})) == 1
+    assert manager.lora_index_to_id == [1, 4] and list(manager._registered_adapters) == [1, 3, 4] and registered == [4]
+    assert adapters.stats.loads["reread"].count == 1  # registered from what the worker kept, as a step would
+    # being read back on this worker: its step fills it (the read-back may not be done on every rank)
+    assert adapters.fill_ahead([lora(5)], keep=frozenset({1}), reading=[5]) == 0
+    # a free slot, but every host entry is in a slot or has requests: nothing is filled
+    manager.deactivate_adapter(4)
+    assert adapters.fill_ahead([lora(6)], keep=frozenset({3, 4})) == 0 and manager.lora_index_to_id == [1, None]
+    assert list(manager._registered_adapters) == [1, 3, 4]
+
+
+def test_the_engine_cores_read_back_call_fills_ahead_unless_the_setting_is_off():
+    for on in (True, False):
+        manager = Slots(2, registered=[1, 2, 3], active=[1, 2],
+                        settings=BdLoraSettings(enabled=True, fill_slots_ahead=on))  # fmt: skip
+        adapters = worker_of(manager)
+        assert adapters.answer(RestoreAhead([3], fill=[lora(3)], keep=frozenset({2}))) == []
+        assert manager.lora_index_to_id == ([3, 2] if on else [1, 2])
+
+
+def test_the_engine_core_asks_for_a_fill_naming_the_adapters_whose_requests_need_their_slots():
+    calls = []
+    running = SimpleNamespace(lora_request=lora(7))
+    core = SimpleNamespace(
+        scheduler=SimpleNamespace(requests={"r0": running, "r1": SimpleNamespace(lora_request=None)}),
+        model_executor=SimpleNamespace(collective_rpc=lambda method, args: calls.append(args[0]) or [[], []]),
+    )
+    admissions = EngineAdmissions(core, timeout_s=5)
+    admissions.ready |= {3, 7}
+    admissions.reading_back[9] = SimpleNamespace(held=[])
+    request = SimpleNamespace(request_id="r2", lora_request=lora(3))
+    assert not admissions.hold(request, 0)  # in memory on every rank: straight to the scheduler
+    (call,) = calls
+    assert call == RestoreAhead([3], fill=[request.lora_request], keep=frozenset({7, 9}))
+    assert not admissions.hold(SimpleNamespace(request_id="r3", lora_request=lora(7)), 0) and len(calls) == 1
+
+
+def test_a_step_after_a_fill_ahead_counts_its_adapter_as_a_gpu_hit_and_fills_nothing():
+    manager = Slots(2, registered=[1, 2, 3], active=[1, 2])
+    manager.list_adapters = lambda: dict(manager._registered_adapters)
+    adapters = worker_of(manager)
+    adapters.fill_ahead([lora(3)])
+    apply_in_id_order(SimpleNamespace(_adapter_manager=manager, _bdlora_adapters=adapters), [lora(3)],
+                      lambda ordered: [manager.activate_adapter(r.lora_int_id) for r in ordered])  # fmt: skip
+    assert adapters.stats.hits["gpu"] == adapters.stats.lookups["gpu"] == 1
+    assert adapters.stats.loads["slot_fill"].count == 0 and adapters.stats.loads["slot_fill_ahead"].count == 1
+    assert adapters.stats.lookups["cpu"] == adapters.stats.hits["cpu"] == 1  # the fill found it in host memory
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_fills_ahead_wait_for_the_steps_before_and_the_next_step_waits_for_them():
+    """A slot the latest step does not run is copied once every earlier step is done, whatever the latest step still
+    does; a slot it runs, once the latest step is done too; the next step reads what was copied."""
+    ahead = AheadFills("cuda")
+    slots = torch.zeros(3, 1 << 20, device="cuda")
+    image = torch.full((1 << 20,), 7.0).pin_memory()
+    # an earlier step writes slot 0 late (the stream is busy first); then the latest step begins, running slot 1
+    torch.cuda._sleep(200_000_000)
+    slots[0].fill_(1.0)
+    ahead.step_begins()
+    ahead.step_runs(SimpleNamespace(lora_index_to_id=[None, 5, None]), [5])
+    torch.cuda._sleep(200_000_000)
+    slots[1].fill_(2.0)
+    with ahead.filling(0):  # idle in the latest step: after the earlier step's write
+        slots[0].copy_(image, non_blocking=True)
+    with ahead.filling(1):  # run by the latest step: after its write
+        slots[1].copy_(image, non_blocking=True)
+    with ahead.filling(2):
+        torch.cuda._sleep(200_000_000)  # the fill stream is busy: the next step must wait for it
+        slots[2].copy_(image, non_blocking=True)
+    ahead.step_begins()
+    seen = slots[:, :8].clone()  # the next step's read
+    torch.cuda.synchronize()
+    assert torch.equal(seen.cpu(), torch.full((3, 8), 7.0))

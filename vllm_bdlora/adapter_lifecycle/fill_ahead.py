@@ -1,0 +1,117 @@
+"""A GPU slot filled between steps, as soon as a request names its adapter, so that the step that runs it does not.
+
+vLLM fills a slot inside the step that first needs the adapter: the host work of the activation (about a millisecond
+at Llama-3.1-8B's depth, `bench/results/slot-fill`) and the copy come before that step's kernels, and every running
+request of the step waits for both. When a request names an adapter that is in host memory but in no slot (the
+engine core asks as the request arrives, `calls.RestoreAhead`), the worker activates it at once instead:
+
+* the slot (`slot_to_take`): the first free one, else the least recently used slot (vLLM's own order) whose adapter
+  is not pinned and has no request in the engine (the engine core names those: `RestoreAhead.keep`, so a burst of
+  requests for new adapters never takes a slot from one whose request waits). Where there is none (every slot holds
+  a pinned adapter or one with requests), the step fills it, as before.
+* the order on a GPU (`AheadFills`): the copies run on a stream of their own. A slot the latest step did not run (the
+  least recently used one, wherever a step leaves one idle) is copied after every step before the latest (an event
+  recorded as the latest step began), beside the latest step; a slot it ran, after everything enqueued so far. The
+  next step's kernels wait for the copies either way. On the CPU backend every copy is done when it returns.
+* the adapter: one vLLM's host cache holds, or one the worker keeps in memory (registered in vLLM's host cache from
+  there first, as the step would: `worker.WorkerAdapters.register_kept`; where the cache is full, the entry it drops
+  is chosen so that no slot but the one taken goes with it, `host_entry_to_drop`). A spilled adapter is read back
+  first (`store.AdapterStore.restore_ahead`) and filled by its step. Registering one costs no collective: DoRA's
+  scales, the one stage that sums over the ranks, are computed once, at admission.
+
+Every rank receives the same calls in the same order and decides on its own state, which is the same on every rank
+but for a moment after a read-back finishes on its thread (it may spill another adapter on one rank before it does on
+the next): one rank may then fill an adapter ahead while another fills it in the step. Each rank's slots serve only
+its own share of every layer, through its own slot mapping, and no fill involves a collective, so the answers do not
+depend on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def slot_to_take(manager, keep=frozenset()) -> int | None:
+    """The slot an adapter filled ahead of its step may take in vLLM's LoRA model manager `manager`: the first free
+    slot (vLLM's activation takes that one), else the least recently used one whose adapter is neither pinned nor in
+    `keep` (adapters with requests in the engine). None where that leaves nothing."""
+    slots = manager.lora_index_to_id
+    if None in slots:
+        return slots.index(None)
+    active = manager._active_adapters
+    pinned = getattr(active, "pinned_items", ())
+    for adapter_id in list(active.order if hasattr(active, "order") else active):  # least recently used first
+        if adapter_id not in pinned and adapter_id not in keep and adapter_id in slots:
+            return slots.index(adapter_id)
+    return None
+
+
+def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | None | bool:
+    """Registering an adapter in vLLM's host cache (to fill its slot) when the cache is full drops an entry, and vLLM's
+    own eviction drops the least recently used one, taking its GPU slot with it, which may be a slot a step runs. So
+    the entry dropped is chosen here: None where the cache has room; else the least recently used entry that is
+    neither pinned, nor in `keep`, nor in a GPU slot other than `evicted`'s (the slot being taken); False where
+    there is no such entry."""
+    registered = manager._registered_adapters
+    if len(registered) < manager.capacity:
+        return None
+    active, pinned = manager._active_adapters, getattr(registered, "pinned_items", ())
+    for adapter_id in list(registered.order if hasattr(registered, "order") else registered):
+        if adapter_id in pinned or adapter_id in keep:
+            continue
+        if adapter_id == evicted or adapter_id not in active:
+            return adapter_id
+    return False
+
+
+class AheadFills:
+    """The stream order of one worker's fills ahead of the step (a GPU's; elsewhere every copy is done when it
+    returns and this does nothing but remember the latest step's slots)."""
+
+    def __init__(self, device):
+        device = torch.device(device) if device is not None else None
+        self.on_gpu = device is not None and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.on_gpu else None
+        self.busy_slots: frozenset[int] = frozenset()  # the slots the latest step runs (on a GPU)
+        self._step_began = None  # an event on the step stream: every step before the latest is done
+        self._filled = None  # an event on the fill stream: the fills made ahead so far are done
+
+    def step_begins(self) -> None:
+        """A step is about to make its adapters resident and run: its kernels (and its own fills) wait for the fills
+        made ahead of it, and the next fills ahead wait for it to begin."""
+        if not self.on_gpu or torch.cuda.is_current_stream_capturing():
+            return
+        step_stream = torch.cuda.current_stream()
+        if self._filled is not None:
+            step_stream.wait_event(self._filled)
+            self._filled = None
+        began = torch.cuda.Event()
+        began.record(step_stream)
+        self._step_began = began
+
+    def step_runs(self, manager, adapter_ids) -> None:
+        """The step that just began runs `adapter_ids` (resident now in `manager`'s slots)."""
+        if self.on_gpu:
+            slots = manager.lora_index_to_id
+            self.busy_slots = frozenset(slots.index(i) for i in adapter_ids if i in slots)
+
+    @contextlib.contextmanager
+    def filling(self, slot: int) -> Iterator[None]:
+        """Copies made inside (into `slot`) run on the fill stream: after every step before the latest, or where the
+        latest step runs `slot`, after everything enqueued so far."""
+        if not self.on_gpu:
+            yield
+            return
+        after = self._step_began
+        if after is None or slot in self.busy_slots:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream())
+        self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            yield
+        filled = torch.cuda.Event()
+        filled.record(self.stream)
+        self._filled = filled
