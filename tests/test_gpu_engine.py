@@ -61,16 +61,18 @@ DORA_BATCH = [None, "bd64", "dora16", "bddora64"]
 
 
 def test_slots_filled_ahead_on_gpu_match_peft(assets, prompts, tmp_path_factory):
-    """Fused kernels, CUDA graphs, three GPU slots and room for every adapter in vLLM's host cache: after the batch,
-    each adapter is asked alone, so each request finds its adapter in host memory and has it copied into the least
-    recently used slot, on the fill stream, as it arrives (`vllm_bdlora.adapter_lifecycle.fill_ahead`); its step
-    fills nothing and waits for that copy. Every answer is checked against PEFT."""
+    """Fused kernels, CUDA graphs, three GPU slots and room for every adapter in vLLM's host cache, every adapter
+    admitted first (as load requests do; an adapter a request names before any load is admitted in its step): after
+    the batch, each adapter is asked alone, so each request finds its adapter in host memory and has it copied into
+    the least recently used slot, on the fill stream, as it arrives (`vllm_bdlora.adapter_lifecycle.fill_ahead`); its
+    step fills nothing and waits for that copy. Every answer is checked against PEFT."""
     engine = engine_kwargs(assets["model"], 1, bdlora=True, dtype=DTYPE, enforce_eager=False, max_loras=3,
                            max_cpu_loras=len(ADAPTERS), additional_config={"bdlora": {"lora_kernels": "fused"}},
                            compilation_config={"pass_config": {"fuse_allreduce_rms": False}})  # fmt: skip
     after = [name for name in BATCH if name] * 2
+    alone = [{"adapter": n, "prompt_token_ids": prompts[n]} for n in after]
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts, adapter_loads=True,
-                      after=[{"adapter": n, "prompt_token_ids": prompts[n]} for n in after])  # fmt: skip
+                      load_first=list(ADAPTERS), after=alone)  # fmt: skip
     result = run_engine(spec, tmp_path_factory.mktemp("gpu_fill_ahead"))
     (before,), (later,) = result["adapter_loads"], result["adapter_loads_after"]
     ahead = later["loads"]["slot_fill_ahead"] - before["loads"]["slot_fill_ahead"]
