@@ -125,6 +125,10 @@ def test_an_adapter_kept_in_memory_is_registered_first_dropping_no_host_entry_an
     manager.deactivate_adapter(4)
     assert adapters.fill_ahead([lora(6)], keep=frozenset({3, 4})) == 0 and manager.lora_index_to_id == [1, None]
     assert list(manager._registered_adapters) == [1, 3, 4]
+    # an adapter the worker cannot register after all (it forgot it meanwhile) is not counted as filled
+    adapters.register_kept = lambda adapter_id: False
+    assert adapters.fill_ahead([lora(6)], keep=frozenset({1})) == 0
+    assert adapters.stats.loads["slot_fill_ahead"].count == 1
 
 
 def test_the_engine_cores_read_back_call_fills_ahead_unless_the_setting_is_off():

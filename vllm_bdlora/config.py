@@ -94,10 +94,10 @@ class BdLoraSettings:
     # or an adapter spilled again as soon as it was read back, under a host budget too small for the traffic) the
     # request goes to the scheduler and its step reads the adapter, as it would without the hold.
     read_back_hold_s: float = 2.0
-    # A request naming an adapter that vLLM's host cache holds but no GPU slot does has it copied into a slot the step
-    # in flight does not run as it arrives, so the step that runs it does not fill it (on a GPU the copy runs on a
-    # stream of its own, beside the step in flight); false fills every slot inside the step that first runs it, as
-    # vLLM does (vllm_bdlora/adapter_lifecycle/fill_ahead.py).
+    # A request naming an adapter that is in host memory but in no GPU slot has it copied, as it arrives, into the least
+    # recently used slot no request needs, so that the step that runs it does not fill it (on a GPU the copy runs on a
+    # stream of its own); false fills every slot inside the step that first runs it, as vLLM does
+    # (vllm_bdlora/adapter_lifecycle/fill_ahead.py).
     fill_slots_ahead: bool = True
     # An adapter a request just named (read back, or found in memory) is not spilled before a step takes it while
     # another adapter can go instead, for at most this long: the read-backs for the requests queued behind its own

@@ -8,7 +8,7 @@ worker), each rank's answers, and the rules that turn the ranks' answers into on
     ForgetAdmissions(ids)          ------------>  drop everything of them
     AdapterFigures()               ------------>  what it holds where, and its counts (/metrics)
     RestoreAhead(ids, begin, fill) ------------>  read spilled ones back into memory on a thread, ahead of a step,
-                                                  and fill a GPU slot now with those in vLLM's host cache:
+                                                  and fill a GPU slot now with those in host memory:
                                                   [the ids being read back]
     CompleteAdmissions(requests)   ------------>  vLLM's add_lora of each, in order: AdmissionReceipt |
                                                   AdapterLoadFailure each
@@ -58,7 +58,7 @@ class AdapterFigures:
 class RestoreAhead:
     """Adapters that requests just named: read back into host memory, off the step, any of them that was spilled
     (`begin` False: only say which are still being read back), and copy into a GPU slot now each LoRARequest of `fill`
-    whose adapter vLLM's host cache holds, taking no slot of an adapter in `keep` (those with requests in the engine,
+    whose adapter is in host memory, taking no slot of an adapter in `keep` (those with requests in the engine,
     `fill_ahead.py`). Each rank answers the ids it is reading back."""
 
     adapter_ids: Sequence[int]

@@ -18,8 +18,8 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
   others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
 * `restore_ahead`: a request naming an admitted adapter none of whose requests the scheduler holds asks every worker
   to read it back into memory, off the step, if the worker spilled it to disk (an adapter with requests in the
-  scheduler is in a GPU slot or kept in memory for their step), or to copy it into a GPU slot the step in flight
-  does not run, where vLLM's host cache holds it (`fill_ahead.py`). Where a rank is reading it back, the
+  scheduler is in a GPU slot or kept in memory for their step), or, where it is in host memory, to copy it into a
+  GPU slot no request needs, now (`fill_ahead.py`). Where a rank is reading it back, the
   request is held (with any other request of the adapter that arrives meanwhile) and handed to the scheduler once no
   rank is, or after `read_back_hold_s`: the step that fills the adapter's slot then finds it in memory, where it
   would otherwise have stopped every running request for the read.
@@ -214,8 +214,8 @@ class EngineAdmissions:
 
     def restore_ahead(self, lora_request) -> bool:
         """Ask every worker to read the adapter back if it spilled it, and to keep it in memory until a step takes
-        it, or, where vLLM's host cache holds it, to copy it into a GPU slot the step in flight does not run; True if
-        a rank is reading it back."""
+        it, or, where it is in host memory, to copy it into a GPU slot that no adapter with requests holds; True if a
+        rank is reading it back."""
         adapter_id = lora_request.lora_int_id
         keep = frozenset(self._adapters_in_use() | set(self.reading_back))  # their requests need their slots first
         call = RestoreAhead([adapter_id], fill=[lora_request], keep=keep)

@@ -7,7 +7,7 @@ adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
   back ahead of the steps that need them.
 * `add_lora_reporting_failures`: vLLM's add_lora on one rank, answering a receipt or a failure instead of raising.
 * `fill_ahead` (`WorkerAdapters.fill_ahead`, on the engine core's `calls.RestoreAhead`): an adapter a request just
-  named, in vLLM's host cache but in no GPU slot, copied into a slot between steps (`fill_ahead.py`).
+  named, in host memory but in no GPU slot, copied into a slot between steps (`fill_ahead.py`).
 * `load_adapter`: vLLM's `_load_adapter`, which fills a GPU slot: the adapter comes from the store (the result of its
   admission, kept in host memory or read back from a spill file), never from its files again.
 * `apply_in_id_order`: the adapters a step needs, in the same order on every rank, counted as lookups; the step waits
@@ -204,6 +204,8 @@ class WorkerAdapters:
                     self.stats.record_load("reread", time.perf_counter() - started)
                 if registered:
                     manager.activate_adapter(adapter_id)
+            if not registered:
+                continue
             self.stats.record_fill_ahead(time.perf_counter() - started)
             keep = keep | {adapter_id}  # its request is on its way to the scheduler
             filled += 1
