@@ -34,6 +34,11 @@ from collections.abc import Iterator
 import torch
 
 
+def _least_recent_first(cache) -> list[int]:
+    """The keys of one of vLLM's LRU caches (the slots' or the host cache's), least recently used first."""
+    return list(cache.order if hasattr(cache, "order") else cache)
+
+
 def slot_to_take(manager, keep=frozenset()) -> int | None:
     """The slot an adapter filled ahead of its step may take in vLLM's LoRA model manager `manager`: the first free
     slot (vLLM's activation takes that one), else the least recently used one whose adapter is neither pinned nor in
@@ -43,7 +48,7 @@ def slot_to_take(manager, keep=frozenset()) -> int | None:
         return slots.index(None)
     active = manager._active_adapters
     pinned = getattr(active, "pinned_items", ())
-    for adapter_id in list(active.order if hasattr(active, "order") else active):  # least recently used first
+    for adapter_id in _least_recent_first(active):
         if adapter_id not in pinned and adapter_id not in keep and adapter_id in slots:
             return slots.index(adapter_id)
     return None
@@ -59,7 +64,7 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
     if len(registered) < manager.capacity:
         return None
     active, pinned = manager._active_adapters, getattr(registered, "pinned_items", ())
-    for adapter_id in list(registered.order if hasattr(registered, "order") else registered):
+    for adapter_id in _least_recent_first(registered):
         if adapter_id in pinned or adapter_id in keep:
             continue
         if adapter_id == evicted or adapter_id not in active:

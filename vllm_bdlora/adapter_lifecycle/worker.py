@@ -369,12 +369,13 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     manager = adapters.manager
     adapters.ahead.step_begins()
     kept = adapters.kept.in_memory if adapters.kept is not None else None
-    fills = adapters.stats.record_lookups(manager, [r.adapter_id for r in ordered], kept)
+    adapter_ids = [r.adapter_id for r in ordered]
+    fills = adapters.stats.record_lookups(manager, adapter_ids, kept)
     started = time.perf_counter()
     applied = apply(ordered)
     if fills:
         adapters.stats.record_fills(fills, time.perf_counter() - started)
-    adapters.ahead.step_runs(manager, [r.adapter_id for r in ordered])
+    adapters.ahead.step_runs(manager, adapter_ids)
     return applied
 
 
