@@ -333,9 +333,10 @@ def compiled_variants(kernel) -> int | None:
     return sum(len(c) for c in cache.values()) if isinstance(cache, dict) else None
 
 
-def layer_op_on_first(tokens, b, out, decode_state=None):
+def layer_op_on_first(tokens, b, out, decode_state=None, plan_slots=0):
     """The registered layer op (base GEMM + LoRA, as a BD layer calls it) on the batch's first `tokens` tokens,
-    into out[:tokens]; with a decode state, batches it allows run the one-launch kernel."""
+    into out[:tokens]; with a decode state, batches it allows run the one-launch kernel (plans chosen for
+    `plan_slots` slots a batch may use, 0: all)."""
     import vllm_bdlora.kernels.lora_op  # noqa: F401 (registers the op)
     from vllm_bdlora.kernels.fused_lora import group_tokens
 
@@ -343,7 +344,7 @@ def layer_op_on_first(tokens, b, out, decode_state=None):
     grouped = (groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start)
     torch.ops.vllm_bdlora.fused_lora_slices_(
         out[:tokens], b["x"][:tokens], b["lora_a"], b["lora_b"], b["widths"], b["bounds"], b["slots"], *grouped,
-        torch.tensor([False]), None, b["bias"], b["weight"], decode_state, 64, 256,
+        torch.tensor([False]), None, b["bias"], b["weight"], decode_state, 64, 256, plan_slots,
     )  # fmt: skip
     return out[:tokens]
 
@@ -394,6 +395,29 @@ def test_after_warm_up_no_decode_step_compiles_the_one_launch_kernel():
         err = (layer_op_on_first(tokens, b, out, state).float() - want.float()).abs().max().item()
         assert err <= 2e-2 * (1 + want.float().abs().max().item()), (tokens, err)  # bf16 outputs of ~10
     assert compiled_variants(decode_lora._decode_lora_linear_kernel) == before
+
+
+@pytest.mark.gpu
+def test_a_layer_with_a_slot_kept_for_fills_ahead_runs_batches_using_it_under_plans_for_fewer_slots():
+    """Slots kept for fills ahead: the layer has four slots, a batch uses at most three of them (the adapters a step
+    may run), so its plans and mixed-adapter limits are chosen for three, and a batch may use the last slot. Every
+    batch of 1-16 tokens over slots 0, 1 and 3 and the base model, one-launch kernel or not, against the reference."""
+    from vllm_bdlora.kernels import lora_op
+    from vllm_bdlora.kernels.reference import lora_linear_slices_reference
+
+    hidden, heights, plan_slots = 1024, (2048, 1024, 1024), 3
+    b = mixed_batch(tokens=16, hidden=hidden, heights=heights, dtype=torch.bfloat16, device="cuda")
+    b["slots"] = torch.tensor([3, 0, -1, 1, 3, 3, 1, 0, -1, 3, 0, 1, 3, -1, 1, 0], device="cuda")
+    state = lora_op.layer_decode_state(sum(heights), hidden, b["lora_a"].shape[1], plan_slots, "cuda", len(heights),
+                                       256)  # fmt: skip
+    out = torch.empty(16, sum(heights), dtype=torch.bfloat16, device="cuda")
+    lora_op._warmed_up.clear()
+    for tokens in range(1, 17):
+        want = lora_linear_slices_reference(b["x"][:tokens], b["weight"], b["lora_a"], b["lora_b"], b["widths"],
+                                            b["bounds"], b["slots"][:tokens], b["bias"])  # fmt: skip
+        got = layer_op_on_first(tokens, b, out, state, plan_slots)
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 2e-2 * (1 + want.float().abs().max().item()), (tokens, err)
 
 
 TABLE_DECODE_LAUNCHES_CHECK = """

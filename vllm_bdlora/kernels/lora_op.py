@@ -76,20 +76,21 @@ _warmed_up: set[int] = set()
 
 
 def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias, delta_first_layer,
-            decode_weight=None, max_mixed_width: int = 0) -> int:  # fmt: skip
+            decode_weight=None, max_mixed_width: int = 0, plan_slots: int = 0) -> int:  # fmt: skip
     """Compile every kernel variant a layer of this shape can launch, on a few rows of scratch data, so
     that no batch size compiles one while serving (a compile stalls every request in the batch for about
     a second). Once per layer (keyed by its LoRA buffer), outside CUDA-graph capture; compiled variants
     are shared by layers of equal shape and cached on disk by Triton, in one directory whatever vLLM's
     configuration (triton_cache.py). The variants compile on several threads first (compile_ahead.py).
     `decode_weight`: the layer runs the one-launch decode kernel over this base weight (a variant per plan it may
-    launch, compiled here with a scratch state). Returns the launches made."""
+    launch, compiled here with a scratch state; `plan_slots`: the slots one batch may use, as the op's). Returns the
+    launches made."""
     if lora_a.data_ptr() in _warmed_up or torch.cuda.is_current_stream_capturing():
         return 0
     _warmed_up.add(lora_a.data_ptr())
     started = time.perf_counter()
     variants = (cuda_table(x.device), x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias,
-                delta_first_layer, decode_weight, max_mixed_width)  # fmt: skip
+                delta_first_layer, decode_weight, max_mixed_width, plan_slots or lora_a.shape[0])  # fmt: skip
     threads = compile_threads()
     with plugin_cache_dir():
         on_threads = compile_concurrently(lambda: compile_variants(*variants), threads)  # launches nothing
@@ -107,7 +108,7 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
 
 
 def compile_variants(table: PlanTable, x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias,
-                     delta_first_layer, decode_weight, max_mixed_width) -> int:  # fmt: skip
+                     delta_first_layer, decode_weight, max_mixed_width, plan_slots) -> int:  # fmt: skip
     """warm_up's launches on scratch data, under `table`'s plans (the device's); returns how many."""
     rows = 16  # a multiple of 16 like most batches: the same integer specialisation as theirs
     slices, width, out_features = slot_widths.shape[0], lora_b.shape[2], lora_b.shape[1]
@@ -125,7 +126,7 @@ def compile_variants(table: PlanTable, x, lora_a, lora_b, slot_widths, slice_bou
     launches = len(shrinks) + len(expands)
     if decode_weight is None:
         return launches
-    shape = (decode_weight.shape[0], x.shape[1], lora_a.shape[1], lora_a.shape[0])  # out, hidden, width, slots
+    shape = (decode_weight.shape[0], x.shape[1], lora_a.shape[1], plan_slots)  # out, hidden, width, slots
     words = layer_state_words(table, *shape, slices, max_mixed_width)
     state = torch.zeros(words, dtype=torch.int32, device=x.device)
     for tokens, plan in layer_plans(table, *shape, slices, max_mixed_width).items():
@@ -156,6 +157,7 @@ def fused_lora_slices_(
     decode_state: torch.Tensor | None = None,
     one_launch_max_tokens: int = 0,
     one_launch_max_mixed_width: int = 0,
+    plan_slots: int = 0,
 ) -> None:
     """In place on output (tokens, total height): each token's LoRA delta from its slot's adapter, all
     slices at once (lora_a (slots, slices·width, in), lora_b (slots, total height, width), the first
@@ -166,18 +168,21 @@ def fused_lora_slices_(
     With `weight` (total height, in) the op runs the base GEMM too and output's contents are ignored:
     output = X·Wᵀ + bias + delta. With `decode_state` (the layer's `layer_decode_state`) too, batches of up to
     `one_launch_max_tokens` tokens (the plugin's settings, as are the mixed width) run all of it as one kernel
-    where the plan table has a plan for them."""
+    where the plan table has a plan for them. `plan_slots`: the slots one batch may use (the adapters a step may
+    run), where the layer has more (slots kept for fills ahead); plans and mixed-adapter limits are chosen for it.
+    0: every slot."""
     tokens, slices = x.shape[0], slot_widths.shape[0]
+    plan_slots = plan_slots or lora_a.shape[0]
     out_features, width = lora_b.shape[1], lora_b.shape[2]
     delta_first_layer = x.is_cuda and scale_table is None and slices > 1 and weight is not None
     one_launch = takes_one_launch(decode_state, weight, scale_table)
     if x.is_cuda and group_slot is not None:
         warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, group_slot.shape[0], scale_table, bias, delta_first_layer,
-                weight if one_launch else None, one_launch_max_mixed_width)  # fmt: skip
+                weight if one_launch else None, one_launch_max_mixed_width, plan_slots)  # fmt: skip
     skip_lora = no_lora is not None and bool(no_lora[0])
     table = cuda_table(x.device) if x.is_cuda else None
     if one_launch and not skip_lora and table is not None:
-        plan = one_launch_plan(table, tokens, out_features, x.shape[1], lora_a.shape[1], lora_a.shape[0], slices,
+        plan = one_launch_plan(table, tokens, out_features, x.shape[1], lora_a.shape[1], plan_slots, slices,
                                decode_state, one_launch_max_tokens, one_launch_max_mixed_width)  # fmt: skip
         if plan is not None:
             decode_lora.decode_lora_linear(output, x, weight, lora_a, lora_b, slot_widths, slice_bounds, token_slots,
@@ -209,7 +214,7 @@ def fused_lora_slices_(
 def _fused_lora_slices_fake(output, x, lora_a, lora_b, slot_widths, slice_bounds, token_slots, sorted_ids=None,
                             group_slot=None, group_count=None, group_start=None, no_lora=None, scale_table=None,
                             bias=None, weight=None, decode_state=None, one_launch_max_tokens=0,
-                            one_launch_max_mixed_width=0) -> None:  # fmt: skip
+                            one_launch_max_mixed_width=0, plan_slots=0) -> None:  # fmt: skip
     return None
 
 
