@@ -299,7 +299,7 @@ def run_mode(args, mode: str, model: str, vocab: int, writer, csv_file) -> tuple
             server["load_figures"] = server_figures(before_load, settled_scrape(url))
         log = open(log_path, errors="replace").read()
         for line in log.splitlines():
-            if "--max-loras" in line and "vllm-bdlora" in line:
+            if "--max-loras" in line and "--lora-gpu-memory" in line:  # the plugin's sizing of the slots
                 server["bd_slots_line"] = line.split("] ", 1)[-1]
         before = settled_scrape(url)  # each workload's figures start where the previous one's settled
         for spec in args.workload_specs:

@@ -89,28 +89,36 @@ def test_bd_tp1_matches_peft(assets, prompts, peft_reference, tmp_path_factory):
 
 @pytest.mark.engine
 def test_more_adapters_than_gpu_slots_still_match_peft(assets, prompts, peft_reference, tmp_path_factory):
-    """Six adapters through two GPU slots (--max-loras 2, the sweep's many-adapter setting in small): vLLM's
-    scheduler runs at most two adapters at a time, so slots are refilled by adapters of other ranks and other
-    target modules (in batch order: bd64_nb4 and bd32_attn after bd64 and bd48, then bd32_mlp and std16). A slot
-    that kept columns or layers of its previous adapter would change these tokens."""
+    """Six adapters through two adapters a step (--max-loras 2, the sweep's many-adapter setting in small) and three
+    GPU slots (one kept for fills ahead): vLLM's scheduler runs at most two adapters at a time, so slots are refilled
+    by adapters of other ranks and other target modules (in batch order: bd64_nb4 and bd32_attn after bd64 and bd48,
+    then bd32_mlp and std16), some in the step that runs them, some ahead of it, while earlier adapters' requests
+    run. A slot that kept columns or layers of its previous adapter, or a step that read a slot before its fill ahead
+    was done, would change these tokens."""
     engine = engine_kwargs(assets["model"], 2, bdlora=True, max_loras=2, max_cpu_loras=4)
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts, load_first=list(ADAPTERS))
     # then pin an adapter that vLLM's host cache (four entries) dropped during the batch, and ask it and others one
     # request at a time: the pin registers it from what the workers kept, it holds a slot, the others take the
-    # other slot in turn
+    # other slots in turn
     pinned, other, third = BATCH[1], BATCH[-1], BATCH[-2]
-    after = (pinned, other, third)
+    after = (pinned, other, third, *[name for name in ADAPTERS if name not in (pinned, other, third)][:2])
     spec |= {"pin": pinned, "after": [{"adapter": n, "prompt_token_ids": prompts[n]} for n in after]}
     spec |= {"adapter_loads": True}
     assert len(ADAPTERS) > 2 * engine["max_loras"]
     result = run_engine(spec, tmp_path_factory.mktemp("bd_tp2_two_slots"))
     assert_matches_reference(result, peft_reference)
+    # the three adapters the loads left in no slot were filled during the batch, at least one of them while the
+    # adapters before it ran (the scheduler named it on a step, the workers copied it into the third slot), the same
+    # on both ranks
+    batch = [worker["loads"] for worker in result["adapter_loads"]]
+    assert [b["slot_fill"] + b["slot_fill_ahead"] for b in batch] == [3, 3], batch
+    assert batch[0]["slot_fill_ahead"] == batch[1]["slot_fill_ahead"] >= 1, batch
     pin = result["pinned"]
     assert pin["returned"] and not any(pin["registered_before"]), pin
     assert all(pin["id"] in slots for slots in pin["slots"]), pin
     assert_matches_reference({"outputs": result["after"]}, peft_reference, batch=list(after))
-    # the third, asked alone, was copied into the unpinned slot as its request arrived (vLLM's host cache held it),
-    # the same slot on both ranks, and its step filled nothing
+    # the last two, asked alone, were copied into an unpinned slot as their requests arrived, the same slot on both
+    # ranks, and their steps filled nothing
     ahead = [
         after["loads"]["slot_fill_ahead"] - before["loads"]["slot_fill_ahead"]
         for before, after in zip(result["adapter_loads"], result["adapter_loads_after"], strict=True)
@@ -119,7 +127,7 @@ def test_more_adapters_than_gpu_slots_still_match_peft(assets, prompts, peft_ref
         after["loads"]["slot_fill"] - before["loads"]["slot_fill"]
         for before, after in zip(result["adapter_loads"], result["adapter_loads_after"], strict=True)
     ]
-    assert ahead == [1, 1] and in_step == [0, 0], (result["adapter_loads"], result["adapter_loads_after"])
+    assert ahead == [2, 2] and in_step == [0, 0], (result["adapter_loads"], result["adapter_loads_after"])
     assert result["slots_after"][0] == result["slots_after"][1], result["slots_after"]
     # Loading all six first (add_lora, as load requests do) took free slots only: no resident adapter was evicted
     # by a load, and the first adapters loaded that were not resident went into the free slots in load order.
@@ -174,12 +182,12 @@ def test_bd_adapter_on_server_without_bdlora_is_rejected(assets, tmp_path_factor
 
 @pytest.mark.engine
 def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_path_factory):
-    """lora_kernels: fused without DoRA: BD adapters of ranks 64/48/32 and a standard one share the batch,
-    so the per-slot widths (heterogeneous ranks) matter; through two GPU slots, so a slot is refilled by an
-    adapter of another rank or other target modules, which the fused kernels' slot fill (no zeroing of what
-    the previous adapter left beyond the new one's widths) must not let through. Each slot is filled whole from the
-    adapter's slot image, and the worker keeps few adapters in memory: the others' images are spilled to disk and
-    read back before their slots are filled."""
+    """lora_kernels: fused without DoRA: BD adapters of ranks 64/48/32 and a standard one share the batch, so the
+    per-slot widths (heterogeneous ranks) matter; through two adapters a step (three GPU slots, one kept for fills
+    ahead), so a slot is refilled by an adapter of another rank or other target modules, which the fused kernels' slot
+    fill (no zeroing of what the previous adapter left beyond the new one's widths) must not let through. Each slot is
+    filled whole from the adapter's slot image, and the worker keeps few adapters in memory: the others' images are
+    spilled to disk and read back before their slots are filled."""
     settings = {"lora_kernels": "fused", "adapter_host_memory": FUSED_HOST_MEMORY}
     engine = engine_kwargs(assets["model"], 1, bdlora=True, max_loras=2, additional_config={"bdlora": settings})
     spec = batch_spec(engine, {name: assets[name] for name in ADAPTERS}, prompts)
@@ -188,7 +196,8 @@ def test_fused_lora_kernels_tp1_match_peft(assets, prompts, peft_reference, tmp_
     result = run_engine(spec, tmp_path_factory.mktemp("fused_tp1"))
     assert_matches_reference(result, peft_reference)
     (worker,) = result["adapter_loads"]
-    assert worker["imaged"] and worker["loads"]["slot_fill"] >= len(ADAPTERS) - engine["max_loras"], worker
+    fills = worker["loads"]["slot_fill"] + worker["loads"]["slot_fill_ahead"]  # in a step, or ahead of it
+    assert worker["imaged"] and fills >= len(ADAPTERS) - engine["max_loras"] - 1, worker  # one slot for fills ahead
     assert worker["loads"]["restore"] + worker["loads"]["restore_ahead"] > 0, worker["loads"]
 
 

@@ -13,9 +13,19 @@ import torch
 
 from vllm_bdlora.adapter_lifecycle.calls import RestoreAhead
 from vllm_bdlora.adapter_lifecycle.engine import EngineAdmissions
-from vllm_bdlora.adapter_lifecycle.fill_ahead import AheadFills, slot_to_take
+from vllm_bdlora.adapter_lifecycle.fill_ahead import (
+    ADAPTERS_PER_STEP,
+    WAITING_ADAPTERS,
+    AheadFills,
+    WaitingAdapters,
+    add_spare_slots,
+    name_waiting_adapters,
+    scheduler_lora_config,
+    slot_to_take,
+    waiting_adapters,
+)
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore
-from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order
+from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order, fill_for_waiting_requests
 from vllm_bdlora.config import BdLoraSettings
 
 
@@ -99,11 +109,11 @@ def test_a_worker_fills_ahead_only_what_vllms_host_cache_holds_and_takes_no_slot
     manager = Slots(2, registered=[1, 2, 3, 5, 6], active=[1, 2])
     adapters = worker_of(manager)
     # 3 takes 2's slot (1 has requests); 4 is not in vLLM's host cache (its step loads it); 5 would need 1's or 3's
-    filled = adapters.fill_ahead([lora(3), lora(4), lora(5)], keep=frozenset({1}))
+    filled = adapters.fill_ahead([3, 4, 5], keep=frozenset({1}))
     assert filled == 1 and manager.lora_index_to_id == [1, 3]
     assert adapters.stats.loads["slot_fill_ahead"].count == 1
-    assert adapters.fill_ahead([lora(3)]) == 0  # in a slot already: nothing to do
-    assert adapters.fill_ahead([lora(6)]) == 1 and manager.lora_index_to_id == [6, 3]  # 1 no longer needed: LRU
+    assert adapters.fill_ahead([3]) == 0  # in a slot already: nothing to do
+    assert adapters.fill_ahead([6]) == 1 and manager.lora_index_to_id == [6, 3]  # 1 no longer needed: LRU
 
 
 def test_an_adapter_kept_in_memory_is_registered_first_dropping_no_host_entry_another_slot_needs():
@@ -116,18 +126,18 @@ def test_an_adapter_kept_in_memory_is_registered_first_dropping_no_host_entry_an
     adapters.register_kept = lambda adapter_id: registered.append(adapter_id) or manager._registered_adapters.update(
         {adapter_id: None}) or True  # fmt: skip
     # 4 takes 2's slot (1 has requests); 2's host entry goes (1's has requests, and 2 is the LRU one left)
-    assert adapters.fill_ahead([lora(4)], keep=frozenset({1})) == 1
+    assert adapters.fill_ahead([4], keep=frozenset({1})) == 1
     assert manager.lora_index_to_id == [1, 4] and list(manager._registered_adapters) == [1, 3, 4] and registered == [4]
     assert adapters.stats.loads["reread"].count == 1  # registered from what the worker kept, as a step would
     # being read back on this worker: its step fills it (the read-back may not be done on every rank)
-    assert adapters.fill_ahead([lora(5)], keep=frozenset({1}), reading=[5]) == 0
+    assert adapters.fill_ahead([5], keep=frozenset({1}), reading=[5]) == 0
     # a free slot, but every host entry is in a slot or has requests: nothing is filled
     manager.deactivate_adapter(4)
-    assert adapters.fill_ahead([lora(6)], keep=frozenset({3, 4})) == 0 and manager.lora_index_to_id == [1, None]
+    assert adapters.fill_ahead([6], keep=frozenset({3, 4})) == 0 and manager.lora_index_to_id == [1, None]
     assert list(manager._registered_adapters) == [1, 3, 4]
     # an adapter the worker cannot register after all (it forgot it meanwhile) is not counted as filled
     adapters.register_kept = lambda adapter_id: False
-    assert adapters.fill_ahead([lora(6)], keep=frozenset({1})) == 0
+    assert adapters.fill_ahead([6], keep=frozenset({1})) == 0
     assert adapters.stats.loads["slot_fill_ahead"].count == 1
 
 
@@ -161,12 +171,67 @@ def test_a_step_after_a_fill_ahead_counts_its_adapter_as_a_gpu_hit_and_fills_not
     manager = Slots(2, registered=[1, 2, 3], active=[1, 2])
     manager.list_adapters = lambda: dict(manager._registered_adapters)
     adapters = worker_of(manager)
-    adapters.fill_ahead([lora(3)])
+    adapters.fill_ahead([3])
     apply_in_id_order(SimpleNamespace(_adapter_manager=manager, _bdlora_adapters=adapters), [lora(3)],
                       lambda ordered: [manager.activate_adapter(r.lora_int_id) for r in ordered])  # fmt: skip
     assert adapters.stats.hits["gpu"] == adapters.stats.lookups["gpu"] == 1
     assert adapters.stats.loads["slot_fill"].count == 0 and adapters.stats.loads["slot_fill_ahead"].count == 1
     assert adapters.stats.lookups["cpu"] == adapters.stats.hits["cpu"] == 1  # the fill found it in host memory
+
+
+def request(request_id, adapter_id=None):
+    return SimpleNamespace(request_id=request_id, lora_request=None if adapter_id is None else lora(adapter_id))
+
+
+def test_workers_get_spare_slots_and_the_scheduler_keeps_max_loras_as_its_step_limit():
+    import pickle
+
+    from vllm.config import LoRAConfig
+
+    config = LoRAConfig(max_loras=3, max_lora_rank=8)
+    add_spare_slots(config, 1)
+    add_spare_slots(config, 1)  # once only: a config is given its spare slots when it is made
+    assert (config.max_loras, config.max_cpu_loras) == (4, 4)  # every slot's adapter has a host entry
+    config = pickle.loads(pickle.dumps(config))  # as workers and the engine core receive it
+    limited = scheduler_lora_config(config)
+    assert (limited.max_loras, config.max_loras) == (3, 4) and not hasattr(limited, ADAPTERS_PER_STEP)
+    plain = LoRAConfig(max_loras=3, max_lora_rank=8)
+    add_spare_slots(plain, 0)
+    assert scheduler_lora_config(plain) is plain and plain.max_loras == 3
+
+
+def test_a_step_names_the_adapters_of_waiting_requests_no_running_request_holds_in_queue_order():
+    running = [request("r0", 1), request("r1", 2)]
+    waiting = [request("w0", 2), request("w1", 5), request("w2"), request("w3", 4), request("w4", 5), request("w5", 6)]
+    named = waiting_adapters(running, waiting, running + waiting, at_most=2)
+    assert named == WaitingAdapters((5, 4), frozenset({1, 2, 4, 5, 6}))
+    assert waiting_adapters(running, waiting[:1] + waiting[2:3], running, at_most=2) is None  # all running or base
+
+
+def test_the_scheduler_puts_the_waiting_adapters_on_its_output_only_where_workers_have_spare_slots():
+    from vllm.config import LoRAConfig
+
+    running, waiting = [request("r0", 1)], [request("w0", 3)]
+    for spare in (1, 0):
+        workers = LoRAConfig(max_loras=1, max_lora_rank=8)
+        add_spare_slots(workers, spare)
+        scheduler = SimpleNamespace(vllm_config=SimpleNamespace(lora_config=workers), running=running,
+                                    waiting=waiting, requests={r.request_id: r for r in running + waiting})  # fmt: skip
+        output = SimpleNamespace()
+        name_waiting_adapters(scheduler, output)
+        assert getattr(output, WAITING_ADAPTERS, None) == (WaitingAdapters((3,), frozenset({1, 3})) if spare else None)
+
+
+def test_a_worker_fills_the_waiting_adapters_into_its_spare_slot_after_launching_the_step():
+    manager = Slots(3, registered=[1, 2, 3, 4], active=[1, 2, 4])  # 4: no request left
+    adapters = worker_of(manager)
+    worker_manager = SimpleNamespace(_adapter_manager=manager, _bdlora_adapters=adapters)
+    output = SimpleNamespace(**{WAITING_ADAPTERS: WaitingAdapters((3, 5), frozenset({1, 2, 3, 5}))})
+    # 3 takes 4's slot; 5 would need a slot an adapter with requests holds
+    assert fill_for_waiting_requests(worker_manager, output) == 1 and manager.lora_index_to_id == [1, 2, 3]
+    assert adapters.stats.loads["slot_fill_ahead"].count == 1
+    assert fill_for_waiting_requests(worker_manager, SimpleNamespace()) == 0  # a step naming none
+    assert fill_for_waiting_requests(None, output) == 0  # a worker without LoRA
 
 
 @pytest.mark.gpu
@@ -179,8 +244,9 @@ def test_on_a_gpu_fills_ahead_wait_for_the_steps_before_and_the_next_step_waits_
     # an earlier step writes slot 0 late (the stream is busy first); then the latest step begins, running slot 1
     torch.cuda._sleep(200_000_000)
     slots[0].fill_(1.0)
-    ahead.step_begins()
-    ahead.step_runs(SimpleNamespace(lora_index_to_id=[None, 5, None]), [5])
+    manager = SimpleNamespace(lora_index_to_id=[None, 5, None])
+    ahead.step_begins(manager, [5], fills_in_step=False)
+    ahead.step_runs(manager, [5])
     torch.cuda._sleep(200_000_000)
     slots[1].fill_(2.0)
     with ahead.filling(0):  # idle in the latest step: after the earlier step's write
@@ -190,7 +256,32 @@ def test_on_a_gpu_fills_ahead_wait_for_the_steps_before_and_the_next_step_waits_
     with ahead.filling(2):
         torch.cuda._sleep(200_000_000)  # the fill stream is busy: the next step must wait for it
         slots[2].copy_(image, non_blocking=True)
-    ahead.step_begins()
+    ahead.step_begins(manager, [], fills_in_step=True)  # it fills a slot itself: it waits for every fill ahead
     seen = slots[:, :8].clone()  # the next step's read
     torch.cuda.synchronize()
     assert torch.equal(seen.cpu(), torch.full((3, 8), 7.0))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_step_waits_only_for_the_fills_ahead_into_the_slots_it_runs():
+    """A slot filled ahead for a request still waiting is not waited for by a step that does not run it; the step
+    that runs it waits."""
+    ahead = AheadFills("cuda")
+    slots = torch.zeros(2, 1 << 20, device="cuda")
+    image = torch.full((1 << 20,), 7.0).pin_memory()
+    manager = SimpleNamespace(lora_index_to_id=[5, 6])
+    ahead.step_begins(manager, [5], fills_in_step=False)
+    ahead.step_runs(manager, [5])
+    with ahead.filling(1):
+        torch.cuda._sleep(1_000_000_000)  # a long copy into slot 1 (adapter 6's)
+        slots[1].copy_(image, non_blocking=True)
+    fill_done = ahead._filled[1]
+    ahead.step_begins(manager, [5], fills_in_step=False)  # a step of adapter 5 alone
+    step_done = torch.cuda.Event()
+    step_done.record()
+    step_done.synchronize()
+    assert not fill_done.query()  # it ran beside the copy, not after it
+    ahead.step_begins(manager, [5, 6], fills_in_step=False)  # the step that runs slot 1
+    seen = slots[1, :8].clone()
+    torch.cuda.synchronize()
+    assert torch.equal(seen.cpu(), torch.full((8,), 7.0))

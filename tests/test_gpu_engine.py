@@ -26,11 +26,12 @@ FEW_ADAPTERS_BYTES = 1 << 20  # a worker's host memory for adapters: a few of th
     ids=["tp1", "tp2", "tp2-cudagraphs", "tp1-cudagraphs-fused", "tp2-cudagraphs-auto", "tp1-cudagraphs-fused-2slots"],
 )  # fmt: skip
 def test_bd_on_gpu_matches_peft(tp, cuda_graphs, lora_kernels, slots, assets, prompts, tmp_path_factory):
-    """fused/auto: the layers run the fused kernels, and over this unquantized base the base GEMM after
-    them (delta first). slots=2: six adapters through two GPU slots (the fused kernels also read each slot's
-    width, which a refill must rewrite; see test_more_adapters_than_gpu_slots_still_match_peft), each filled
-    from its pinned slot image, with few adapters kept in memory: images are spilled, and read back into the
-    regions other images gave back (`vllm_bdlora.image_memory`) while fills from those regions may be in flight."""
+    """fused/auto: the layers run the fused kernels, and over this unquantized base the base GEMM after them (delta
+    first). slots=2: six adapters through two adapters a step (three GPU slots, one kept for fills ahead; the fused
+    kernels also read each slot's width, which a refill must rewrite; see
+    test_more_adapters_than_gpu_slots_still_match_peft), each filled from its pinned slot image, with few adapters kept
+    in memory: images are spilled, and read back into the regions other images gave back (`vllm_bdlora.image_memory`)
+    while fills from those regions may be in flight."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     graphs = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}} if cuda_graphs else {}
@@ -44,7 +45,8 @@ def test_bd_on_gpu_matches_peft(tp, cuda_graphs, lora_kernels, slots, assets, pr
     result = run_engine(spec, tmp_path_factory.mktemp(f"gpu_tp{tp}_{cuda_graphs}_{lora_kernels}_{slots}"))
     if slots:
         (worker,) = result["adapter_loads"]
-        assert worker["imaged"] and worker["loads"]["slot_fill"] >= len(ADAPTERS) - slots, worker
+        fills = worker["loads"]["slot_fill"] + worker["loads"]["slot_fill_ahead"]  # in a step, or ahead of it
+        assert worker["imaged"] and fills >= len(ADAPTERS) - slots - 1, worker  # one slot kept for fills ahead
         assert worker["loads"]["restore"] + worker["loads"]["restore_ahead"] > 0, worker["loads"]
     worst = {}
     for name, output in zip(BATCH, result["outputs"], strict=True):
@@ -61,7 +63,8 @@ DORA_BATCH = [None, "bd64", "dora16", "bddora64"]
 
 
 def test_slots_filled_ahead_on_gpu_match_peft(assets, prompts, tmp_path_factory):
-    """Fused kernels, CUDA graphs, three GPU slots and room for every adapter in vLLM's host cache, every adapter
+    """Fused kernels, CUDA graphs, three adapters a step and four GPU slots (one for fills ahead: the batch's
+    waiting adapters are filled into it), room for every adapter in vLLM's host cache, every adapter
     admitted first (as load requests do; an adapter a request names before any load is admitted in its step): after
     the batch, each adapter is asked alone, so each request finds its adapter in host memory and has it copied into
     the least recently used slot, on the fill stream, as it arrives (`vllm_bdlora.adapter_lifecycle.fill_ahead`); its
@@ -77,7 +80,7 @@ def test_slots_filled_ahead_on_gpu_match_peft(assets, prompts, tmp_path_factory)
     (before,), (later,) = result["adapter_loads"], result["adapter_loads_after"]
     ahead = later["loads"]["slot_fill_ahead"] - before["loads"]["slot_fill_ahead"]
     in_step = later["loads"]["slot_fill"] - before["loads"]["slot_fill"]
-    assert ahead >= len(after) - 3 and in_step == 0, (before, later)
+    assert ahead >= len(after) - 4 and in_step == 0, (before, later)
     references = {name: load_reference(assets["model"], assets[name] if name else None) for name in BATCH}
     for label, names, outputs in (("batch", BATCH, result["outputs"]), ("after", after, result["after"])):
         for name, output in zip(names, outputs, strict=True):

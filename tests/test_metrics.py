@@ -173,9 +173,10 @@ def values_by(results, label):
 @pytest.mark.engine
 def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_path):
     port = free_port()
+    # two GPU slots (one of them for fills ahead) and two host entries: three adapters churn both
     command = [
         "vllm", "serve", assets["model"], "--enable-bdlora", "--tensor-parallel-size", "2", "--max-lora-rank", "64",
-        "--max-loras", "2", "--max-cpu-loras", "2", "--dtype", "float32", "--max-model-len", "256",
+        "--max-loras", "1", "--max-cpu-loras", "2", "--dtype", "float32", "--max-model-len", "256",
         "--enforce-eager", "--port", str(port), "--api-key", KEY,
         "--lora-modules", *[f"{name}={assets[name]}" for name in SENT],
     ]  # fmt: skip

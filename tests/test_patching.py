@@ -95,6 +95,10 @@ PATCH_TESTS = {
         "test_soak.py::test_soak_answers_every_request_as_if_sent_alone",
     ],
     "scheduler_lora_aging": ["test_scheduling.py"],
+    "slots_beyond_the_step_limit": [
+        "test_fill_ahead.py",
+        "test_engine_vs_peft.py::test_more_adapters_than_gpu_slots_still_match_peft",
+    ],
     "worker_admission_calls": ["test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters"],
     "unload_reaches_engine": [
         "test_server_guards.py::test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it"

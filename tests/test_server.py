@@ -130,7 +130,8 @@ def test_startup_logs_say_how_adapters_are_sharded(server, demo_assets):
     per_layer = 3 * 32 * 128 + 128 * 32 + 2 * 32 * 128 + 2 * 128 * 32 + 32 * 64 + 128 * 32 + 32 * 128 + 128 * 32
     bd_mib = 2 * per_layer * 4 / 2**20
     slot_mib = bd_mib + 2 * (512 * 64 + 128 * 64) * 4 / 2**20
-    assert f"LoRA slots: 4 (--max-loras) x {slot_mib:.2f} MiB per worker = {4 * slot_mib:.2f} MiB" in log
+    assert (f"LoRA slots: 5 (--max-loras 4 adapters a step, 1 for fills ahead) x {slot_mib:.2f} MiB per worker = "
+            f"{5 * slot_mib:.2f} MiB") in log  # fmt: skip
     assert f"(BD layers {bd_mib:.2f} MiB a slot" in log
     # ... which is what `vllm-bdlora check` computes from the model's config.json for this server
     cost = slot_cost(ModelShape.from_config(demo_assets["model"]), 64, 2, block_diagonal=True)

@@ -99,6 +99,11 @@ class BdLoraSettings:
     # stream of its own); false fills every slot inside the step that first runs it, as vLLM does
     # (vllm_bdlora/adapter_lifecycle/fill_ahead.py).
     fill_slots_ahead: bool = True
+    # GPU slots beyond the adapters one step may run (--max-loras, vLLM's scheduler limit), so that with every one of
+    # those taken by an adapter with running requests, the next adapters that waiting requests name are still filled
+    # ahead of the step that runs them (fill_ahead.py). Inside --lora-gpu-memory where it holds one slot more than
+    # that, else beyond --max-loras; 0: the scheduler's limit is the slots, as in vLLM. Used with fill_slots_ahead.
+    fill_ahead_slots: int = 1
     # An adapter a request just named (read back, or found in memory) is not spilled before a step takes it while
     # another adapter can go instead, for at most this long: the read-backs for the requests queued behind its own
     # would otherwise spill it, and its step would read it from the spill file after all. Past this its request was
@@ -197,8 +202,9 @@ class BdLoraSettings:
         threads = section.get("admission_threads", cls.admission_threads)
         max_named = section.get("metrics_max_adapters", cls.metrics_max_adapters)
         max_mixed = section.get("one_launch_max_adapters", cls.one_launch_max_adapters)
+        spare_slots = section.get("fill_ahead_slots", cls.fill_ahead_slots)
         counts = (("admission_threads", threads), ("metrics_max_adapters", max_named),
-                  ("one_launch_max_adapters", max_mixed))  # fmt: skip
+                  ("one_launch_max_adapters", max_mixed), ("fill_ahead_slots", spare_slots))  # fmt: skip
         for key, value in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f'additional_config["{CONFIG_KEY}"]["{key}"] must be an integer >= 0, got {value!r}.')
@@ -208,6 +214,7 @@ class BdLoraSettings:
             lora_kernels=kernels,
             one_launch_decode=values["one_launch_decode"],
             fill_slots_ahead=values["fill_slots_ahead"],
+            fill_ahead_slots=spare_slots,
             one_launch_max_tokens=max_tokens,
             one_launch_max_mixed_width=mixed_width,
             one_launch_max_adapters=max_mixed,
@@ -220,6 +227,11 @@ class BdLoraSettings:
             **seconds,
             prefill_graph_tokens=graph_tokens,
         )
+
+    @property
+    def spare_slots(self) -> int:
+        """GPU slots kept beyond the adapters one step may run (`fill_ahead_slots`, where slots are filled ahead)."""
+        return self.fill_ahead_slots if self.enabled and self.fill_slots_ahead else 0
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> BdLoraSettings:

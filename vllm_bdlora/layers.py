@@ -49,6 +49,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.platforms import current_platform
 
 import vllm_bdlora.kernels.dora_compose  # noqa: F401  (registers torch.ops.vllm_bdlora.dora_compose_)
+from vllm_bdlora.adapter_lifecycle.fill_ahead import adapters_per_step
 from vllm_bdlora.compat import token_groups
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.kernels.lora_op import layer_decode_state  # also registers torch.ops.vllm_bdlora.fused_lora_slices_
@@ -89,6 +90,7 @@ class BlockDiagonalLoRALayer:
     vllm_class: ClassVar[type]
     lora_width: int
     slot_arena = None  # the manager's SlotArena, once it holds this layer's slots (fused kernels only)
+    plan_slots = 0  # the slots one batch may use (create_lora_weights); 0: every slot
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
@@ -172,11 +174,15 @@ class BlockDiagonalLoRALayer:
         # Barrier and S buffers of the one-launch decode kernel (DoRA layers compose on the base output, which
         # that kernel never materialises, so they keep the three-kernel path).
         self.decode_state: torch.Tensor | None = None
+        # the slots one batch may use: the adapters a step may run, fewer than the slots where some are kept for
+        # fills ahead (the kernels' plans and mixed-adapter limits are chosen for it)
+        self.plan_slots = min(max_loras, adapters_per_step(lora_config))
         self.one_launch_mixed_width = mixed_width_limit(self.settings.one_launch_max_mixed_width,
                                                         self.settings.one_launch_max_adapters, width)  # fmt: skip
         if self.fused_kernels and self.settings.one_launch_decode and not dora:
-            self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width, max_loras,
-                                                   self.device, len(heights), self.one_launch_mixed_width)  # fmt: skip
+            self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width,
+                                                   self.plan_slots, self.device, len(heights),
+                                                   self.one_launch_mixed_width)  # fmt: skip
         self.dora_scale: torch.Tensor | None = None
         if dora:
             self.dora_scale = torch.ones(max_loras, sum(heights), dtype=torch.float32, device=self.device)
@@ -265,6 +271,7 @@ class BlockDiagonalLoRALayer:
             self.decode_state,
             self.settings.one_launch_max_tokens,
             self.one_launch_mixed_width,
+            self.plan_slots,
         )
         return output
 
@@ -499,15 +506,20 @@ def lora_buffer_nbytes(layer) -> int:
     return total
 
 
-def describe_slots(layers: Sequence[object], max_loras: int, on_gpu: bool) -> str:
+def describe_slots(layers: Sequence[object], max_loras: int, on_gpu: bool, per_step: int | None = None) -> str:
     """The start-up log's line on what the LoRA slots cost: every LoRA layer's buffers (BD layers, and vLLM's own,
-    e.g. the embeddings and lm_head), per slot and in all, per GPU (per worker on the CPU backend)."""
+    e.g. the embeddings and lm_head), per slot and in all, per GPU (per worker on the CPU backend). `per_step`: the
+    adapters one step may run, where the slots (`max_loras`) include some for fills ahead."""
     total = sum(lora_buffer_nbytes(layer) for layer in layers)
     bd = sum(lora_buffer_nbytes(layer) for layer in layers if isinstance(layer, BlockDiagonalLoRALayer))
     per, where = max(1, max_loras), "GPU" if on_gpu else "worker"
     # Sizing --max-loras: with more adapters than slots, vLLM runs only `slots` distinct adapters per step.
+    if per_step is None or per_step == max_loras:
+        counted = "--max-loras"
+    else:
+        counted = f"--max-loras {per_step} adapters a step, {max_loras - per_step} for fills ahead"
     return (
-        f"LoRA slots: {max_loras} (--max-loras) x {total / per / 2**20:.2f} MiB per {where} = {total / 2**20:.2f} MiB "
+        f"LoRA slots: {max_loras} ({counted}) x {total / per / 2**20:.2f} MiB per {where} = {total / 2**20:.2f} MiB "
         f"(BD layers {bd / per / 2**20:.2f} MiB a slot, vLLM's other LoRA layers {(total - bd) / per / 2**20:.2f}), "
         "reserved before the KV cache."
     )

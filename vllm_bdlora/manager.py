@@ -60,12 +60,15 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
     """One line per BD layer kind and slot budget (`describe_sharding`), then DoRA, kernels and eager steps."""
     from vllm.platforms import current_platform  # resolved once the engine runs
 
+    from vllm_bdlora.adapter_lifecycle.fill_ahead import adapters_per_step
+
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     layers = list(manager.modules.values())
     lines = describe_sharding(layers, tp_size)
     if not lines:
         logger.warning("vllm-bdlora: BD-LoRA is on but no layer of this model was given a BD LoRA layer.")
-    lines.append(describe_slots(layers, lora_config.max_loras, current_platform.is_cuda_alike()))
+    per_step = adapters_per_step(lora_config)
+    lines.append(describe_slots(layers, lora_config.max_loras, current_platform.is_cuda_alike(), per_step))
     if settings.dora:
         quantized = sorted({m for layer in layers if (m := base_quantization(layer))})
         unreadable = sorted({m for layer in layers if (m := base_quantization(layer)) and unreadable_base(layer)})
@@ -94,7 +97,7 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
         )
         if settings.one_launch_decode and not settings.dora:
             width = per_rank_width(lora_config.max_lora_rank, tp_size)
-            lines.append(one_launch_summary(settings, lora_config.max_loras, width))
+            lines.append(one_launch_summary(settings, per_step, width))
     else:
         why = "not on CUDA" if kernels == "auto" else "as configured"
         lines.append(f"LoRA kernels ({kernels}): vLLM's own shrink/expand ({why}).")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 
-def _waiting_queues(scheduler) -> list:
+def waiting_queues(scheduler) -> list:
     """The queues a waiting request may sit in: `waiting` in every release, `skipped_waiting` in those that keep
     skipped requests apart (0.26)."""
     return [q for q in (getattr(scheduler, "waiting", None), getattr(scheduler, "skipped_waiting", None)) if q]
@@ -36,7 +36,7 @@ def starved_adapter(scheduler, limit_s: float, now: float | None = None) -> int 
         return None
     now = time.time() if now is None else now
     oldest = None
-    for queue in _waiting_queues(scheduler):
+    for queue in waiting_queues(scheduler):
         for request in queue:
             lora = request.lora_request
             if lora is None or lora.lora_int_id in running:
@@ -50,7 +50,7 @@ def hold_back(scheduler, adapter_id: int) -> list:
     """Take every waiting request of an adapter other than `adapter_id` out of the scheduler's queues (base-model
     requests stay); returns (queue, requests) pairs for `put_back`."""
     held = []
-    for queue in _waiting_queues(scheduler):
+    for queue in waiting_queues(scheduler):
         others = [r for r in queue if r.lora_request is not None and r.lora_request.lora_int_id != adapter_id]
         if others:
             queue.remove_requests(others)

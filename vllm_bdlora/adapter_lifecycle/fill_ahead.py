@@ -19,6 +19,14 @@ engine core asks as the request arrives, `calls.RestoreAhead`), the worker activ
   first (`store.AdapterStore.restore_ahead`) and filled by its step. Registering one costs no collective: DoRA's
   scales, the one stage that sums over the ranks, are computed once, at admission.
 
+A request that arrives while every slot holds an adapter with requests (a full engine, under skewed traffic) would
+find no slot to take, and its adapter would be filled by the step that first runs it, right after the last request of
+another adapter finished. So the workers get slots beyond the adapters one step may run (`fill_ahead_slots`, 1 by
+default: `add_spare_slots`, the scheduler keeping `--max-loras` as its limit through `scheduler_lora_config`), and each
+step names the adapters its waiting requests need (`WaitingAdapters`, computed by the engine core's scheduler as it
+schedules the step, carried to every rank with the step): each worker fills them, as slots allow, right after it has
+launched that step, so the copies run beside it.
+
 Every rank receives the same calls in the same order and decides on its own state, which is the same on every rank
 but for a moment after a read-back finishes on its thread (it may spill another adapter on one rank before it does on
 the next): one rank may then fill an adapter ahead while another fills it in the step. Each rank's slots serve only
@@ -29,9 +37,64 @@ depend on it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator
 
 import torch
+
+ADAPTERS_PER_STEP = "_bdlora_adapters_per_step"  # on vLLM's LoRAConfig where slots were added for fills ahead
+WAITING_ADAPTERS = "_bdlora_waiting_adapters"  # on vLLM's SchedulerOutput: what its workers may fill after launching it
+
+
+def add_spare_slots(lora_config, spare: int) -> None:
+    """Give the workers `spare` GPU slots beyond the adapters one step may run. vLLM sizes the slots and limits the
+    scheduler with one number, `max_loras`: the config's is raised (the workers size everything by it), its host cache
+    with it (it must hold every slot's adapter), and the step limit is kept beside it for the scheduler."""
+    if spare <= 0 or hasattr(lora_config, ADAPTERS_PER_STEP):
+        return
+    per_step = lora_config.max_loras
+    lora_config.max_loras = per_step + spare
+    lora_config.max_cpu_loras = max(lora_config.max_cpu_loras or 0, lora_config.max_loras)
+    object.__setattr__(lora_config, ADAPTERS_PER_STEP, per_step)
+
+
+def adapters_per_step(lora_config) -> int:
+    """How many distinct adapters one step may run (`--max-loras`), whatever slots the workers have."""
+    return getattr(lora_config, ADAPTERS_PER_STEP, lora_config.max_loras)
+
+
+def scheduler_lora_config(lora_config):
+    """The LoRA config vLLM's scheduler limits its steps by: its `max_loras` is the adapters one step may run."""
+    per_step = adapters_per_step(lora_config)
+    return lora_config if per_step == lora_config.max_loras else dataclasses.replace(lora_config, max_loras=per_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitingAdapters:
+    """What the workers may fill after launching a step: the adapters of waiting requests that no running request
+    names, in the order the scheduler takes them (`fill`), and every adapter with requests in the engine (`keep`: no
+    fill takes their slots)."""
+
+    fill: tuple[int, ...]
+    keep: frozenset[int]
+
+
+def waiting_adapters(running: Iterable, waiting: Iterable, in_engine: Iterable, at_most: int) -> WaitingAdapters | None:
+    """The adapters the requests `waiting` (in the scheduler's order) need that no `running` request holds, at most
+    `at_most` of them (the slots); `in_engine`: every request the scheduler holds. None where there is none."""
+    running_ids = {r.lora_request.lora_int_id for r in running if r.lora_request}
+    fill: list[int] = []
+    for request in waiting:
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id in running_ids or lora.lora_int_id in fill:
+            continue
+        fill.append(lora.lora_int_id)
+        if len(fill) >= at_most:
+            break
+    if not fill:
+        return None
+    keep = frozenset(r.lora_request.lora_int_id for r in in_engine if getattr(r, "lora_request", None))
+    return WaitingAdapters(tuple(fill), keep)
 
 
 def _least_recent_first(cache) -> list[int]:
@@ -72,6 +135,20 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
     return False
 
 
+def name_waiting_adapters(scheduler, output) -> None:
+    """Put on a step's scheduler output (`output`) the adapters of `scheduler`'s waiting requests that its workers may
+    fill after launching the step: only where the workers have slots beyond the step limit (`add_spare_slots`)."""
+    from vllm_bdlora.scheduling import waiting_queues
+
+    workers_config = getattr(getattr(scheduler, "vllm_config", None), "lora_config", None)
+    if workers_config is None or adapters_per_step(workers_config) == workers_config.max_loras:
+        return
+    waiting = (request for queue in waiting_queues(scheduler) for request in queue)
+    named = waiting_adapters(scheduler.running, waiting, scheduler.requests.values(), workers_config.max_loras)
+    if named is not None:
+        setattr(output, WAITING_ADAPTERS, named)
+
+
 class AheadFills:
     """The stream order of one worker's fills ahead of the step (a GPU's; elsewhere every copy is done when it
     returns and this does nothing but remember the latest step's slots)."""
@@ -82,17 +159,23 @@ class AheadFills:
         self.stream = torch.cuda.Stream(device) if self.on_gpu else None
         self.busy_slots: frozenset[int] = frozenset()  # the slots the latest step runs (on a GPU)
         self._step_began = None  # an event on the step stream: every step before the latest is done
-        self._filled = None  # an event on the fill stream: the fills made ahead so far are done
+        self._filled: dict[int, torch.cuda.Event] = {}  # slot -> an event on the fill stream: its fill ahead is done
 
-    def step_begins(self) -> None:
-        """A step is about to make its adapters resident and run: its kernels (and its own fills) wait for the fills
-        made ahead of it, and the next fills ahead wait for it to begin."""
+    def step_begins(self, manager, adapter_ids, fills_in_step: bool) -> None:
+        """A step is about to make `adapter_ids` resident in `manager`'s slots and run them: its kernels wait for the
+        fills made ahead into the slots it runs (into any slot where it fills one itself: it may take one just filled
+        ahead), and the next fills ahead wait for it to begin. A slot filled ahead for a request still waiting is
+        not waited for by the steps before its own."""
         if not self.on_gpu or torch.cuda.is_current_stream_capturing():
             return
         step_stream = torch.cuda.current_stream()
-        if self._filled is not None:
-            step_stream.wait_event(self._filled)
-            self._filled = None
+        if fills_in_step:
+            waited = list(self._filled)
+        else:
+            slots = manager.lora_index_to_id
+            waited = [slot for slot in (slots.index(i) for i in adapter_ids if i in slots) if slot in self._filled]
+        for slot in waited:
+            step_stream.wait_event(self._filled.pop(slot))
         began = torch.cuda.Event()
         began.record(step_stream)
         self._step_began = began
@@ -119,4 +202,4 @@ class AheadFills:
             yield
         filled = torch.cuda.Event()
         filled.record(self.stream)
-        self._filled = filled
+        self._filled[slot] = filled

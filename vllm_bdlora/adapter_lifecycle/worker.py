@@ -8,6 +8,8 @@ adapters (`store.py`) and its counts (`vllm_bdlora.metrics`).
 * `add_lora_reporting_failures`: vLLM's add_lora on one rank, answering a receipt or a failure instead of raising.
 * `fill_ahead` (`WorkerAdapters.fill_ahead`, on the engine core's `calls.RestoreAhead`): an adapter a request just
   named, in host memory but in no GPU slot, copied into a slot between steps (`fill_ahead.py`).
+* `fill_for_waiting_requests`: after a step is launched, the adapters its waiting requests need, copied into slots
+  beside it (`fill_ahead.WaitingAdapters`, named by the engine core's scheduler).
 * `load_adapter`: vLLM's `_load_adapter`, which fills a GPU slot: the adapter comes from the store (the result of its
   admission, kept in host memory or read back from a spill file), never from its files again.
 * `apply_in_id_order`: the adapters a step needs, in the same order on every rank, counted as lookups; the step waits
@@ -41,7 +43,12 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     ForgetAdmissions,
     RestoreAhead,
 )
-from vllm_bdlora.adapter_lifecycle.fill_ahead import AheadFills, host_entry_to_drop, slot_to_take
+from vllm_bdlora.adapter_lifecycle.fill_ahead import (
+    WAITING_ADAPTERS,
+    AheadFills,
+    host_entry_to_drop,
+    slot_to_take,
+)
 from vllm_bdlora.adapter_lifecycle.finish import finish_admission
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter, read_adapter, read_on
 from vllm_bdlora.adapter_lifecycle.store import ADMISSIONS_READING, AdapterStore, host_budget_bytes
@@ -164,7 +171,7 @@ class WorkerAdapters:
                     lambda seconds: self.stats.record_load("restore_ahead", seconds),
                 )
                 if self.settings.fill_slots_ahead:
-                    self.fill_ahead(fill, keep, reading)
+                    self.fill_ahead([request.lora_int_id for request in fill], keep, reading)
                 return reading
         raise TypeError(f"vllm-bdlora: not an admission call: {type(call).__name__}")
 
@@ -173,14 +180,13 @@ class WorkerAdapters:
         return AdmissionReceipt(bool(loaded), admitted.identity if admitted else None)
 
     # -- a slot fill ------------------------------------------------------------------------------------------------
-    def fill_ahead(self, lora_requests, keep=frozenset(), reading=()) -> int:
-        """Copy each adapter of `lora_requests` that no GPU slot holds, but vLLM's host cache or this worker's memory
+    def fill_ahead(self, adapter_ids, keep=frozenset(), reading=()) -> int:
+        """Copy each adapter of `adapter_ids` that no GPU slot holds, but vLLM's host cache or this worker's memory
         does (not `reading`: being read back), into a slot no adapter of `keep` holds, now rather than in the step
         that runs it (`fill_ahead.py`); stops at the first for which no such slot is left. Returns how many it
         filled."""
         manager, filled = self.manager, 0
-        for request in lora_requests:
-            adapter_id = request.lora_int_id
+        for adapter_id in adapter_ids:
             if adapter_id in manager._active_adapters or adapter_id in reading:
                 continue
             registered = adapter_id in manager._registered_adapters
@@ -367,16 +373,26 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
     adapters = WorkerAdapters.of(worker_manager)
     manager = adapters.manager
-    adapters.ahead.step_begins()
     kept = adapters.kept.in_memory if adapters.kept is not None else None
     adapter_ids = [r.adapter_id for r in ordered]
     fills = adapters.stats.record_lookups(manager, adapter_ids, kept)
+    adapters.ahead.step_begins(manager, adapter_ids, fills_in_step=fills > 0)
     started = time.perf_counter()
     applied = apply(ordered)
     if fills:
         adapters.stats.record_fills(fills, time.perf_counter() - started)
     adapters.ahead.step_runs(manager, adapter_ids)
     return applied
+
+
+def fill_for_waiting_requests(worker_manager, scheduler_output) -> int:
+    """After a step is launched: fill the slots its waiting requests' adapters need, as slots allow
+    (`fill_ahead.WaitingAdapters`, which the engine core's scheduler put on the step); the copies run beside the step.
+    Returns how many it filled."""
+    waiting = getattr(scheduler_output, WAITING_ADAPTERS, None)
+    if waiting is None or worker_manager is None:
+        return 0
+    return WorkerAdapters.of(worker_manager).fill_ahead(waiting.fill, waiting.keep)
 
 
 def remove_adapter(worker_manager, adapter_id: int, remove: Callable) -> bool:

@@ -181,8 +181,23 @@ def check_tenant_keys(args: argparse.Namespace) -> None:
     logger.info("vllm-bdlora: %s.", keys.describe())
 
 
-def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> None:
-    """--max-loras from the LoRA GPU memory budget: the slots of this model, rank and TP size that fit."""
+def add_fill_ahead_slots(lora_config, spare: int) -> None:
+    """The workers' GPU slots beyond --max-loras, for adapters filled ahead of their step (`fill_ahead_slots`)."""
+    from vllm_bdlora.adapter_lifecycle.fill_ahead import add_spare_slots
+
+    if spare <= 0:
+        return
+    per_step = lora_config.max_loras
+    add_spare_slots(lora_config, spare)
+    logger.info(
+        "vllm-bdlora: %d LoRA slots per GPU: --max-loras %d adapters a step, and %d more that the adapters of waiting "
+        "requests are filled into ahead of their step (fill_ahead_slots).", lora_config.max_loras, per_step, spare,
+    )  # fmt: skip
+
+
+def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> int:
+    """--max-loras from the LoRA GPU memory budget: the slots of this model, rank and TP size that fit, less those
+    kept for fills ahead (`fill_ahead_slots`, where the budget holds a slot more than them). Returns those."""
     from vllm_bdlora.sizing import ModelShape, mib, slot_cost, slots_that_fit
 
     model_config = engine_args.create_model_config()
@@ -201,12 +216,14 @@ def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> None:
         )
     if engine_args.max_cpu_loras is not None and engine_args.max_cpu_loras < slots:
         engine_args.max_cpu_loras = slots  # vLLM requires at least as many host entries as slots
-    engine_args.max_loras = slots
+    spare = min(settings.spare_slots, slots - 1)
+    engine_args.max_loras = slots - spare
     logger.info(
-        "vllm-bdlora: %s %s per GPU: --max-loras %d (a slot takes %s per GPU at --max-lora-rank %d, TP=%d; a stock "
-        "vLLM server, --enable-lora, would fit %d).", GPU_MEMORY_FLAG, mib(settings.lora_gpu_memory), slots,
-        mib(cost.total), engine_args.max_lora_rank, tp, slots_that_fit(settings.lora_gpu_memory, stock),
+        "vllm-bdlora: %s %s per GPU: %d slots, --max-loras %d (a slot takes %s per GPU at --max-lora-rank %d, TP=%d; "
+        "a stock vLLM server, --enable-lora, would fit %d).", GPU_MEMORY_FLAG, mib(settings.lora_gpu_memory), slots,
+        slots - spare, mib(cost.total), engine_args.max_lora_rank, tp, slots_that_fit(settings.lora_gpu_memory, stock),
     )  # fmt: skip
+    return spare
 
 
 def warn_if_adapter_paths_unconfined(settings: BdLoraSettings) -> None:
@@ -300,14 +317,18 @@ def patch_enable_bdlora_flag() -> bool:
 
                 set_vllm_env(COUNT_NANS_VARIABLE, "1")  # what ends a request whose logits are not finite
 
+                spare = settings.spare_slots
                 if settings.lora_gpu_memory is not None:
-                    size_slots_from_memory(self, settings)
+                    spare = size_slots_from_memory(self, settings)
                 if current_platform.is_cpu():
                     from vllm_bdlora.serve.cpu_defaults import apply_cpu_defaults
 
                     apply_cpu_defaults(self.tensor_parallel_size * self.pipeline_parallel_size,
                                        self.gpu_memory_utilization)  # fmt: skip
-            return original(self, *args, **kwargs)
+            config = original(self, *args, **kwargs)
+            if settings.enabled and getattr(config, "lora_config", None) is not None:
+                add_fill_ahead_slots(config.lora_config, spare)
+            return config
 
         return create_engine_config
 

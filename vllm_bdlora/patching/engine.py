@@ -191,6 +191,55 @@ def patch_scheduler_lora_aging() -> bool:
     return wrap_method(Scheduler, "schedule", make)
 
 
+def patch_slots_beyond_the_step_limit() -> bool:
+    """The scheduler limits its steps to --max-loras adapters while the workers have slots beyond (fill_ahead_slots),
+    and names on each step the adapters its waiting requests need; each worker fills those after launching the step,
+    so that the copies run beside it (`vllm_bdlora.adapter_lifecycle.fill_ahead`)."""
+    import torch
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_bdlora.adapter_lifecycle.fill_ahead import name_waiting_adapters, scheduler_lora_config
+    from vllm_bdlora.adapter_lifecycle.worker import fill_for_waiting_requests
+
+    require_parameters(Scheduler.__init__, ("vllm_config",), "Scheduler.__init__")
+    require_parameters(Scheduler._update_after_schedule, ("scheduler_output",), "Scheduler._update_after_schedule")
+    require_parameters(GPUModelRunner.execute_model, ("scheduler_output",), "GPUModelRunner.execute_model")
+
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if getattr(self, "lora_config", None) is not None:
+                self.lora_config = scheduler_lora_config(self.lora_config)
+
+        return __init__
+
+    def make_after_schedule(original):
+        # the last thing vLLM's schedule() does with a step's output, in every release (schedule itself is wrapped
+        # by scheduler_lora_aging)
+        def _update_after_schedule(self, scheduler_output, *args, **kwargs):
+            original(self, scheduler_output, *args, **kwargs)
+            name_waiting_adapters(self, scheduler_output)
+
+        return _update_after_schedule
+
+    def make_execute(original):
+        # the model runner's, not the worker's: the Ray executor calls it directly (the CPU one is a subclass)
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            output = original(self, scheduler_output, *args, **kwargs)
+            with torch.inference_mode():  # as the step's own fills run
+                fill_for_waiting_requests(getattr(self, "lora_manager", None), scheduler_output)
+            return output
+
+        return execute_model
+
+    return any([
+        wrap_method(Scheduler, "__init__", make_init),
+        wrap_method(Scheduler, "_update_after_schedule", make_after_schedule),
+        wrap_method(GPUModelRunner, "execute_model", make_execute),
+    ])  # fmt: skip
+
+
 def bdlora_adapter_stats(self) -> dict:
     """Answered by the engine core between steps, for /metrics (`vllm_bdlora.metrics`): its step durations and what
     its workers hold where, with their counts."""

@@ -12,6 +12,7 @@ from vllm_bdlora.patching.engine import (
     patch_prefix_cache_keyed_by_admission,
     patch_scheduler_ends_non_finite_requests,
     patch_scheduler_lora_aging,
+    patch_slots_beyond_the_step_limit,
     patch_worker_admission_calls,
 )
 from vllm_bdlora.patching.frontend import (
@@ -231,6 +232,28 @@ PATCHES: tuple[Patch, ...] = (
         "first free slot goes to the starved one (vllm_bdlora.scheduling).",
         removal="A fair LoRA-aware scheduling policy in vLLM.",
         apply=patch_scheduler_lora_aging,
+    ),
+    Patch(
+        name="slots_beyond_the_step_limit",
+        targets=(
+            "vllm.v1.core.sched.scheduler.Scheduler.__init__",
+            "vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule",
+            "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
+        ),  # fmt: skip
+        stage="plugin",
+        versions="0.26-0.33",
+        why="vLLM sizes the GPU slots and limits the adapters of one step with one number, --max-loras. Under skewed "
+        "traffic every slot then holds an adapter with running requests, and the next adapter's slot is filled in "
+        "the step that first runs it, right after another adapter's last request finished: that step and every "
+        "request in it wait for the copy.",
+        how="With BD-LoRA on and fill_ahead_slots > 0, the LoRA config gives the workers that many slots beyond "
+        "--max-loras (EngineArgs.create_engine_config, the enable_bdlora_flag patch); the scheduler keeps "
+        "--max-loras as its limit (its own copy of the LoRA config) and puts on each step's output the adapters of "
+        "its waiting requests no running request holds; each worker, after launching the step, copies those it "
+        "holds in host memory into slots no request needs, beside the step "
+        "(vllm_bdlora.adapter_lifecycle.fill_ahead).",
+        removal="vLLM prefetching the adapters of waiting requests into slots of their own.",
+        apply=patch_slots_beyond_the_step_limit,
     ),
     Patch(
         name="worker_admission_calls",
