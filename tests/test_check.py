@@ -56,6 +56,19 @@ def test_what_a_worker_keeps_compares_with_the_dense_adapter_and_its_files(asset
     assert line.count(" MiB") == 3 and "dense" in line and "without their zeros" in line, line
 
 
+def test_a_gpu_memory_budget_is_told_as_slots_and_the_max_loras_a_server_sets_from_it(assets, check_here):
+    """--gpu-memory: the slots a BD server's budget holds, and its --max-loras, one less (a slot kept for fills
+    ahead), as `vllm serve --lora-gpu-memory` sets it; the slot's cost from the model's config."""
+    from vllm_bdlora.sizing import slot_cost
+
+    cost = slot_cost(ModelShape.from_config(assets["model"]), 64, 2, block_diagonal=True)
+    code, out = check_here(f"bd64={assets['bd64']}", "--model", assets["model"], "--tp", 2, "--max-lora-rank", 64,
+                           "--gpu-memory", 3 * cost.total + 1)  # fmt: skip
+    assert code == 0, out
+    line = next(line for line in out.splitlines() if "of LoRA GPU memory per GPU holds" in line)
+    assert "holds 3 slot(s): --max-loras 2, the rest for fills ahead" in line, line
+
+
 def test_refusals_name_the_fix_the_server_names(assets, tmp_path, check_here):
     other = tiny.make_tiny_llama(str(tmp_path / "wider"), hidden_size=256)
     code, out = check_here(f"wide={assets['std64']}", f"dora={assets['dora16']}",

@@ -131,5 +131,11 @@ def slots_that_fit(budget_bytes: int, cost: SlotCost) -> int:
     return max(0, budget_bytes // max(1, cost.total))
 
 
+def slots_kept_for_fills(slots: int, spare: int) -> int:
+    """Of `slots` that fit a budget, those kept for fills ahead (`fill_ahead_slots`: `spare`), where the budget holds
+    at least one slot more; --max-loras is the rest."""
+    return max(0, min(spare, slots - 1))
+
+
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"

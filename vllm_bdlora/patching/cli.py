@@ -198,7 +198,7 @@ def add_fill_ahead_slots(lora_config, spare: int) -> None:
 def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> int:
     """--max-loras from the LoRA GPU memory budget: the slots of this model, rank and TP size that fit, less those
     kept for fills ahead (`fill_ahead_slots`, where the budget holds a slot more than them). Returns those."""
-    from vllm_bdlora.sizing import ModelShape, mib, slot_cost, slots_that_fit
+    from vllm_bdlora.sizing import ModelShape, mib, slot_cost, slots_kept_for_fills, slots_that_fit
 
     model_config = engine_args.create_model_config()
     shape = ModelShape.from_dict(model_config.hf_config.to_dict()).with_dtype(str(model_config.dtype).split(".")[-1])
@@ -216,7 +216,7 @@ def size_slots_from_memory(engine_args, settings: BdLoraSettings) -> int:
         )
     if engine_args.max_cpu_loras is not None and engine_args.max_cpu_loras < slots:
         engine_args.max_cpu_loras = slots  # vLLM requires at least as many host entries as slots
-    spare = min(settings.spare_slots, slots - 1)
+    spare = slots_kept_for_fills(slots, settings.spare_slots)
     engine_args.max_loras = slots - spare
     logger.info(
         "vllm-bdlora: %s %s per GPU: %d slots, --max-loras %d (a slot takes %s per GPU at --max-lora-rank %d, TP=%d; "

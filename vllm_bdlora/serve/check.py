@@ -21,8 +21,18 @@ from dataclasses import dataclass
 
 from vllm_bdlora.adapter_lifecycle.files import check_adapter_dir
 from vllm_bdlora.adapters import AdapterRejected, adapter_format
+from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.sharding import ShardingError, foreign_model_problem, localize
-from vllm_bdlora.sizing import COLUMN, DTYPE_BYTES, ROW, ModelShape, mib, slot_cost, slots_that_fit
+from vllm_bdlora.sizing import (
+    COLUMN,
+    DTYPE_BYTES,
+    ROW,
+    ModelShape,
+    mib,
+    slot_cost,
+    slots_kept_for_fills,
+    slots_that_fit,
+)
 
 
 def module_tensors(path: str) -> dict[str, dict[str, object]]:
@@ -130,7 +140,8 @@ def sizing_lines(verdicts: list[Verdict], shape: ModelShape, tp: int, max_lora_r
     stock = slot_cost(shape, max_lora_rank, tp, block_diagonal=False, vocabulary=vocabulary)
     vocab_note = (f" (projections {mib(bd.projections)}, embeddings and lm_head {mib(bd.vocabulary)}: "
                   "--lora-target-modules without them drops that)") if bd.vocabulary else ""  # fmt: skip
-    lines.append(f"GPU memory per LoRA slot (--max-loras counts slots), each of {tp} GPU(s), "
+    lines.append(f"GPU memory per LoRA slot (a BD server has one per adapter a step may run, --max-loras, and "
+                 f"fill_ahead_slots ({BdLoraSettings.fill_ahead_slots}) more), each of {tp} GPU(s), "
                  f"{shape.dtype_name}, --max-lora-rank {max_lora_rank}: {mib(bd.total)}{vocab_note}; "
                  f"stock vLLM --enable-lora: {mib(stock.total)}")  # fmt: skip
     kept = max(v.host_bytes for v in served)
@@ -142,8 +153,11 @@ def sizing_lines(verdicts: list[Verdict], shape: ModelShape, tp: int, max_lora_r
                  f"largest adapter's files hold {mib(stored)} ({shape.dtype_name}, BD factors without their "
                  "zeros)")  # fmt: skip
     if gpu_memory is not None:
-        lines.append(f"{mib(gpu_memory)} of LoRA GPU memory per GPU holds {slots_that_fit(gpu_memory, bd)} slot(s) "
-                     f"(stock vLLM: {slots_that_fit(gpu_memory, stock)})")  # fmt: skip
+        slots = slots_that_fit(gpu_memory, bd)
+        per_step = slots - slots_kept_for_fills(slots, BdLoraSettings.fill_ahead_slots)
+        lines.append(f"{mib(gpu_memory)} of LoRA GPU memory per GPU holds {slots} slot(s): --max-loras {per_step}, "
+                     f"the rest for fills ahead (stock vLLM: {slots_that_fit(gpu_memory, stock)} slot(s), "
+                     "--max-loras as many)")  # fmt: skip
     if host_memory is not None:
         lines.append(f"{mib(host_memory)} of host memory per worker keeps {host_memory // max(1, kept)} such "
                      f"adapter(s) (stock vLLM: {host_memory // max(1, whole)})")  # fmt: skip
