@@ -37,10 +37,12 @@ ROOTS_HELP = (
 GPU_MEMORY_FLAG = "--lora-gpu-memory"
 GPU_MEMORY_HELP = (
     "GPU memory for LoRA slots, per GPU, e.g. 4GiB (vllm-bdlora plugin): --max-loras becomes the number of slots "
-    "that fit, computed from the model's shapes, --max-lora-rank and the tensor-parallel size, and logged with what a "
-    "stock vLLM server would fit. A BD-LoRA slot holds each GPU's share of an adapter, about 1/TP of a standard one's; "
-    "vLLM's embeddings and lm_head LoRA buffers count too unless --lora-target-modules leaves them out. "
-    '`vllm-bdlora check` prints the figures. Same as --additional-config \'{"bdlora": {"lora_gpu_memory": "4GiB"}}\'.'
+    "that fit, computed from the model's shapes, --max-lora-rank and the tensor-parallel size, less one kept for "
+    "filling the adapters of waiting requests ahead of their step (the fill_ahead_slots setting), and is logged with "
+    "what a stock vLLM server would fit. A BD-LoRA slot holds each GPU's share of an adapter, about 1/TP of a "
+    "standard one's; vLLM's embeddings and lm_head LoRA buffers count too unless --lora-target-modules leaves them "
+    "out. `vllm-bdlora check` prints the figures. "
+    'Same as --additional-config \'{"bdlora": {"lora_gpu_memory": "4GiB"}}\'.'
 )
 HOST_MEMORY_FLAG = "--adapter-host-memory"
 HOST_MEMORY_HELP = (
