@@ -90,7 +90,7 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
     _warmed_up.add(lora_a.data_ptr())
     started = time.perf_counter()
     variants = (cuda_table(x.device), x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias,
-                delta_first_layer, decode_weight, max_mixed_width, plan_slots or lora_a.shape[0])  # fmt: skip
+                delta_first_layer, decode_weight, max_mixed_width, plan_slots)  # fmt: skip
     threads = compile_threads()
     with plugin_cache_dir():
         on_threads = compile_concurrently(lambda: compile_variants(*variants), threads)  # launches nothing
@@ -108,8 +108,9 @@ def warm_up(x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table,
 
 
 def compile_variants(table: PlanTable, x, lora_a, lora_b, slot_widths, slice_bounds, n_groups, scale_table, bias,
-                     delta_first_layer, decode_weight, max_mixed_width, plan_slots) -> int:  # fmt: skip
-    """warm_up's launches on scratch data, under `table`'s plans (the device's); returns how many."""
+                     delta_first_layer, decode_weight, max_mixed_width, plan_slots: int = 0) -> int:  # fmt: skip
+    """warm_up's launches on scratch data, under `table`'s plans (the device's), the decode plans chosen for
+    `plan_slots` slots a batch may use (0: every slot); returns how many."""
     rows = 16  # a multiple of 16 like most batches: the same integer specialisation as theirs
     slices, width, out_features = slot_widths.shape[0], lora_b.shape[2], lora_b.shape[1]
     scratch_x = x.new_zeros(rows, x.shape[1])
@@ -126,7 +127,8 @@ def compile_variants(table: PlanTable, x, lora_a, lora_b, slot_widths, slice_bou
     launches = len(shrinks) + len(expands)
     if decode_weight is None:
         return launches
-    shape = (decode_weight.shape[0], x.shape[1], lora_a.shape[1], plan_slots)  # out, hidden, width, slots
+    # out, hidden, width, and the slots a batch may use
+    shape = (decode_weight.shape[0], x.shape[1], lora_a.shape[1], plan_slots or lora_a.shape[0])
     words = layer_state_words(table, *shape, slices, max_mixed_width)
     state = torch.zeros(words, dtype=torch.int32, device=x.device)
     for tokens, plan in layer_plans(table, *shape, slices, max_mixed_width).items():
