@@ -107,6 +107,8 @@ def test_settings(additional_config, enabled):
         ({"dora": 1}, "true or false"),
         ({"one_launch_decode": "off"}, "true or false"),
         ({"fill_slots_ahead": 0}, "true or false"),
+        ({"fill_ahead_slots": -1}, "must be an integer >= 0"),
+        ({"fill_ahead_slots": True}, "must be an integer >= 0"),
         ({"one_launch_max_tokens": 24}, r"must be one of \[16, 32, 64\]"),
         ({"one_launch_max_tokens": True}, r"must be one of \[16, 32, 64\]"),
         ({"lora_kernels": "triton"}, r"must be one of \['vllm', 'fused', 'auto'\]"),
@@ -135,6 +137,12 @@ def test_the_read_back_holds_are_settings():
 def test_slots_are_filled_ahead_of_the_step_unless_turned_off():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).fill_slots_ahead
     assert not BdLoraSettings.from_additional_config({"bdlora": {"fill_slots_ahead": False}}).fill_slots_ahead
+
+
+def test_one_slot_is_kept_for_fills_ahead_unless_set_otherwise_or_filling_ahead_is_off():
+    spare = lambda section: BdLoraSettings.from_additional_config({"bdlora": section}).spare_slots  # noqa: E731
+    assert spare({}) == 1 and spare({"fill_ahead_slots": 2}) == 2 and spare({"fill_ahead_slots": 0}) == 0
+    assert spare({"fill_slots_ahead": False}) == 0 and spare({"enabled": False}) == 0
 
 
 def test_dora_and_kernel_settings():
