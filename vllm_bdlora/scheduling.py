@@ -17,6 +17,7 @@ long.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 
 def waiting_queues(scheduler) -> list:
@@ -25,13 +26,18 @@ def waiting_queues(scheduler) -> list:
     return [q for q in (getattr(scheduler, "waiting", None), getattr(scheduler, "skipped_waiting", None)) if q]
 
 
+def adapters_of(requests: Iterable) -> set[int]:
+    """The adapters `requests` name (base-model requests name none)."""
+    return {r.lora_request.lora_int_id for r in requests if getattr(r, "lora_request", None)}
+
+
 def starved_adapter(scheduler, limit_s: float, now: float | None = None) -> int | None:
     """The adapter of the oldest waiting request that needs a slot while every slot is taken, if that request has
     waited longer than `limit_s`; else None."""
     lora_config = getattr(scheduler, "lora_config", None)
     if not limit_s or lora_config is None:
         return None
-    running = {r.lora_request.lora_int_id for r in scheduler.running if r.lora_request}
+    running = adapters_of(scheduler.running)
     if len(running) < lora_config.max_loras:
         return None
     now = time.time() if now is None else now

@@ -66,6 +66,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     verdict,
 )
 from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.scheduling import adapters_of
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -416,7 +417,7 @@ class EngineAdmissions:
     def _adapters_in_use(self) -> set[int]:
         """The adapters the scheduler holds requests of (running or waiting)."""
         requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
-        return {r.lora_request.lora_int_id for r in requests.values() if getattr(r, "lora_request", None)}
+        return adapters_of(requests.values())
 
     # -- the ticker -------------------------------------------------------------------------------------------------
     def _busy(self) -> bool:

@@ -42,6 +42,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from vllm_bdlora.scheduling import adapters_of, waiting_queues
+
 ADAPTERS_PER_STEP = "_bdlora_adapters_per_step"  # on vLLM's LoRAConfig where slots were added for fills ahead
 WAITING_ADAPTERS = "_bdlora_waiting_adapters"  # on vLLM's SchedulerOutput: what its workers may fill after launching it
 
@@ -82,7 +84,7 @@ class WaitingAdapters:
 def waiting_adapters(running: Iterable, waiting: Iterable, in_engine: Iterable, at_most: int) -> WaitingAdapters | None:
     """The adapters the requests `waiting` (in the scheduler's order) need that no `running` request holds, at most
     `at_most` of them (the slots); `in_engine`: every request the scheduler holds. None where there is none."""
-    running_ids = {r.lora_request.lora_int_id for r in running if r.lora_request}
+    running_ids = adapters_of(running)
     fill: list[int] = []
     for request in waiting:
         lora = request.lora_request
@@ -93,7 +95,7 @@ def waiting_adapters(running: Iterable, waiting: Iterable, in_engine: Iterable, 
             break
     if not fill:
         return None
-    keep = frozenset(r.lora_request.lora_int_id for r in in_engine if getattr(r, "lora_request", None))
+    keep = frozenset(adapters_of(in_engine))
     return WaitingAdapters(tuple(fill), keep)
 
 
@@ -138,8 +140,6 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
 def name_waiting_adapters(scheduler, output) -> None:
     """Put on a step's scheduler output (`output`) the adapters of `scheduler`'s waiting requests that its workers may
     fill after launching the step: only where the workers have slots beyond the step limit (`add_spare_slots`)."""
-    from vllm_bdlora.scheduling import waiting_queues
-
     workers_config = getattr(getattr(scheduler, "vllm_config", None), "lora_config", None)
     if workers_config is None or adapters_per_step(workers_config) == workers_config.max_loras:
         return
