@@ -27,6 +27,7 @@ from vllm_bdlora.adapter_lifecycle.fill_ahead import (
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore
 from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order, fill_for_waiting_requests
 from vllm_bdlora.config import BdLoraSettings
+from vllm_bdlora.scheduling import slots_seen
 
 
 class Recency(OrderedDict):
@@ -153,8 +154,11 @@ def test_the_engine_cores_read_back_call_fills_ahead_unless_the_setting_is_off()
 def test_the_engine_core_asks_for_a_fill_naming_the_adapters_whose_requests_need_their_slots():
     calls = []
     running = SimpleNamespace(lora_request=lora(7))
+    scheduler = SimpleNamespace(requests={"r0": running, "r1": SimpleNamespace(lora_request=None)},
+                                lora_config=SimpleNamespace(max_loras=1),
+                                vllm_config=SimpleNamespace(lora_config=SimpleNamespace(max_loras=2)))  # fmt: skip
     core = SimpleNamespace(
-        scheduler=SimpleNamespace(requests={"r0": running, "r1": SimpleNamespace(lora_request=None)}),
+        scheduler=scheduler,
         model_executor=SimpleNamespace(collective_rpc=lambda method, args: calls.append(args[0]) or [[], []]),
     )
     admissions = EngineAdmissions(core, timeout_s=5)
@@ -164,6 +168,7 @@ def test_the_engine_core_asks_for_a_fill_naming_the_adapters_whose_requests_need
     assert not admissions.hold(request, 0)  # in memory on every rank: straight to the scheduler
     (call,) = calls
     assert call == RestoreAhead([3], fill=[request.lora_request], keep=frozenset({7, 9}))
+    assert slots_seen(scheduler).holds(3)  # the scheduler counts it filled: its request joins the next step
     assert not admissions.hold(SimpleNamespace(request_id="r3", lora_request=lora(7)), 0) and len(calls) == 1
 
 
@@ -211,15 +216,23 @@ def test_a_step_names_the_adapters_of_waiting_requests_no_running_request_holds_
 def test_the_scheduler_puts_the_waiting_adapters_on_its_output_only_where_workers_have_spare_slots():
     from vllm.config import LoRAConfig
 
-    running, waiting = [request("r0", 1)], [request("w0", 3)]
-    for spare in (1, 0):
+    running, waiting, held = [request("r0", 1)], [request("w0", 3)], [request("h0", 6)]
+    for spare in (0, 1):
         workers = LoRAConfig(max_loras=1, max_lora_rank=8)
         add_spare_slots(workers, spare)
-        scheduler = SimpleNamespace(vllm_config=SimpleNamespace(lora_config=workers), running=running,
-                                    waiting=waiting, requests={r.request_id: r for r in running + waiting})  # fmt: skip
+        in_engine = {r.request_id: r for r in running + waiting + held}
+        scheduler = SimpleNamespace(vllm_config=SimpleNamespace(lora_config=workers), running=running, waiting=waiting,
+                                    lora_config=scheduler_lora_config(workers), requests=in_engine)  # fmt: skip
+        seen = slots_seen(scheduler)
+        if seen is not None:
+            seen.held = held  # held out of this step while its adapter is filled (scheduling.hold_for_fills)
         output = SimpleNamespace()
         name_waiting_adapters(scheduler, output)
-        assert getattr(output, WAITING_ADAPTERS, None) == (WaitingAdapters((3,), frozenset({1, 3})) if spare else None)
+        named = WaitingAdapters((6, 3), frozenset({1, 3, 6})) if spare else None
+        assert getattr(output, WAITING_ADAPTERS, None) == named
+    # the scheduler follows what its workers' slots now hold: the step's adapter, and the first named where the
+    # spare slot could take it
+    assert seen.holds(1) and seen.holds(6) and not seen.holds(3)
 
 
 def test_a_worker_fills_the_waiting_adapters_into_its_spare_slot_after_launching_the_step():

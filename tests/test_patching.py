@@ -94,7 +94,10 @@ PATCH_TESTS = {
         "test_server_guards.py::test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it",
         "test_soak.py::test_soak_answers_every_request_as_if_sent_alone",
     ],
-    "scheduler_lora_aging": ["test_scheduling.py"],
+    "scheduler_lora_holds": [
+        "test_scheduling.py",
+        "test_engine_vs_peft.py::test_more_adapters_than_gpu_slots_still_match_peft",
+    ],
     "slots_beyond_the_step_limit": [
         "test_fill_ahead.py",
         "test_engine_vs_peft.py::test_more_adapters_than_gpu_slots_still_match_peft",

@@ -1,13 +1,23 @@
-"""No request waits unboundedly for a LoRA slot (`vllm_bdlora.scheduling`), on vLLM's own request queues: the
-starved adapter is found once its oldest request has waited past the limit, every other adapter's waiting request is
-held back (base-model requests are not), and everything goes back in arrival order."""
+"""Which waiting requests join a step (`vllm_bdlora.scheduling`), on vLLM's own request queues. No request waits
+unboundedly for a LoRA slot: the starved adapter is found once its oldest request has waited past the limit, every
+other adapter's waiting request is held back (base-model requests are not), and everything goes back in arrival order.
+Where workers have slots beyond the step limit, a request whose adapter is in no slot sits out one step while it is
+filled, as far as the scheduler's view of the slots tells."""
 
 from types import SimpleNamespace
 
 import pytest
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 
-from vllm_bdlora.scheduling import hold_back, put_back, starved_adapter
+from vllm_bdlora.scheduling import (
+    HELD_FOR_FILL,
+    SlotsSeen,
+    hold_back,
+    hold_for_fills,
+    put_back,
+    slots_seen,
+    starved_adapter,
+)
 
 
 class Request(SimpleNamespace):
@@ -54,3 +64,52 @@ def test_the_oldest_starved_adapter_holds_the_others_back_until_the_step_is_sche
     assert sorted(order) == sorted(["a1", "c1", "d1", "a2", "c2"]) and len(order) == 5
     if policy == SchedulingPolicy.FCFS:
         assert order == sorted(order, key=lambda rid: next(r.arrival_time for r in waiting if r.request_id == rid))
+
+
+def test_the_schedulers_view_of_slots_follows_steps_and_fills_in_least_recently_used_order():
+    seen = SlotsSeen(3)
+    seen.ran([1, 2, 3])
+    seen.ran([1, 4])  # 4 takes the least recently used slot: 2's
+    assert [seen.holds(a) for a in (1, 2, 3, 4)] == [True, False, True, True]
+    seen.filled([5, 6], keep={1, 4, 5, 6})  # 5 takes 3's slot (no request needs it); nothing is left for 6
+    assert [seen.holds(a) for a in (3, 5, 6)] == [False, True, False]
+    assert not seen.has_room({1, 4, 5}) and seen.has_room({1, 4})
+    seen.forget(4)  # removed, or admitted again: its slot no longer serves it
+    assert not seen.holds(4) and seen.has_room({1, 4, 5})
+    seen.filled([6], keep={1, 5})
+    assert seen.holds(6)
+
+
+def spare_slot_scheduler(running_adapters, waiting, step_limit=2, slots=3):
+    sched = scheduler(running_adapters, waiting, max_loras=step_limit)
+    sched.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_loras=slots))
+    sched.requests = {r.request_id: r for r in [*sched.running, *waiting]}
+    return sched
+
+
+def test_a_request_whose_adapter_is_in_no_slot_sits_out_one_step_and_is_named_first():
+    waiting = [request("a", 2, 1.0), request("base", None, 2.0), request("b", 1, 3.0), request("c", 3, 4.0),
+               request("a2", 2, 5.0)]  # fmt: skip
+    sched = spare_slot_scheduler([1], waiting)
+    slots_seen(sched).ran([1, 3])  # 1 runs; 3 was filled ahead
+    held = hold_for_fills(sched)
+    assert [r.request_id for r in sched.waiting] == ["base", "b", "c"]  # 2 in no slot: both its requests sit out
+    assert [r.request_id for r in slots_seen(sched).held] == ["a", "a2"]
+    put_back(held)
+    assert [r.request_id for r in sched.waiting] == ["a", "base", "b", "c", "a2"]
+    assert getattr(waiting[0], HELD_FOR_FILL)
+    # once only: where its fill ahead did not happen, the step fills it, as without the hold
+    assert hold_for_fills(sched) == [] and slots_seen(sched).held == []
+
+
+def test_no_request_sits_out_where_no_adapter_could_join_or_no_slot_could_be_filled_or_none_is_spare():
+    waiting = [request("a", 2, 1.0)]
+    full = spare_slot_scheduler([1, 3], waiting)  # two adapters run: the step limit keeps 2 out anyway
+    assert hold_for_fills(full) == [] and not hasattr(waiting[0], HELD_FOR_FILL)
+    kept = spare_slot_scheduler([1], waiting)
+    slots_seen(kept).ran([1, 3, 4])
+    kept.requests |= {"w3": request("w3", 3, 0.5), "w4": request("w4", 4, 0.5)}  # every slot's adapter has requests
+    assert hold_for_fills(kept) == []
+    no_spare = spare_slot_scheduler([1], waiting, slots=2)  # the workers' slots are the step limit, as in vLLM
+    assert slots_seen(no_spare) is None and hold_for_fills(no_spare) == []
+    assert [r.request_id for r in no_spare.waiting] == ["a"]

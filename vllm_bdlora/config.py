@@ -104,6 +104,10 @@ class BdLoraSettings:
     # ahead of the step that runs them (fill_ahead.py). Inside --lora-gpu-memory where it holds one slot more than
     # that, else beyond --max-loras; 0: the scheduler's limit is the slots, as in vLLM. Used with fill_slots_ahead.
     fill_ahead_slots: int = 1
+    # With slots beyond --max-loras, a waiting request whose adapter is in no slot sits out one step while its adapter
+    # is filled beside that step, instead of joining it and having the step (every running request) wait for the copy
+    # (vllm_bdlora/scheduling.py); false lets it join at once, which saves that request one step.
+    hold_for_slot_fills: bool = True
     # An adapter a request just named (read back, or found in memory) is not spilled before a step takes it while
     # another adapter can go instead, for at most this long: the read-backs for the requests queued behind its own
     # would otherwise spill it, and its step would read it from the spill file after all. Past this its request was
@@ -144,6 +148,7 @@ class BdLoraSettings:
             "dora": section.get("dora", False),
             "one_launch_decode": section.get("one_launch_decode", cls.one_launch_decode),
             "fill_slots_ahead": section.get("fill_slots_ahead", cls.fill_slots_ahead),
+            "hold_for_slot_fills": section.get("hold_for_slot_fills", cls.hold_for_slot_fills),
         }
         for key, value in values.items():
             if not isinstance(value, bool):
@@ -215,6 +220,7 @@ class BdLoraSettings:
             one_launch_decode=values["one_launch_decode"],
             fill_slots_ahead=values["fill_slots_ahead"],
             fill_ahead_slots=spare_slots,
+            hold_for_slot_fills=values["hold_for_slot_fills"],
             one_launch_max_tokens=max_tokens,
             one_launch_max_mixed_width=mixed_width,
             one_launch_max_adapters=max_mixed,

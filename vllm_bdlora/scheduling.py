@@ -12,12 +12,24 @@ requests, which need no slot, still join); running requests go on and finish, th
 waiting adapter, and then every request joins again. A request therefore waits at most about the limit plus the
 time the running requests of one adapter take to finish, and the price is paid only while something has waited that
 long.
+
+Where the workers have GPU slots beyond `--max-loras` (`adapter_lifecycle.fill_ahead`), a waiting request whose adapter
+is in none of them is held out of one step (`hold_for_fills`, setting `hold_for_slot_fills`) while its adapter is
+named for a fill ahead of the next step: the fill then runs beside the step the request sat out, and no running
+request's step waits for it. The scheduler does not ask its workers which adapters their slots hold; it follows them
+(`SlotsSeen`): the adapters its steps ran and those it named for filling, in vLLM's least-recently-used order. Where
+that guess is wrong, a request waits one step it did not need to, or its adapter is filled in its step, as without the
+hold; each request is held once at most.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable
+
+HELD_FOR_FILL = "_bdlora_held_for_fill"  # on a vLLM Request held out of a step while its adapter was filled
+SLOTS_SEEN = "_bdlora_slots_seen"  # on vLLM's scheduler: what it can tell of its workers' slots
 
 
 def waiting_queues(scheduler) -> list:
@@ -71,3 +83,94 @@ def put_back(held: list) -> None:
         queue.remove_requests(remaining)
         for request in sorted(remaining + requests, key=lambda r: r.arrival_time):
             queue.add_request(request)
+
+
+class SlotsSeen:
+    """What a scheduler can tell of its workers' GPU slots without asking them: the adapters its steps ran and those
+    it named for a fill ahead, least recently used first, as many as there are slots (vLLM's worker evicts in that
+    order, and fills ahead take the least recently used slot no request needs). A guess: a worker fills ahead only an
+    adapter it holds in host memory, and a pinned adapter keeps its slot."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self._order: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.held: list = []  # requests held out of the step being scheduled, for the naming of its fills
+
+    def holds(self, adapter_id: int) -> bool:
+        return adapter_id in self._order
+
+    def ran(self, adapter_ids: Iterable[int]) -> None:
+        """A step made `adapter_ids` resident (each taking the least recently used slot where it was in none)."""
+        for adapter_id in adapter_ids:
+            self._order[adapter_id] = None
+            self._order.move_to_end(adapter_id)
+            if len(self._order) > self.slots:
+                self._order.popitem(last=False)
+
+    def has_room(self, keep: frozenset | set) -> bool:
+        """Whether a fill ahead could take a slot: a free one, or one whose adapter is not in `keep`."""
+        return len(self._order) < self.slots or any(a not in keep for a in self._order)
+
+    def filled(self, adapter_ids: Iterable[int], keep: frozenset | set) -> None:
+        """Workers were asked to fill `adapter_ids` ahead, taking no slot of `keep`'s adapters; as they do, the
+        first that finds no slot ends it."""
+        for adapter_id in adapter_ids:
+            if adapter_id in self._order:
+                continue
+            if len(self._order) >= self.slots:
+                taken = next((a for a in self._order if a not in keep), None)
+                if taken is None:
+                    return
+                del self._order[taken]
+            self._order[adapter_id] = None
+            keep = set(keep) | {adapter_id}
+
+    def forget(self, adapter_id: int) -> None:
+        """The adapter was removed: its slots were freed."""
+        self._order.pop(adapter_id, None)
+
+
+def slots_seen(scheduler) -> SlotsSeen | None:
+    """The scheduler's `SlotsSeen`, where its workers have slots beyond the adapters one step may run (the
+    scheduler's LoRA config is its own copy, limited to `--max-loras`); else None."""
+    seen = getattr(scheduler, SLOTS_SEEN, None)
+    if seen is not None:
+        return seen
+    limited = getattr(scheduler, "lora_config", None)
+    workers = getattr(getattr(scheduler, "vllm_config", None), "lora_config", None)
+    if limited is None or workers is None or workers.max_loras <= limited.max_loras:
+        return None
+    seen = SlotsSeen(workers.max_loras)
+    setattr(scheduler, SLOTS_SEEN, seen)
+    return seen
+
+
+def hold_for_fills(scheduler) -> list:
+    """Take out of the scheduler's queues, for the step about to be scheduled, every waiting request (held no step
+    before) whose adapter no running request holds and no slot holds as far as the scheduler can tell, where the step
+    could take another adapter and a fill ahead a slot; returns (queue, requests) pairs for `put_back`, and remembers
+    the requests for naming their adapters first (`SlotsSeen.held`). All of them, not as many as the step could take:
+    the step would take the next ones instead."""
+    seen = slots_seen(scheduler)
+    if seen is None:
+        return []
+    seen.held = []
+    running = adapters_of(scheduler.running)
+    if len(running) >= scheduler.lora_config.max_loras:
+        return []  # no new adapter joins this step anyway; its waiting adapters are named for fills all the same
+    if not seen.has_room(adapters_of(getattr(scheduler, "requests", {}).values())):
+        return []
+    held = []
+    for queue in waiting_queues(scheduler):
+        hold = [
+            r for r in queue
+            if r.lora_request is not None and not getattr(r, HELD_FOR_FILL, False)
+            and r.lora_request.lora_int_id not in running and not seen.holds(r.lora_request.lora_int_id)
+        ]  # fmt: skip
+        if hold:
+            for request in hold:
+                setattr(request, HELD_FOR_FILL, True)
+            queue.remove_requests(hold)
+            held.append((queue, hold))
+            seen.held.extend(hold)
+    return held

@@ -66,7 +66,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     verdict,
 )
 from vllm_bdlora.config import BdLoraSettings
-from vllm_bdlora.scheduling import adapters_of
+from vllm_bdlora.scheduling import adapters_of, slots_seen
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -220,7 +220,11 @@ class EngineAdmissions:
         adapter_id = lora_request.lora_int_id
         keep = frozenset(self._adapters_in_use() | set(self.reading_back))  # their requests need their slots first
         call = RestoreAhead([adapter_id], fill=[lora_request], keep=keep)
-        return any(adapter_id in reading for reading in self._rpc(call))
+        reading = any(adapter_id in ranks_reading for ranks_reading in self._rpc(call))
+        seen = slots_seen(getattr(self.core, "scheduler", None))
+        if seen is not None and not reading:
+            seen.filled([adapter_id], keep)
+        return reading
 
     def _poll_read_backs(self) -> None:
         """Hand the held requests of every adapter no rank is reading back any more (or held for
@@ -393,7 +397,11 @@ class EngineAdmissions:
 
     # -- what prefix caching keys an adapter's blocks by ---------------------------------------------------------
     def _next_generation(self, adapter_id: int) -> None:
+        """The adapter was admitted or removed: what a slot held of it before serves none of its next requests."""
         self.generations[adapter_id] = next(self._generation_counter)
+        seen = slots_seen(getattr(self.core, "scheduler", None))
+        if seen is not None:
+            seen.forget(adapter_id)
 
     def key_blocks_by_admission(self) -> None:
         """Make the core's request block hasher give each LoRA request its adapter's generation before its first

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator
 
 import torch
 
-from vllm_bdlora.scheduling import adapters_of, waiting_queues
+from vllm_bdlora.scheduling import adapters_of, slots_seen, waiting_queues
 
 ADAPTERS_PER_STEP = "_bdlora_adapters_per_step"  # on vLLM's LoRAConfig where slots were added for fills ahead
 WAITING_ADAPTERS = "_bdlora_waiting_adapters"  # on vLLM's SchedulerOutput: what its workers may fill after launching it
@@ -139,14 +140,18 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
 
 def name_waiting_adapters(scheduler, output) -> None:
     """Put on a step's scheduler output (`output`) the adapters of `scheduler`'s waiting requests that its workers may
-    fill after launching the step: only where the workers have slots beyond the step limit (`add_spare_slots`)."""
-    workers_config = getattr(getattr(scheduler, "vllm_config", None), "lora_config", None)
-    if workers_config is None or adapters_per_step(workers_config) == workers_config.max_loras:
+    fill after launching the step: only where the workers have slots beyond the step limit (`add_spare_slots`). The
+    scheduler's view of its workers' slots (`scheduling.SlotsSeen`) follows what the step runs and fills."""
+    seen = slots_seen(scheduler)
+    if seen is None:
         return
-    waiting = (request for queue in waiting_queues(scheduler) for request in queue)
-    named = waiting_adapters(scheduler.running, waiting, scheduler.requests.values(), workers_config.max_loras)
+    seen.ran(adapters_of(scheduler.running))
+    # the requests held out of this step first: they join the next one (scheduling.hold_for_fills)
+    waiting = itertools.chain(seen.held, (request for queue in waiting_queues(scheduler) for request in queue))
+    named = waiting_adapters(scheduler.running, waiting, scheduler.requests.values(), seen.slots)
     if named is not None:
         setattr(output, WAITING_ADAPTERS, named)
+        seen.filled(named.fill, named.keep)
 
 
 class AheadFills:

@@ -157,12 +157,13 @@ def patch_engine_core_answers_pings() -> bool:
     return add_method(EngineCore, "bdlora_ping", bdlora_ping)
 
 
-def patch_scheduler_lora_aging() -> bool:
-    """Bound how long a request waits for a LoRA slot (`vllm_bdlora.scheduling`)."""
+def patch_scheduler_lora_holds() -> bool:
+    """Hold waiting requests out of a step: to bound how long a request waits for a LoRA slot, and while an adapter
+    is filled ahead of the step its request joins (`vllm_bdlora.scheduling`)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_bdlora.config import BdLoraSettings
-    from vllm_bdlora.scheduling import hold_back, put_back, starved_adapter
+    from vllm_bdlora.scheduling import hold_back, hold_for_fills, put_back, starved_adapter
 
     require_parameters(Scheduler.schedule, ("self",), "Scheduler.schedule")
     for queue_method in ("remove_requests", "add_request"):
@@ -173,14 +174,17 @@ def patch_scheduler_lora_aging() -> bool:
 
     def make(original):
         def schedule(self, *args, **kwargs):
-            limit = getattr(self, "_bdlora_wait_limit", None)
-            if limit is None:
-                settings = BdLoraSettings.from_vllm_config(getattr(self, "vllm_config", None))
-                limit = self._bdlora_wait_limit = settings.lora_wait_limit_s if settings.enabled else 0.0
-            starved = starved_adapter(self, limit) if limit else None
-            if starved is None:
+            settings = getattr(self, "_bdlora_settings", None)
+            if settings is None:
+                settings = self._bdlora_settings = BdLoraSettings.from_vllm_config(getattr(self, "vllm_config", None))
+            if not settings.enabled:
                 return original(self, *args, **kwargs)
-            held = hold_back(self, starved)
+            starved = starved_adapter(self, settings.lora_wait_limit_s)
+            held = hold_back(self, starved) if starved is not None else []
+            if settings.hold_for_slot_fills:
+                held += hold_for_fills(self)
+            if not held:
+                return original(self, *args, **kwargs)
             try:
                 return original(self, *args, **kwargs)
             finally:
@@ -216,7 +220,7 @@ def patch_slots_beyond_the_step_limit() -> bool:
 
     def make_after_schedule(original):
         # the last thing vLLM's schedule() does with a step's output, in every release (schedule itself is wrapped
-        # by scheduler_lora_aging)
+        # by scheduler_lora_holds)
         def _update_after_schedule(self, scheduler_output, *args, **kwargs):
             original(self, scheduler_output, *args, **kwargs)
             name_waiting_adapters(self, scheduler_output)

@@ -11,7 +11,7 @@ from vllm_bdlora.patching.engine import (
     patch_engine_core_answers_pings,
     patch_prefix_cache_keyed_by_admission,
     patch_scheduler_ends_non_finite_requests,
-    patch_scheduler_lora_aging,
+    patch_scheduler_lora_holds,
     patch_slots_beyond_the_step_limit,
     patch_worker_admission_calls,
 )
@@ -219,19 +219,23 @@ PATCHES: tuple[Patch, ...] = (
         apply=patch_prefix_cache_keyed_by_admission,
     ),
     Patch(
-        name="scheduler_lora_aging",
+        name="scheduler_lora_holds",
         targets=("vllm.v1.core.sched.scheduler.Scheduler.schedule",),
         stage="plugin",
         versions="0.26-0.33 (engine core process)",
         why="vLLM's scheduler skips a waiting request whose adapter would exceed --max-loras and lets requests of "
         "running adapters keep joining: under skewed popularity a rarely used adapter's request can wait without "
-        'bound (its own comment: "NOT fair: it can starve LoRAs").',
+        'bound (its own comment: "NOT fair: it can starve LoRAs"). And a request whose adapter is in no GPU slot '
+        "joins the next step, which then fills the slot while every running request waits for the copy.",
         how="With BD-LoRA on, before each schedule: once the oldest request needing a slot has waited longer than "
         "lora_wait_limit_s (2 s), other adapters' waiting requests are held out of the queues for that step "
         "(base-model requests stay) and put back in arrival order after it, so the running adapters drain and the "
-        "first free slot goes to the starved one (vllm_bdlora.scheduling).",
-        removal="A fair LoRA-aware scheduling policy in vLLM.",
-        apply=patch_scheduler_lora_aging,
+        "first free slot goes to the starved one. Where the workers have slots beyond --max-loras "
+        "(slots_beyond_the_step_limit) and hold_for_slot_fills is on, a waiting request whose adapter is in no slot "
+        "as far as the scheduler can tell is held out of one step, its adapter named first for the fills beside "
+        "that step (vllm_bdlora.scheduling).",
+        removal="A fair LoRA-aware scheduling policy in vLLM that also prefetches the adapters of waiting requests.",
+        apply=patch_scheduler_lora_holds,
     ),
     Patch(
         name="slots_beyond_the_step_limit",
