@@ -108,6 +108,7 @@ def test_settings(additional_config, enabled):
         ({"one_launch_decode": "off"}, "true or false"),
         ({"fill_slots_ahead": 0}, "true or false"),
         ({"fill_ahead_slots": -1}, "must be an integer >= 0"),
+        ({"hold_for_slot_fills": "on"}, "true or false"),
         ({"fill_ahead_slots": True}, "must be an integer >= 0"),
         ({"one_launch_max_tokens": 24}, r"must be one of \[16, 32, 64\]"),
         ({"one_launch_max_tokens": True}, r"must be one of \[16, 32, 64\]"),
@@ -137,6 +138,11 @@ def test_the_read_back_holds_are_settings():
 def test_slots_are_filled_ahead_of_the_step_unless_turned_off():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).fill_slots_ahead
     assert not BdLoraSettings.from_additional_config({"bdlora": {"fill_slots_ahead": False}}).fill_slots_ahead
+
+
+def test_requests_sit_out_a_step_for_their_slot_fill_unless_turned_off():
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).hold_for_slot_fills
+    assert not BdLoraSettings.from_additional_config({"bdlora": {"hold_for_slot_fills": False}}).hold_for_slot_fills
 
 
 def test_one_slot_is_kept_for_fills_ahead_unless_set_otherwise_or_filling_ahead_is_off():

@@ -25,7 +25,8 @@ another adapter finished. So the workers get slots beyond the adapters one step 
 default: `add_spare_slots`, the scheduler keeping `--max-loras` as its limit through `scheduler_lora_config`), and each
 step names the adapters its waiting requests need (`WaitingAdapters`, computed by the engine core's scheduler as it
 schedules the step, carried to every rank with the step): each worker fills them, as slots allow, right after it has
-launched that step, so the copies run beside it.
+launched that step, so the copies run beside it. Where that step could have taken such a request, the request sits it
+out (`scheduling.hold_for_fills`): it joins the next step, which then finds its adapter filled.
 
 Every rank receives the same calls in the same order and decides on its own state, which is the same on every rank
 but for a moment after a read-back finishes on its thread (it may spill another adapter on one rank before it does on
