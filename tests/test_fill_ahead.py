@@ -184,8 +184,9 @@ def test_a_step_after_a_fill_ahead_counts_its_adapter_as_a_gpu_hit_and_fills_not
     assert adapters.stats.lookups["cpu"] == adapters.stats.hits["cpu"] == 1  # the fill found it in host memory
 
 
-def request(request_id, adapter_id=None):
-    return SimpleNamespace(request_id=request_id, lora_request=None if adapter_id is None else lora(adapter_id))
+def request(request_id, adapter_id=None, arrival_time=0.0):
+    lora_request = None if adapter_id is None else lora(adapter_id)
+    return SimpleNamespace(request_id=request_id, lora_request=lora_request, arrival_time=arrival_time)
 
 
 def test_workers_get_spare_slots_and_the_scheduler_keeps_max_loras_as_its_step_limit():
@@ -216,7 +217,7 @@ def test_a_step_names_the_adapters_of_waiting_requests_no_running_request_holds_
 def test_the_scheduler_puts_the_waiting_adapters_on_its_output_only_where_workers_have_spare_slots():
     from vllm.config import LoRAConfig
 
-    running, waiting, held = [request("r0", 1)], [request("w0", 3)], [request("h0", 6)]
+    running, waiting, held = [request("r0", 1)], [request("w0", 3, 2.0)], [request("h0", 6, 3.0)]
     for spare in (0, 1):
         workers = LoRAConfig(max_loras=1, max_lora_rank=8)
         add_spare_slots(workers, spare)
@@ -228,11 +229,12 @@ def test_the_scheduler_puts_the_waiting_adapters_on_its_output_only_where_worker
             seen.held = held  # held out of this step while its adapter is filled (scheduling.hold_for_fills)
         output = SimpleNamespace()
         name_waiting_adapters(scheduler, output)
-        named = WaitingAdapters((6, 3), frozenset({1, 3, 6})) if spare else None
+        # in the order the scheduler takes them: the held request goes back into the queue in arrival order
+        named = WaitingAdapters((3, 6), frozenset({1, 3, 6})) if spare else None
         assert getattr(output, WAITING_ADAPTERS, None) == named
-    # the scheduler follows what its workers' slots now hold: the step's adapter, and the first named where the
-    # spare slot could take it
-    assert seen.holds(1) and seen.holds(6) and not seen.holds(3)
+    # the scheduler follows what its workers' slots now hold: the step's adapter, and the first named, which the
+    # spare slot takes
+    assert seen.holds(1) and seen.holds(3) and not seen.holds(6)
 
 
 def test_a_worker_fills_the_waiting_adapters_into_its_spare_slot_after_launching_the_step():

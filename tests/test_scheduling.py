@@ -113,3 +113,18 @@ def test_no_request_sits_out_where_no_adapter_could_join_or_no_slot_could_be_fil
     no_spare = spare_slot_scheduler([1], waiting, slots=2)  # the workers' slots are the step limit, as in vLLM
     assert slots_seen(no_spare) is None and hold_for_fills(no_spare) == []
     assert [r.request_id for r in no_spare.waiting] == ["a"]
+
+
+def test_requests_behind_the_adapters_a_step_can_add_keep_their_hold_for_when_they_could_join():
+    # one adapter a step, none running: vLLM would take the queue's first adapter
+    waiting = [request("c", 3, 1.0), request("b", 2, 2.0), request("d", 4, 3.0)]
+    sched = spare_slot_scheduler([], waiting, step_limit=1, slots=2)
+    slots_seen(sched).ran([2])  # 2 was filled ahead; 3 and 4 are in no slot
+    held = hold_for_fills(sched)
+    assert [r.request_id for r in slots_seen(sched).held] == ["c"]  # 2 joins instead; 4 waits behind it anyway
+    put_back(held)
+    assert not hasattr(waiting[2], HELD_FOR_FILL)
+    # a queue whose first adapter holds a slot: it joins, and no one sits out (the pipeline of one adapter at a time)
+    sched = spare_slot_scheduler([], [request("b", 2, 1.0), request("e", 5, 2.0)], step_limit=1, slots=2)
+    slots_seen(sched).ran([2])
+    assert hold_for_fills(sched) == []

@@ -146,27 +146,36 @@ def slots_seen(scheduler) -> SlotsSeen | None:
 
 
 def hold_for_fills(scheduler) -> list:
-    """Take out of the scheduler's queues, for the step about to be scheduled, every waiting request (held no step
-    before) whose adapter no running request holds and no slot holds as far as the scheduler can tell, where the step
-    could take another adapter and a fill ahead a slot; returns (queue, requests) pairs for `put_back`, and remembers
-    the requests for naming their adapters first (`SlotsSeen.held`). All of them, not as many as the step could take:
-    the step would take the next ones instead."""
+    """Take out of the scheduler's queues, for the step about to be scheduled, the waiting requests that would join
+    it with an adapter that no slot holds as far as the scheduler can tell: in queue order, each adapter that would
+    join (it holds a slot, or its request already sat out a step) takes one of the adapters the step may add, and
+    each that would join without a slot is held (every waiting request of it), until the step has no room left for
+    another adapter; the requests behind wait for that room anyway, and keep their one hold for when it comes. Only
+    where a fill ahead could take a slot. Returns (queue, requests) pairs for `put_back`, and remembers the requests
+    for naming their adapters for the fills beside the step (`SlotsSeen.held`)."""
     seen = slots_seen(scheduler)
     if seen is None:
         return []
     seen.held = []
     running = adapters_of(scheduler.running)
-    if len(running) >= scheduler.lora_config.max_loras:
-        return []  # no new adapter joins this step anyway; its waiting adapters are named for fills all the same
-    if not seen.has_room(adapters_of(getattr(scheduler, "requests", {}).values())):
+    room = scheduler.lora_config.max_loras - len(running)
+    if room <= 0 or not seen.has_room(adapters_of(getattr(scheduler, "requests", {}).values())):
         return []
+    joining: set[int] = set()
+    holding: set[int] = set()
+    for request in (r for queue in waiting_queues(scheduler) for r in queue):
+        adapter_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+        if adapter_id is None or adapter_id in running or adapter_id in joining or adapter_id in holding:
+            continue
+        if seen.holds(adapter_id) or getattr(request, HELD_FOR_FILL, False):
+            joining.add(adapter_id)
+            if len(joining) >= room:
+                break
+        else:
+            holding.add(adapter_id)
     held = []
     for queue in waiting_queues(scheduler):
-        hold = [
-            r for r in queue
-            if r.lora_request is not None and not getattr(r, HELD_FOR_FILL, False)
-            and r.lora_request.lora_int_id not in running and not seen.holds(r.lora_request.lora_int_id)
-        ]  # fmt: skip
+        hold = [r for r in queue if r.lora_request is not None and r.lora_request.lora_int_id in holding]
         if hold:
             for request in hold:
                 setattr(request, HELD_FOR_FILL, True)
