@@ -19,13 +19,19 @@ from vllm_bdlora.adapter_lifecycle.fill_ahead import (
     AheadFills,
     WaitingAdapters,
     add_spare_slots,
+    make_room_for_step,
     name_waiting_adapters,
     scheduler_lora_config,
     slot_to_take,
     waiting_adapters,
 )
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore
-from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order, fill_for_waiting_requests
+from vllm_bdlora.adapter_lifecycle.worker import (
+    WorkerAdapters,
+    apply_in_id_order,
+    fill_for_waiting_requests,
+    note_waiting_requests,
+)
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.scheduling import slots_seen
 
@@ -246,6 +252,10 @@ def test_a_worker_fills_the_waiting_adapters_into_its_spare_slot_after_launching
     assert fill_for_waiting_requests(worker_manager, output) == 1 and manager.lora_index_to_id == [1, 2, 3]
     assert adapters.stats.loads["slot_fill_ahead"].count == 1
     assert fill_for_waiting_requests(worker_manager, SimpleNamespace()) == 0  # a step naming none
+    note_waiting_requests(worker_manager, output)  # before a step: what its own fills leave alone
+    assert adapters.waiting_keep == {1, 2, 3, 5}
+    note_waiting_requests(worker_manager, SimpleNamespace())
+    assert adapters.waiting_keep == frozenset()
     assert fill_for_waiting_requests(None, output) == 0  # a worker without LoRA
 
 
@@ -300,3 +310,20 @@ def test_on_a_gpu_a_step_waits_only_for_the_fills_ahead_into_the_slots_it_runs()
     seen = slots[1, :8].clone()
     torch.cuda.synchronize()
     assert torch.equal(seen.cpu(), torch.full((8,), 7.0))
+
+
+def test_a_steps_own_fills_take_no_slot_a_waiting_request_or_the_step_itself_needs_where_another_can_go():
+    # least recently used first: 1 (filled ahead for a waiting request), 2 (this step's, not yet reached), 3
+    manager = Slots(3, registered=[1, 2, 3], active=[1, 2, 3], capacity=3)
+    make_room_for_step(manager, [2, 5], keep=frozenset({1, 2, 5}))
+    manager.activate_adapter(2)
+    manager.activate_adapter(5)  # as vLLM's step does next: into the slot made free, 3's, with 3's host entry
+    assert manager.lora_index_to_id == [1, 2, 5] and 3 not in manager._registered_adapters
+    # every other slot's adapter has requests: the step still takes none of its own, the least recent other one
+    manager = Slots(3, registered=[1, 2, 3], active=[1, 2, 3], capacity=4)
+    make_room_for_step(manager, [2, 5], keep=frozenset({1, 2, 3, 5}))
+    assert manager.lora_index_to_id == [None, 2, 3] and list(manager._registered_adapters) == [1, 2, 3]
+    # every slot is the step's own: vLLM's order decides
+    manager = Slots(2, registered=[1, 2], active=[1, 2])
+    make_room_for_step(manager, [1, 2, 5])
+    assert manager.lora_index_to_id == [1, 2]

@@ -133,8 +133,10 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     slots = int(re.search(r"(\d+) slots, --max-loras", server["bd_slots_line"]).group(1))
     assert distinct["gpu_misses"] + distinct.get("loads_slot_fill_ahead", 0) >= 40 - slots > 0, distinct
     assert distinct["loads_reread"] + distinct.get("loads_restore", 0) > 0
-    # each slot a step filled is timed as that step's wait: one slot_fill per GPU miss
-    assert distinct["loads_slot_fill"] == distinct["gpu_misses"] and distinct["load_slot_fill_mean_ms"] > 0
+    # each slot a step filled is timed as that step's wait: one slot_fill per GPU miss (most requests sit out a step
+    # while their adapter is filled instead, so there may be none)
+    assert distinct.get("loads_slot_fill", 0) == distinct["gpu_misses"], distinct
+    assert distinct["gpu_misses"] == 0 or distinct["load_slot_fill_mean_ms"] > 0, distinct
     # 2 MiB of host memory per worker holds some of the 64 adapters; the others are spilled, and a request naming
     # one has its workers read it back ahead of the step that fills its slot
     assert sum(row.get("loads_restore_ahead", 0) for row in rows) > 0, rows

@@ -139,6 +139,35 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
     return False
 
 
+def make_room_for_step(manager, adapter_ids, keep=frozenset()) -> None:
+    """A step about to fill slots for those of `adapter_ids` that no slot holds: vLLM's activation would take the least
+    recently used slot, and registering an adapter in a full host cache would drop the least recently used entry with
+    its slot. Least recently used is what an adapter filled ahead for a waiting request is after a step or two, or an
+    adapter of this very step that its loop has not reached yet: its own step would fill it again, and that fill would
+    take the next one. So the slots (and entries) go here first: none of the step's adapters', and none of `keep`'s
+    (adapters with requests in the engine) where another can go; where all are the step's or `keep`'s, vLLM's order
+    decides."""
+    step = frozenset(adapter_ids)
+    for adapter_id in adapter_ids:
+        if adapter_id in manager._active_adapters:
+            continue
+        evicted = None
+        if None not in manager.lora_index_to_id:
+            slot = slot_to_take(manager, step | keep)
+            if slot is None:
+                slot = slot_to_take(manager, step)
+            if slot is None:
+                return
+            evicted = manager.lora_index_to_id[slot]
+            manager.deactivate_adapter(evicted)
+        if adapter_id not in manager._registered_adapters:
+            dropped = host_entry_to_drop(manager, evicted, step | keep)
+            if dropped is False:
+                dropped = host_entry_to_drop(manager, evicted, step)
+            if dropped not in (None, False):
+                manager.remove_adapter(dropped)
+
+
 def name_waiting_adapters(scheduler, output) -> None:
     """Put on a step's scheduler output (`output`) the adapters of `scheduler`'s waiting requests that its workers may
     fill after launching the step: only where the workers have slots beyond the step limit (`add_spare_slots`). The

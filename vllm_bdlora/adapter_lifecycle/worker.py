@@ -47,6 +47,7 @@ from vllm_bdlora.adapter_lifecycle.fill_ahead import (
     WAITING_ADAPTERS,
     AheadFills,
     host_entry_to_drop,
+    make_room_for_step,
     slot_to_take,
 )
 from vllm_bdlora.adapter_lifecycle.finish import finish_admission
@@ -111,6 +112,7 @@ class WorkerAdapters:
         self.stats = WorkerAdapterStats()
         self.kept: AdapterStore | None = None  # None until BD-LoRA first admits an adapter here
         self.ahead = AheadFills(getattr(worker_manager, "device", None))
+        self.waiting_keep: frozenset[int] = frozenset()  # the latest step's adapters with requests in the engine
 
     @classmethod
     def of(cls, worker_manager) -> WorkerAdapters:
@@ -377,12 +379,24 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     adapter_ids = [r.adapter_id for r in ordered]
     fills = adapters.stats.record_lookups(manager, adapter_ids, kept)
     adapters.ahead.step_begins(manager, adapter_ids, fills_in_step=fills > 0)
+    if fills:
+        make_room_for_step(manager, adapter_ids, adapters.waiting_keep)
     started = time.perf_counter()
     applied = apply(ordered)
     if fills:
         adapters.stats.record_fills(fills, time.perf_counter() - started)
     adapters.ahead.step_runs(manager, adapter_ids)
     return applied
+
+
+def note_waiting_requests(worker_manager, scheduler_output) -> None:
+    """Before a step runs: the adapters with requests in the engine (`fill_ahead.WaitingAdapters.keep`, which the
+    engine core's scheduler put on the step where requests wait for adapters), whose slots the step's own fills do not
+    take where others can go (`fill_ahead.make_room_for_step`)."""
+    if worker_manager is None:
+        return
+    waiting = getattr(scheduler_output, WAITING_ADAPTERS, None)
+    WorkerAdapters.of(worker_manager).waiting_keep = waiting.keep if waiting is not None else frozenset()
 
 
 def fill_for_waiting_requests(worker_manager, scheduler_output) -> int:

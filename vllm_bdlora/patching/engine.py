@@ -204,7 +204,7 @@ def patch_slots_beyond_the_step_limit() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_bdlora.adapter_lifecycle.fill_ahead import name_waiting_adapters, scheduler_lora_config
-    from vllm_bdlora.adapter_lifecycle.worker import fill_for_waiting_requests
+    from vllm_bdlora.adapter_lifecycle.worker import fill_for_waiting_requests, note_waiting_requests
 
     require_parameters(Scheduler.__init__, ("vllm_config",), "Scheduler.__init__")
     require_parameters(Scheduler._update_after_schedule, ("scheduler_output",), "Scheduler._update_after_schedule")
@@ -230,6 +230,7 @@ def patch_slots_beyond_the_step_limit() -> bool:
     def make_execute(original):
         # the model runner's, not the worker's: the Ray executor calls it directly (the CPU one is a subclass)
         def execute_model(self, scheduler_output, *args, **kwargs):
+            note_waiting_requests(getattr(self, "lora_manager", None), scheduler_output)
             output = original(self, scheduler_output, *args, **kwargs)
             with torch.inference_mode():  # as the step's own fills run
                 fill_for_waiting_requests(getattr(self, "lora_manager", None), scheduler_output)
