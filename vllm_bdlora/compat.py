@@ -131,6 +131,11 @@ def serve_arg_parser():
 IMPORTED_ONLY_IF_LOADED = frozenset({"vllm.entrypoints.openai.api_server"})
 
 
+# vLLM's model runners, each a GPUModelRunner: the first, and the second (vllm/v1/worker/gpu/, 0.26 on), which 0.26 runs
+# dense generative models on, on a GPU; the CPU runner subclasses the first.
+MODEL_RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
+
+
 def modules_with(attribute: str, candidates: tuple[str, ...]) -> list:
     """The importable modules among `candidates` that define `attribute` (empty where this vLLM has none)."""
     import importlib

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from vllm_bdlora.compat import MODEL_RUNNER_MODULES, modules_with
 from vllm_bdlora.patching import UpstreamContractError, add_method, require_parameters, wrap_function, wrap_method
 
 
@@ -201,14 +202,15 @@ def patch_slots_beyond_the_step_limit() -> bool:
     so that the copies run beside it (`vllm_bdlora.adapter_lifecycle.fill_ahead`)."""
     import torch
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_bdlora.adapter_lifecycle.fill_ahead import name_waiting_adapters, scheduler_lora_config
     from vllm_bdlora.adapter_lifecycle.worker import fill_for_waiting_requests, note_waiting_requests
 
     require_parameters(Scheduler.__init__, ("vllm_config",), "Scheduler.__init__")
     require_parameters(Scheduler._update_after_schedule, ("scheduler_output",), "Scheduler._update_after_schedule")
-    require_parameters(GPUModelRunner.execute_model, ("scheduler_output",), "GPUModelRunner.execute_model")
+    runners = [module.GPUModelRunner for module in modules_with("GPUModelRunner", MODEL_RUNNER_MODULES)]
+    for runner in runners:
+        require_parameters(runner.execute_model, ("scheduler_output",), f"{runner.__module__}.execute_model")
 
     def make_init(original):
         def __init__(self, *args, **kwargs):
@@ -228,7 +230,8 @@ def patch_slots_beyond_the_step_limit() -> bool:
         return _update_after_schedule
 
     def make_execute(original):
-        # the model runner's, not the worker's: the Ray executor calls it directly (the CPU one is a subclass)
+        # the model runners', not the worker's: the Ray executor calls them directly (the CPU one is a subclass of the
+        # first; 0.26 on a GPU runs dense models on the second)
         def execute_model(self, scheduler_output, *args, **kwargs):
             note_waiting_requests(getattr(self, "lora_manager", None), scheduler_output)
             output = original(self, scheduler_output, *args, **kwargs)
@@ -241,7 +244,7 @@ def patch_slots_beyond_the_step_limit() -> bool:
     return any([
         wrap_method(Scheduler, "__init__", make_init),
         wrap_method(Scheduler, "_update_after_schedule", make_after_schedule),
-        wrap_method(GPUModelRunner, "execute_model", make_execute),
+        *[wrap_method(runner, "execute_model", make_execute) for runner in runners],
     ])  # fmt: skip
 
 

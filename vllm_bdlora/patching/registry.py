@@ -243,9 +243,10 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.core.sched.scheduler.Scheduler.__init__",
             "vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule",
             "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
+            "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model",
         ),  # fmt: skip
         stage="plugin",
-        versions="0.26-0.33",
+        versions="0.26-0.33 (both model runners)",
         why="vLLM sizes the GPU slots and limits the adapters of one step with one number, --max-loras. Under skewed "
         "traffic every slot then holds an adapter with running requests, and the next adapter's slot is filled in "
         "the step that first runs it, right after another adapter's last request finished: that step and every "
