@@ -232,7 +232,7 @@ PATCHES: tuple[Patch, ...] = (
         "(base-model requests stay) and put back in arrival order after it, so the running adapters drain and the "
         "first free slot goes to the starved one. Where the workers have slots beyond --max-loras "
         "(slots_beyond_the_step_limit) and hold_for_slot_fills is on, a waiting request whose adapter is in no slot "
-        "as far as the scheduler can tell is held out of one step, its adapter named first for the fills beside "
+        "as far as the scheduler can tell is held out of one step, its adapter named for the fills beside "
         "that step (vllm_bdlora.scheduling).",
         removal="A fair LoRA-aware scheduling policy in vLLM that also prefetches the adapters of waiting requests.",
         apply=patch_scheduler_lora_holds,
