@@ -177,9 +177,10 @@ def name_waiting_adapters(scheduler, output) -> None:
         return
     seen.ran(adapters_of(scheduler.running))
     # with the requests held out of this step, in the order the scheduler takes them once they are back in its
-    # queues (scheduling.put_back: arrival order)
-    queued = (request for queue in waiting_queues(scheduler) for request in queue)
-    waiting = sorted(itertools.chain(seen.held, queued), key=lambda request: request.arrival_time)
+    # queues (scheduling.put_back: arrival order); the queue as it is where none was held (most steps)
+    waiting = (request for queue in waiting_queues(scheduler) for request in queue)
+    if seen.held:
+        waiting = sorted(itertools.chain(seen.held, waiting), key=lambda request: request.arrival_time)
     named = waiting_adapters(scheduler.running, waiting, scheduler.requests.values(), seen.slots)
     if named is not None:
         setattr(output, WAITING_ADAPTERS, named)
