@@ -332,7 +332,9 @@ def test_a_step_that_fills_slots_is_timed_once_per_filled_slot_and_one_that_fill
     from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order
 
     active = {1: object()}
-    manager = SimpleNamespace(_active_adapters=active, list_adapters=lambda: {1: None, 2: None, 3: None})
+    registered = {1: None, 2: None, 3: None}
+    manager = SimpleNamespace(_active_adapters=active, _registered_adapters=registered,
+                              list_adapters=lambda: registered, lora_index_to_id=[1, None, None])  # fmt: skip
     worker_manager = SimpleNamespace(_adapter_manager=manager)
     applied = []
 
