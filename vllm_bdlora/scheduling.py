@@ -85,6 +85,13 @@ def put_back(held: list) -> None:
             queue.add_request(request)
 
 
+def adapter_to_evict(least_recent_first: Iterable[int], keep: frozenset | set) -> int | None:
+    """The adapter whose slot a fill ahead takes where none is free: the least recently used one outside `keep`
+    (adapters with requests in the engine). The worker's rule (`fill_ahead.slot_to_take`) and the scheduler's
+    guess of it (`SlotsSeen`)."""
+    return next((adapter_id for adapter_id in least_recent_first if adapter_id not in keep), None)
+
+
 class SlotsSeen:
     """What a scheduler can tell of its workers' GPU slots without asking them: the adapters its steps ran and those
     it named for a fill ahead, least recently used first, as many as there are slots (vLLM's worker evicts in that
@@ -118,7 +125,7 @@ class SlotsSeen:
             if adapter_id in self._order:
                 continue
             if len(self._order) >= self.slots:
-                taken = next((a for a in self._order if a not in keep), None)
+                taken = adapter_to_evict(self._order, keep)
                 if taken is None:
                     return
                 del self._order[taken]

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from vllm_bdlora.scheduling import adapters_of, slots_seen, waiting_queues
+from vllm_bdlora.scheduling import adapter_to_evict, adapters_of, slots_seen, waiting_queues
 
 ADAPTERS_PER_STEP = "_bdlora_adapters_per_step"  # on vLLM's LoRAConfig where slots were added for fills ahead
 WAITING_ADAPTERS = "_bdlora_waiting_adapters"  # on vLLM's SchedulerOutput: what its workers may fill after launching it
@@ -115,10 +115,9 @@ def slot_to_take(manager, keep=frozenset()) -> int | None:
         return slots.index(None)
     active = manager._active_adapters
     pinned = getattr(active, "pinned_items", ())
-    for adapter_id in _least_recent_first(active):
-        if adapter_id not in pinned and adapter_id not in keep and adapter_id in slots:
-            return slots.index(adapter_id)
-    return None
+    candidates = (a for a in _least_recent_first(active) if a not in pinned and a in slots)
+    evicted = adapter_to_evict(candidates, keep)
+    return None if evicted is None else slots.index(evicted)
 
 
 def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | None | bool:
@@ -139,33 +138,55 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
     return False
 
 
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """Where an adapter that no GPU slot holds goes in vLLM's LoRA model manager: `slot`, once its adapter `evicted`
+    (None: the slot is free) is deactivated, and the host cache, once entry `dropped` (None: nothing to drop) is
+    removed."""
+
+    slot: int
+    evicted: int | None
+    dropped: int | None
+
+
+def room_for(manager, adapter_id: int, keep=frozenset()) -> Room | None:
+    """The room `adapter_id` would take sparing `keep`'s adapters (`slot_to_take`, and `host_entry_to_drop` unless
+    the host cache holds it); None where either is lacking. The one rule of a fill ahead and of a step's own fills."""
+    slot = slot_to_take(manager, keep)
+    if slot is None:
+        return None
+    evicted = manager.lora_index_to_id[slot]
+    registered = adapter_id in manager._registered_adapters
+    dropped = None if registered else host_entry_to_drop(manager, evicted, keep)
+    if dropped is False:
+        return None
+    return Room(slot, evicted, dropped)
+
+
+def clear(manager, room: Room) -> None:
+    """Free `room`'s slot and host entry."""
+    if room.evicted is not None:
+        manager.deactivate_adapter(room.evicted)
+    if room.dropped is not None:
+        manager.remove_adapter(room.dropped)
+
+
 def make_room_for_step(manager, adapter_ids, keep=frozenset()) -> None:
     """A step about to fill slots for those of `adapter_ids` that no slot holds: vLLM's activation would take the least
     recently used slot, and registering an adapter in a full host cache would drop the least recently used entry with
     its slot. Least recently used is what an adapter filled ahead for a waiting request is after a step or two, or an
     adapter of this very step that its loop has not reached yet: its own step would fill it again, and that fill would
-    take the next one. So the slots (and entries) go here first: none of the step's adapters', and none of `keep`'s
-    (adapters with requests in the engine) where another can go; where all are the step's or `keep`'s, vLLM's order
-    decides."""
+    take the next one. So the slots (and entries) are freed here first: none of the step's adapters', and none of
+    `keep`'s (adapters with requests in the engine) where another can go; where all are the step's or `keep`'s, vLLM's
+    order decides."""
     step = frozenset(adapter_ids)
     for adapter_id in adapter_ids:
         if adapter_id in manager._active_adapters:
             continue
-        evicted = None
-        if None not in manager.lora_index_to_id:
-            slot = slot_to_take(manager, step | keep)
-            if slot is None:
-                slot = slot_to_take(manager, step)
-            if slot is None:
-                return
-            evicted = manager.lora_index_to_id[slot]
-            manager.deactivate_adapter(evicted)
-        if adapter_id not in manager._registered_adapters:
-            dropped = host_entry_to_drop(manager, evicted, step | keep)
-            if dropped is False:
-                dropped = host_entry_to_drop(manager, evicted, step)
-            if dropped not in (None, False):
-                manager.remove_adapter(dropped)
+        room = room_for(manager, adapter_id, step | keep) or room_for(manager, adapter_id, step)
+        if room is None:
+            return
+        clear(manager, room)
 
 
 def name_waiting_adapters(scheduler, output) -> None:

@@ -46,9 +46,9 @@ from vllm_bdlora.adapter_lifecycle.calls import (
 from vllm_bdlora.adapter_lifecycle.fill_ahead import (
     WAITING_ADAPTERS,
     AheadFills,
-    host_entry_to_drop,
+    clear,
     make_room_for_step,
-    slot_to_take,
+    room_for,
 )
 from vllm_bdlora.adapter_lifecycle.finish import finish_admission
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter, read_adapter, read_on
@@ -194,19 +194,12 @@ class WorkerAdapters:
             registered = adapter_id in manager._registered_adapters
             if not registered and not (self.kept is not None and self.kept.in_memory(adapter_id)):
                 continue
-            slot = slot_to_take(manager, keep)
-            if slot is None:
-                break
-            evicted = manager.lora_index_to_id[slot]
-            dropped = None if registered else host_entry_to_drop(manager, evicted, keep)
-            if dropped is False:
+            room = room_for(manager, adapter_id, keep)
+            if room is None:
                 break
             started = time.perf_counter()
-            with self.ahead.filling(slot):
-                if evicted is not None:
-                    manager.deactivate_adapter(evicted)
-                if dropped is not None:
-                    manager.remove_adapter(dropped)
+            with self.ahead.filling(room.slot):
+                clear(manager, room)
                 if not registered:  # from what this worker kept: a reread, as a step's load from the store is
                     registered = self.register_kept(adapter_id)
                     self.stats.record_load("reread", time.perf_counter() - started)
