@@ -68,7 +68,10 @@ def test_slots_filled_ahead_on_gpu_match_peft(assets, prompts, tmp_path_factory)
     admitted first (as load requests do; an adapter a request names before any load is admitted in its step): after
     the batch, each adapter is asked alone, so each request finds its adapter in host memory and has it copied into
     the least recently used slot, on the fill stream, as it arrives (`vllm_bdlora.adapter_lifecycle.fill_ahead`); its
-    step fills nothing and waits for that copy. Every answer is checked against PEFT."""
+    step fills nothing and waits for that copy. In the batch, the two adapters the loads left in no slot are filled
+    while other adapters' requests run, by the workers' model runner (vLLM's second runner on a GPU) after a step that
+    named them, and by no step that runs them: their requests sit that step out. Every answer is checked against
+    PEFT."""
     engine = engine_kwargs(assets["model"], 1, bdlora=True, dtype=DTYPE, enforce_eager=False, max_loras=3,
                            max_cpu_loras=len(ADAPTERS), additional_config={"bdlora": {"lora_kernels": "fused"}},
                            compilation_config={"pass_config": {"fuse_allreduce_rms": False}})  # fmt: skip
@@ -78,6 +81,8 @@ def test_slots_filled_ahead_on_gpu_match_peft(assets, prompts, tmp_path_factory)
                       load_first=list(ADAPTERS), after=alone)  # fmt: skip
     result = run_engine(spec, tmp_path_factory.mktemp("gpu_fill_ahead"))
     (before,), (later,) = result["adapter_loads"], result["adapter_loads_after"]
+    batch = before["loads"]
+    assert batch["slot_fill"] == 0 and batch["slot_fill_ahead"] >= len(ADAPTERS) - 4, batch
     ahead = later["loads"]["slot_fill_ahead"] - before["loads"]["slot_fill_ahead"]
     in_step = later["loads"]["slot_fill"] - before["loads"]["slot_fill"]
     assert ahead >= len(after) - 4 and in_step == 0, (before, later)
