@@ -352,3 +352,29 @@ def test_a_step_that_fills_slots_is_timed_once_per_filled_slot_and_one_that_fill
     assert fills.count == 2 and 0.03 <= fills.total < 1.0  # adapters 2 and 3 took slots; 1 held one already
     apply_in_id_order(worker_manager, [request(1), request(3)], apply)  # both in slots now: nothing filled
     assert fills.count == 2
+
+
+def test_vllms_warm_up_over_dummy_adapters_counts_no_lookup_and_no_fill():
+    """vLLM warms up and captures CUDA graphs over dummy adapters inside its worker manager's `dummy_lora_cache`
+    (on a GPU, a dozen slot fills and more before any request): none of it is a request's lookup or fill."""
+    from vllm_bdlora.adapter_lifecycle.worker import WorkerAdapters, apply_in_id_order
+
+    active, registered = {}, {1: None, 2: None}
+    manager = SimpleNamespace(_active_adapters=active, _registered_adapters=registered,
+                              list_adapters=lambda: registered, lora_index_to_id=[None, None])  # fmt: skip
+    worker_manager = SimpleNamespace(_adapter_manager=manager, _cached_dummy_lora=None)  # inside dummy_lora_cache
+    applied = []
+
+    def apply(ordered):
+        applied.append([r.adapter_id for r in ordered])
+        active.update({r.adapter_id: object() for r in ordered})
+
+    dummy = [SimpleNamespace(adapter_id=i, lora_int_id=i, load_inplace=False) for i in (2, 1)]
+    apply_in_id_order(worker_manager, dummy, apply)
+    stats = WorkerAdapters.of(worker_manager).stats
+    assert applied == [[1, 2]]  # applied all the same
+    assert stats.loads["slot_fill"].count == 0 and sum(stats.lookups.values()) == 0
+    worker_manager._cached_dummy_lora = False  # the warm-up is over: a request's step counts
+    active.clear()
+    apply_in_id_order(worker_manager, dummy[:1], apply)
+    assert stats.loads["slot_fill"].count == 1 and stats.lookups["gpu"] == 1

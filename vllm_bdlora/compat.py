@@ -179,6 +179,12 @@ def without_load_inplace(lora_request):
     return msgspec.structs.replace(lora_request, load_inplace=False)
 
 
+def lora_warm_up(worker_manager) -> bool:
+    """Whether vLLM's LoRA worker manager is running its dummy adapters (warm-up, profiling and CUDA graph capture:
+    `dummy_lora_cache` turns `_cached_dummy_lora` from False to None or the first dummy model, 0.26 through 0.33)."""
+    return getattr(worker_manager, "_cached_dummy_lora", False) is not False
+
+
 def pending_engine_calls(engine_client) -> dict:
     """The API server's calls to the engine core still waiting for an answer (call id -> future): the
     multiprocess client's `utility_results`, the same in 0.26 through 0.33; empty for a client without it."""

@@ -61,7 +61,7 @@ from vllm_bdlora.adapters import (
     read_adapter_format,
     refuse_unserved_kinds,
 )
-from vllm_bdlora.compat import adapter_absolute_path, without_load_inplace
+from vllm_bdlora.compat import adapter_absolute_path, lora_warm_up, without_load_inplace
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.manager import is_first_tp_rank
 from vllm_bdlora.metrics import WorkerAdapterStats
@@ -363,20 +363,25 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     """vLLM's per-step `_apply_adapters` (`apply`) over the step's LoRA requests in adapter-id order, as every rank
     must load them (see `patch_adapter_load_order`), counted as GPU and host-cache lookups for /metrics, and where it
     fills GPU slots, timed as the step's slot fills. The step's kernels wait for the fills made ahead of it, and the
-    next fills ahead for what it runs (`fill_ahead.AheadFills`)."""
+    next fills ahead for what it runs (`fill_ahead.AheadFills`). vLLM's own steps over dummy adapters (warm-up and
+    CUDA graph capture, before any request) count nothing: on a GPU they fill slots a dozen times or more."""
     STEPS.mark()
     ordered = sorted((without_load_inplace(r) for r in requests if r), key=lambda r: r.adapter_id)
     adapters = WorkerAdapters.of(worker_manager)
     manager = adapters.manager
     kept = adapters.kept.in_memory if adapters.kept is not None else None
     adapter_ids = [r.adapter_id for r in ordered]
-    fills = adapters.stats.record_lookups(manager, adapter_ids, kept)
+    counted = not lora_warm_up(worker_manager)
+    if counted:
+        fills = adapters.stats.record_lookups(manager, adapter_ids, kept)
+    else:
+        fills = sum(adapter_id not in manager._active_adapters for adapter_id in adapter_ids)
     adapters.ahead.step_begins(manager, adapter_ids, fills_in_step=fills > 0)
     if fills:
         make_room_for_step(manager, adapter_ids, adapters.waiting_keep)
     started = time.perf_counter()
     applied = apply(ordered)
-    if fills:
+    if fills and counted:
         adapters.stats.record_fills(fills, time.perf_counter() - started)
     adapters.ahead.step_runs(manager, adapter_ids)
     return applied
