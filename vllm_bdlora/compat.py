@@ -181,7 +181,8 @@ def without_load_inplace(lora_request):
 
 def lora_warm_up(worker_manager) -> bool:
     """Whether vLLM's LoRA worker manager is running its dummy adapters (warm-up, profiling and CUDA graph capture:
-    `dummy_lora_cache` turns `_cached_dummy_lora` from False to None or the first dummy model, 0.26 through 0.33)."""
+    `dummy_lora_cache` turns `_cached_dummy_lora` from False to None or the first dummy model; read in 0.26 and
+    0.32). A release without that attribute counts every step."""
     return getattr(worker_manager, "_cached_dummy_lora", False) is not False
 
 
