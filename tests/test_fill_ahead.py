@@ -190,6 +190,33 @@ def test_a_step_after_a_fill_ahead_counts_its_adapter_as_a_gpu_hit_and_fills_not
     assert adapters.stats.lookups["cpu"] == adapters.stats.hits["cpu"] == 1  # the fill found it in host memory
 
 
+def test_a_steps_own_fills_are_counted_by_why_none_was_made_ahead():
+    """A fill a step makes itself is counted by its cause: its adapter was never named for a fill ahead, or was named
+    when no slot was left that no request needed, or while it was not in host memory, or was filled ahead and lost
+    that slot before its step."""
+    manager = Slots(2, registered=[1, 2, 3, 4, 5], active=[1, 2])
+    manager.list_adapters = lambda: dict(manager._registered_adapters)
+    adapters = worker_of(manager)
+    adapters.kept = SimpleNamespace(in_memory=lambda adapter_id: adapter_id != 6)
+    worker_manager = SimpleNamespace(_adapter_manager=manager, _bdlora_adapters=adapters)
+
+    def step(*adapter_ids):
+        apply_in_id_order(worker_manager, [lora(i) for i in adapter_ids],
+                          lambda ordered: [manager.activate_adapter(r.lora_int_id) for r in ordered])  # fmt: skip
+
+    assert adapters.fill_ahead([3, 4, 6], keep=frozenset({1, 2, 3, 4, 6})) == 0  # 1 and 2 have requests; 6 spilled
+    assert adapters.fill_ahead([5]) == 1 and manager.lora_index_to_id == [5, 2]  # 5 takes 1's slot
+    step(2, 3)  # 3: named, no slot
+    step(3, 6)  # 6: named while spilled
+    step(1, 3)  # 1: never named
+    step(5, 1)  # 5: filled ahead, then its slot went to 3 in the first step
+    step(4, 1)  # 4: named, no slot (its history outlived the steps between)
+    assert adapters.stats.in_step_causes == {"not_named": 1, "no_slot": 2, "not_in_memory": 1, "evicted": 1}
+    assert adapters.stats.loads["slot_fill"].count == 5
+    step(3, 4)  # ran before: its history ended with that step; 3 never named since
+    assert adapters.stats.in_step_causes["not_named"] == 2
+
+
 def request(request_id, adapter_id=None, arrival_time=0.0):
     lora_request = None if adapter_id is None else lora(adapter_id)
     return SimpleNamespace(request_id=request_id, lora_request=lora_request, arrival_time=arrival_time)

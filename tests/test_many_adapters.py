@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bench.workload import Timing, plan, popularity_weights, summarise, tiers
-from vllm_bdlora.metrics import ADMISSION_STAGES
+from vllm_bdlora.metrics import ADMISSION_STAGES, IN_STEP_CAUSES
 
 
 def test_zipf_shares_fall_with_rank_and_tiers_split_the_expected_requests():
@@ -136,6 +136,9 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     # each slot a step filled is timed as that step's wait: one slot_fill per GPU miss (most requests sit out a step
     # while their adapter is filled instead, so there may be none)
     assert distinct.get("loads_slot_fill", 0) == distinct["gpu_misses"], distinct
+    for row in rows:  # each fill a step made itself, with its cause
+        causes = sum(row.get(f"in_step_{cause}", 0) for cause in IN_STEP_CAUSES)
+        assert causes == row.get("loads_slot_fill", 0), row
     assert distinct["gpu_misses"] == 0 or distinct["load_slot_fill_mean_ms"] > 0, distinct
     # 2 MiB of host memory per worker holds some of the 64 adapters; the others are spilled, and a request naming
     # one has its workers read it back ahead of the step that fills its slot

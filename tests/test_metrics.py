@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tests.conftest import cpu_engine_env
 from tests.test_server import complete, server_env
 from tests.test_server_guards import assert_every_route_but_the_probes_needs_a_key
-from vllm_bdlora.metrics import ADMISSION_STAGES, OTHER, AdapterMetrics, StageClock, worker_figures
+from vllm_bdlora.metrics import ADMISSION_STAGES, IN_STEP_CAUSES, OTHER, AdapterMetrics, StageClock, worker_figures
 from vllm_bdlora.serve.process import free_port, running_server, tail, wait_healthy
 
 KEY = "metrics-key"
@@ -235,6 +235,9 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
         loads = values_by(query(scraper, "vllm_bdlora:adapter_loads_total"), "kind")
         assert loads["admission"] == admitted == 3  # one admission per adapter, as the log says
         assert loads["reread"] > 0  # the host cache of 2 dropped one and a later request read it back
+        # every fill a step made itself has one cause (why no fill ahead made it)
+        causes = values_by(query(scraper, "vllm_bdlora:slot_fills_in_step_total"), "cause")
+        assert set(causes) == set(IN_STEP_CAUSES) and sum(causes.values()) == loads.get("slot_fill", 0), causes
         # where the admissions' time went, stage by stage: within what the admission threads took in all, and no
         # stage used more of its thread's CPU than it took on the wall clock
         wall, cpu = (values_by(query(scraper, f'vllm_bdlora:admission_stage_seconds_total{{clock="{clock}"}}'),

@@ -25,6 +25,10 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   what the admission thread read, keeping it in vLLM's host cache and copying it into a GPU slot; without, reading
   the files too (also counted as "admission") before the same),
   `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
+* `vllm_bdlora:slot_fills_in_step_total{cause}`: each "slot_fill" load again, by why no fill ahead of the step made it
+  (`IN_STEP_CAUSES`: "not_named", no fill ahead named the adapter; "no_slot", one did, but every slot held an adapter
+  with requests in the engine; "not_in_memory", one did while the adapter was spilled or being read back; "evicted",
+  it was filled ahead and lost that slot before its step);
 * `vllm_bdlora:admission_stage_seconds_total{stage,clock}`: where the admission threads' time went, per stage of an
   admission (`ADMISSION_STAGES`), by the wall clock and by the thread's own CPU clock (`StageClock`), summed over the
   admissions that succeeded (divide by `adapter_loads_total{kind="admission"}` for one adapter's): wall minus CPU is
@@ -69,6 +73,10 @@ LOAD_KINDS = ("admission", "add_lora", "reread", "restore", "restore_ahead", "in
 # (pinned, where no freed one is left, on a GPU); the shares copied into the image; vLLM's LoRAModel built over them;
 # their values checked; the rest (magnitudes, scaling, packing ahead).
 ADMISSION_STAGES = ("open", "cut", "region", "image", "vllm_model", "check", "finish")
+# Why a step filled a slot itself rather than finding its adapter filled ahead (`adapter_lifecycle.fill_ahead`): no
+# fill ahead named it; one did but no slot was left that no request needed; one did while the adapter was spilled or
+# being read back; or it was filled ahead and lost that slot before its step.
+IN_STEP_CAUSES = ("not_named", "no_slot", "not_in_memory", "evicted")
 CLOCKS = ("wall", "cpu")
 
 
@@ -118,6 +126,7 @@ class WorkerAdapterStats:
         self.hits = defaultdict(int)
         self.loads = {kind: Histogram(LOAD_BUCKETS) for kind in LOAD_KINDS}
         self.stage_seconds = {stage: [0.0, 0.0] for stage in ADMISSION_STAGES}  # [wall, cpu]
+        self.in_step_causes = dict.fromkeys(IN_STEP_CAUSES, 0)
 
     def record_lookups(self, manager, adapter_ids, kept_in_memory: Callable[[int], bool] | None = None) -> int:
         """Per step, per adapter the step needs: in a GPU slot already (a GPU hit), else in host memory (a CPU hit):
@@ -147,6 +156,12 @@ class WorkerAdapterStats:
             for _ in range(fills):
                 self.loads["slot_fill"].observe(seconds / fills)
 
+    def record_in_step_causes(self, causes) -> None:
+        """Each of a step's own slot fills, by its cause (`IN_STEP_CAUSES`)."""
+        with self.lock:
+            for cause in causes:
+                self.in_step_causes[cause] += 1
+
     def record_fill_ahead(self, seconds: float) -> None:
         """An adapter copied into a GPU slot between steps, from host memory (`fill_ahead.py`): a "slot_fill_ahead"
         load, and a host-memory lookup that hit, as the fill in a step would have counted (so the CPU level counts
@@ -174,8 +189,8 @@ class WorkerAdapterStats:
         with self.lock:
             counts = {"lookups": dict(self.lookups), "hits": dict(self.hits),
                       "loads": {kind: h.snapshot() for kind, h in self.loads.items()},
-                      "admission_stages": {stage: list(spent) for stage, spent in
-                                           self.stage_seconds.items()}}  # fmt: skip
+                      "admission_stages": {stage: list(spent) for stage, spent in self.stage_seconds.items()},
+                      "in_step_causes": dict(self.in_step_causes)}  # fmt: skip
         return {
             **counts,
             "gpu": [i for i in manager.lora_index_to_id if i is not None],
@@ -430,6 +445,12 @@ class EngineAdapterCollector:
                 for clock, value in zip(CLOCKS, spent, strict=True):
                     stages.add_metric([stage, clock], value)
             add(stages)
+            causes = CounterMetricFamily("vllm_bdlora:slot_fills_in_step",
+                                         "Slot fills a step made itself, by why none was made ahead of it.",
+                                         labels=["cause"])  # fmt: skip
+            for cause, count in (workers.get("in_step_causes") or {}).items():
+                causes.add_metric([cause], count)
+            add(causes)
         if "steps" in stats:
             steps = HistogramMetricFamily("vllm_bdlora:engine_step_seconds", "Engine steps that ran the model.")
             steps.add_metric([], cumulative_buckets(STEP_BUCKETS, stats["steps"]["counts"]), stats["steps"]["sum"])

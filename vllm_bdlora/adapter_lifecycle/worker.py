@@ -113,6 +113,9 @@ class WorkerAdapters:
         self.kept: AdapterStore | None = None  # None until BD-LoRA first admits an adapter here
         self.ahead = AheadFills(getattr(worker_manager, "device", None))
         self.waiting_keep: frozenset[int] = frozenset()  # the latest step's adapters with requests in the engine
+        # adapter id -> why a step would still fill it, from the latest fill ahead that named it (`IN_STEP_CAUSES`);
+        # dropped when a step runs it
+        self.ahead_outcome: dict[int, str] = {}
 
     @classmethod
     def of(cls, worker_manager) -> WorkerAdapters:
@@ -187,16 +190,20 @@ class WorkerAdapters:
         does (not `reading`: being read back), into a slot no adapter of `keep` holds, now rather than in the step
         that runs it (`fill_ahead.py`); stops at the first for which no such slot is left. Returns how many it
         filled."""
-        manager, filled = self.manager, 0
+        manager, filled, full, outcome = self.manager, 0, False, self.ahead_outcome
         for adapter_id in adapter_ids:
-            if adapter_id in manager._active_adapters or adapter_id in reading:
+            if adapter_id in manager._active_adapters:
                 continue
             registered = adapter_id in manager._registered_adapters
-            if not registered and not (self.kept is not None and self.kept.in_memory(adapter_id)):
+            in_memory = registered or (self.kept is not None and self.kept.in_memory(adapter_id))
+            if adapter_id in reading or not in_memory:
+                outcome[adapter_id] = "not_in_memory"
                 continue
-            room = room_for(manager, adapter_id, keep)
-            if room is None:
-                break
+            room = None if full else room_for(manager, adapter_id, keep)
+            if room is None:  # none left for this one, nor for those after it
+                full = True
+                outcome[adapter_id] = "no_slot"
+                continue
             started = time.perf_counter()
             with self.ahead.filling(room.slot):
                 clear(manager, room)
@@ -206,7 +213,9 @@ class WorkerAdapters:
                 if registered:
                     manager.activate_adapter(adapter_id)
             if not registered:
+                outcome[adapter_id] = "not_in_memory"
                 continue
+            outcome[adapter_id] = "evicted"  # should a step still fill it, it lost this slot before
             self.stats.record_fill_ahead(time.perf_counter() - started)
             keep = keep | {adapter_id}  # its request is on its way to the scheduler
             filled += 1
@@ -285,6 +294,7 @@ class WorkerAdapters:
     def forget_removed(self, adapter_id: int, removed: bool) -> bool:
         """After vLLM removed `adapter_id` (`removed`: whether it held it): drop what the store kept of it too."""
         name = self.kept.forget(adapter_id) if self.kept is not None else None
+        self.ahead_outcome.pop(adapter_id, None)
         if name is not None and is_first_tp_rank(self.manager):
             logger.info("vllm-bdlora: adapter '%s' removed from the engine (GPU slot, host cache, what each worker "
                         "kept of it)", name)  # fmt: skip
@@ -374,6 +384,11 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     counted = not lora_warm_up(worker_manager)
     if counted:
         fills = adapters.stats.record_lookups(manager, adapter_ids, kept)
+        adapters.stats.record_in_step_causes(
+            adapters.ahead_outcome.pop(i, "not_named") for i in adapter_ids if i not in manager._active_adapters
+        )
+        for adapter_id in adapter_ids:  # it runs: its next fill, if any, has a history of its own
+            adapters.ahead_outcome.pop(adapter_id, None)
     else:
         fills = sum(adapter_id not in manager._active_adapters for adapter_id in adapter_ids)
     adapters.ahead.step_begins(manager, adapter_ids, fills_in_step=fills > 0)
