@@ -228,7 +228,7 @@ def settled_scrape(url: str, tries: int = 5) -> dict:
 
 def server_figures(before: dict, after: dict) -> dict:
     """What the server saw during one workload, from two scrapes of its /metrics: hit rates, loads by kind (count,
-    mean, p99), engine step times (p50, p99)."""
+    mean, p99), a step's own slot fills by cause, engine step times (p50, p99)."""
     from vllm_bdlora.metrics import CLOCKS
     from vllm_bdlora.serve.top import by_label, quantile
 
@@ -257,6 +257,9 @@ def server_figures(before: dict, after: dict) -> dict:
             figures[f"loads_{kind}"] = count
             figures[f"load_{kind}_mean_ms"] = sums.get(kind, 0) / count * 1e3
             figures[f"load_{kind}_p99_ms"] = quantile(buckets, 0.99) * 1e3
+    for cause, count in grown("vllm_bdlora:slot_fills_in_step_total", "cause").items():
+        if count:
+            figures[f"in_step_{cause}"] = count
     admitted = counts.get("admission")
     for clock in CLOCKS:  # one admission's stages, on the first worker's admission threads
         spent = grown("vllm_bdlora:admission_stage_seconds_total", "stage", clock=clock)
