@@ -381,16 +381,14 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
     manager = adapters.manager
     kept = adapters.kept.in_memory if adapters.kept is not None else None
     adapter_ids = [r.adapter_id for r in ordered]
+    missing = [adapter_id for adapter_id in adapter_ids if adapter_id not in manager._active_adapters]
+    fills = len(missing)
     counted = not lora_warm_up(worker_manager)
     if counted:
-        fills = adapters.stats.record_lookups(manager, adapter_ids, kept)
-        adapters.stats.record_in_step_causes(
-            adapters.ahead_outcome.pop(i, "not_named") for i in adapter_ids if i not in manager._active_adapters
-        )
-        for adapter_id in adapter_ids:  # it runs: its next fill, if any, has a history of its own
-            adapters.ahead_outcome.pop(adapter_id, None)
-    else:
-        fills = sum(adapter_id not in manager._active_adapters for adapter_id in adapter_ids)
+        adapters.stats.record_lookups(manager, adapter_ids, kept)
+        # each adapter runs: its fill-ahead history ends here, and those the step fills give theirs as the cause
+        outcomes = {adapter_id: adapters.ahead_outcome.pop(adapter_id, "not_named") for adapter_id in adapter_ids}
+        adapters.stats.record_in_step_causes(outcomes[adapter_id] for adapter_id in missing)
     adapters.ahead.step_begins(manager, adapter_ids, fills_in_step=fills > 0)
     if fills:
         make_room_for_step(manager, adapter_ids, adapters.waiting_keep)
