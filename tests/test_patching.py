@@ -108,7 +108,10 @@ PATCH_TESTS = {
     ],
     "static_loras_in_parallel": ["test_server.py::test_startup_logs_say_how_adapters_are_sharded"],
     "startup_notes_at_debug": ["test_server.py::test_start_up_warnings_that_ask_nothing_are_left_out"],
-    "shutdown_steps_at_debug": ["test_server.py::test_ctrl_c_stops_the_server_in_a_few_lines_without_a_traceback"],
+    "shutdown_steps_at_debug": [
+        "test_server.py::test_ctrl_c_stops_the_server_in_a_few_lines_without_a_traceback",
+        "test_patching.py::test_engine_gone_after_the_servers_stop_request_is_a_shutdown_step",
+    ],
     "unknown_model_lists_served_models": ["test_server.py::test_an_unknown_model_is_answered_with_what_is_served"],
     "runtime_loading_routes_say_how_to_enable": [
         "test_metrics.py::test_a_server_without_runtime_loading_says_how_to_turn_it_on"
@@ -216,6 +219,47 @@ def test_startup_notes_go_to_debug_and_other_warnings_stay(caplog):
     logging.getLogger(NOTES[0][0]).warning("a warning that asks something")
     levels = [(record.levelname, record.getMessage()) for record in caplog.records[-len(NOTES) - 1 :]]
     assert [level for level, _ in levels] == ["DEBUG"] * len(NOTES) + ["WARNING"], levels
+
+
+@pytest.fixture
+def fresh_lifecycle(monkeypatch):
+    import threading
+
+    from vllm_bdlora.serve import lifecycle
+
+    monkeypatch.setattr(lifecycle, "_stop_requested", threading.Event())
+    monkeypatch.setattr(lifecycle, "_engine_died", threading.Event())
+    return lifecycle
+
+
+def test_engine_gone_after_the_servers_stop_request_is_a_shutdown_step(caplog, fresh_lifecycle):
+    """The Ctrl-C race: the engine core exits on the signal before the API server stops reading its output. The
+    output handler's EngineDeadError is an ERROR before the API server's stop request and after a death the watchdog
+    found, a DEBUG record after the stop request alone."""
+    import logging
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from vllm_bdlora.serve.quiet_logs import API_SERVER_STOP_TRIGGERED, OUTPUT_HANDLER_LOGGER
+
+    caplog.set_level(logging.DEBUG)
+    output_handler = logging.getLogger(OUTPUT_HANDLER_LOGGER)
+
+    def handler_fails(error: Exception) -> logging.LogRecord:
+        try:
+            raise error
+        except Exception:
+            output_handler.exception("AsyncLLM output_handler failed.")
+        return caplog.records[-1]
+
+    assert handler_fails(EngineDeadError()).levelname == "ERROR"  # no stop asked for: the engine died
+    logging.getLogger("vllm.entrypoints.launchers.launcher").info(API_SERVER_STOP_TRIGGERED)
+    assert fresh_lifecycle.stop_requested()
+    stopped = handler_fails(EngineDeadError())
+    assert stopped.levelname == "DEBUG" and stopped.exc_info is not None  # kept for VLLM_LOGGING_LEVEL=DEBUG
+    assert handler_fails(RuntimeError("a bug")).levelname == "ERROR"  # other failures stay errors
+    fresh_lifecycle._engine_died.set()  # the watchdog's verdict (note_engine_death)
+    assert handler_fails(EngineDeadError()).levelname == "ERROR"
 
 
 def test_the_cli_lists_every_patch_readably_and_writes_the_table():

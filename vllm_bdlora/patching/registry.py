@@ -739,16 +739,20 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.v1.engine.utils (logger)",
             "vllm.utils.system_utils (logger)",
             "... (SHUTDOWN_LOGGERS)",
+            "vllm.v1.engine.async_llm (logger)",
         ),
         stage="early",
         versions="0.26-0.33",
         why="At a Ctrl-C vLLM narrates its shutdown in twenty-odd '[shutdown] ...' lines, among them warnings that "
         "it force-killed the processes it was asked to stop, and Python's resource tracker then warns that it "
-        "cleaned up their shared memory.",
+        "cleaned up their shared memory. Where the engine core, which gets the same signal, exits before the API "
+        "server stops reading its output, the output handler adds an EngineDeadError traceback.",
         how="Filters on the loggers that narrate it (vllm_bdlora.serve.quiet_logs.SHUTDOWN_LOGGERS) turn '[shutdown]' "
         "records into DEBUG ones, their warnings too unless the engine died; VLLM_LOGGING_LEVEL=DEBUG shows them. "
-        "The resource tracker, which cleans up the killed processes' shared memory, does so without its warnings.",
-        removal="vLLM logging its shutdown steps at DEBUG.",
+        "The API server's first step marks its stop request, after which the output handler's EngineDeadError "
+        "record is a DEBUG one too, unless the watchdog found the engine dead. The resource tracker, which cleans "
+        "up the killed processes' shared memory, does so without its warnings.",
+        removal="vLLM logging its shutdown steps at DEBUG and stopping its output handler before its engine.",
         apply=install_shutdown_steps_at_debug,
     ),
 )

@@ -27,6 +27,10 @@ EXIT_ENGINE_DIED = 1
 # dead engine, so that a supervisor never watches a server that neither serves nor exits.
 EXIT_DEADLINE_S = 30.0
 _engine_died = threading.Event()
+# Set when the API server began its own orderly stop (a SIGINT or SIGTERM it received); the engine processes, which
+# get the same signal from a terminal or a supervisor's process group, may exit first, and their exit is then part of
+# that stop, not a death.
+_stop_requested = threading.Event()
 
 
 def note_engine_death() -> None:
@@ -94,6 +98,14 @@ def fail_pending_engine_calls(pending: dict, make_error) -> int:
 
 def engine_died() -> bool:
     return _engine_died.is_set()
+
+
+def note_stop_requested() -> None:
+    _stop_requested.set()
+
+
+def stop_requested() -> bool:
+    return _stop_requested.is_set()
 
 
 ENGINE_PROCESS_TITLE = "VLLM::"  # vLLM titles its engine-core and worker processes "VLLM::EngineCore", ...

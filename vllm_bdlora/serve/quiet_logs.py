@@ -85,21 +85,50 @@ SHUTDOWN_LOGGERS = (
 )  # fmt: skip
 
 
+# The API server's first shutdown step, logged by its SIGINT/SIGTERM handler (0.32: "... shutdown triggered"; later
+# releases add "by signal ...").
+API_SERVER_STOP_TRIGGERED = "[shutdown] API server: shutdown triggered"
+OUTPUT_HANDLER_LOGGER = "vllm.v1.engine.async_llm"
+
+
 class ShutdownStepsAtDebug(logging.Filter):
     """vLLM narrates its shutdown step by step ("[shutdown] ...": twenty-odd lines at a Ctrl-C, among them warnings
     that it force-killed the processes it was asked to stop). Those records become DEBUG records, which vLLM's
     handlers leave out at its default level, the warnings only where the engine did not die
-    (vllm_bdlora.serve.lifecycle): after a death they say what was killed."""
+    (vllm_bdlora.serve.lifecycle): after a death they say what was killed. The API server's first step is also
+    noted as its stop request (`EngineGoneAfterStopAtDebug`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(SHUTDOWN_STEP) or record.levelno >= logging.ERROR:
             return True
+        if str(record.msg).startswith(API_SERVER_STOP_TRIGGERED):
+            from vllm_bdlora.serve.lifecycle import note_stop_requested
+
+            note_stop_requested()
         if record.levelno == logging.WARNING:
             from vllm_bdlora.serve.lifecycle import engine_died
 
             if engine_died():
                 return True
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+class EngineGoneAfterStopAtDebug(logging.Filter):
+    """A Ctrl-C or a supervisor's SIGTERM reaches the API server and the engine processes together. Where the engine
+    core exits before the API server has stopped reading its output, vLLM's output handler logs the engine's
+    absence as an error with its traceback ("AsyncLLM output_handler failed ... EngineDeadError"), a shutdown step
+    that only says the processes stopped in another order. After the API server's own stop request that record
+    becomes a DEBUG record; before it, or once the watchdog found the engine dead, it stays an ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if record.levelno < logging.ERROR or type(error).__name__ != "EngineDeadError":
+            return True
+        from vllm_bdlora.serve.lifecycle import engine_died, stop_requested
+
+        if stop_requested() and not engine_died():
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return True
 
 
@@ -115,9 +144,11 @@ def install_shutdown_steps_at_debug() -> bool:
     if TRACKER_CLEANUP_WARNINGS not in sys.warnoptions:
         sys.warnoptions.append(TRACKER_CLEANUP_WARNINGS)
         installed = True
-    for name in SHUTDOWN_LOGGERS:
+    for name, kind in [(name, ShutdownStepsAtDebug) for name in SHUTDOWN_LOGGERS] + [
+        (OUTPUT_HANDLER_LOGGER, EngineGoneAfterStopAtDebug)
+    ]:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, ShutdownStepsAtDebug) for f in logger.filters):
-            logger.addFilter(ShutdownStepsAtDebug())
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
             installed = True
     return installed
