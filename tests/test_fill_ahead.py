@@ -123,6 +123,23 @@ def test_a_worker_fills_ahead_only_what_vllms_host_cache_holds_and_takes_no_slot
     assert adapters.fill_ahead([6]) == 1 and manager.lora_index_to_id == [6, 3]  # 1 no longer needed: LRU
 
 
+def test_where_every_slot_is_needed_a_waiting_adapter_takes_the_slot_of_the_one_queued_last_behind_it():
+    """Slots hold 3 and 4, filled as their requests arrived after 5's (the step limit kept them all waiting): 5's
+    fill takes 4's slot, whose request is the last to join, and 4's host entry where the cache has no other to drop."""
+    manager = Slots(3, registered=[1, 3, 4, 5], active=[3, 4, 1], capacity=4)
+    adapters = worker_of(manager)
+    keep = frozenset({1, 3, 4, 5})
+    assert adapters.fill_ahead([5, 3, 4], keep) == 0  # without the queue, every slot is needed
+    assert adapters.fill_ahead([5, 3, 4], keep, behind=(5, 3, 4)) == 1 and manager.lora_index_to_id == [3, 5, 1]
+    assert adapters.ahead_outcome[4] == "no_slot"  # nothing is queued behind 4: its step fills it
+    manager = Slots(3, registered=[1, 3, 4], active=[3, 4, 1], capacity=3)
+    adapters = worker_of(manager)
+    adapters.kept = SimpleNamespace(in_memory=lambda adapter_id: adapter_id == 5)
+    adapters.register_kept = lambda adapter_id: manager._registered_adapters.update({adapter_id: None}) or True
+    assert adapters.fill_ahead([5], keep, behind=(5, 3, 4)) == 1
+    assert manager.lora_index_to_id == [3, 5, 1] and list(manager._registered_adapters) == [1, 3, 5]
+
+
 def test_an_adapter_kept_in_memory_is_registered_first_dropping_no_host_entry_another_slot_needs():
     """vLLM's own eviction from a full host cache would drop the least recently used entry and its slot with it;
     the entry dropped is the one whose slot is taken, or one in no slot."""
@@ -243,7 +260,7 @@ def test_a_step_names_the_adapters_of_waiting_requests_no_running_request_holds_
     running = [request("r0", 1), request("r1", 2)]
     waiting = [request("w0", 2), request("w1", 5), request("w2"), request("w3", 4), request("w4", 5), request("w5", 6)]
     named = waiting_adapters(running, waiting, running + waiting, at_most=2)
-    assert named == WaitingAdapters((5, 4), frozenset({1, 2, 4, 5, 6}))
+    assert named == WaitingAdapters((5, 4), frozenset({1, 2, 4, 5, 6}), behind=(5, 4, 6))
     assert waiting_adapters(running, waiting[:1] + waiting[2:3], running, at_most=2) is None  # all running or base
 
 
@@ -263,7 +280,7 @@ def test_the_scheduler_puts_the_waiting_adapters_on_its_output_only_where_worker
         output = SimpleNamespace()
         name_waiting_adapters(scheduler, output)
         # in the order the scheduler takes them: the held request goes back into the queue in arrival order
-        named = WaitingAdapters((3, 6), frozenset({1, 3, 6})) if spare else None
+        named = WaitingAdapters((3, 6), frozenset({1, 3, 6}), behind=(3, 6)) if spare else None
         assert getattr(output, WAITING_ADAPTERS, None) == named
     # the scheduler follows what its workers' slots now hold: the step's adapter, and the first named, which the
     # spare slot takes
@@ -274,15 +291,15 @@ def test_a_worker_fills_the_waiting_adapters_into_its_spare_slot_after_launching
     manager = Slots(3, registered=[1, 2, 3, 4], active=[1, 2, 4])  # 4: no request left
     adapters = worker_of(manager)
     worker_manager = SimpleNamespace(_adapter_manager=manager, _bdlora_adapters=adapters)
-    output = SimpleNamespace(**{WAITING_ADAPTERS: WaitingAdapters((3, 5), frozenset({1, 2, 3, 5}))})
+    output = SimpleNamespace(**{WAITING_ADAPTERS: WaitingAdapters((3, 5), frozenset({1, 2, 3, 5}), behind=(3, 5))})
     # 3 takes 4's slot; 5 would need a slot an adapter with requests holds
     assert fill_for_waiting_requests(worker_manager, output) == 1 and manager.lora_index_to_id == [1, 2, 3]
     assert adapters.stats.loads["slot_fill_ahead"].count == 1
     assert fill_for_waiting_requests(worker_manager, SimpleNamespace()) == 0  # a step naming none
     note_waiting_requests(worker_manager, output)  # before a step: what its own fills leave alone
-    assert adapters.waiting_keep == {1, 2, 3, 5}
+    assert adapters.waiting_keep == {1, 2, 3, 5} and adapters.waiting_behind == (3, 5)
     note_waiting_requests(worker_manager, SimpleNamespace())
-    assert adapters.waiting_keep == frozenset()
+    assert adapters.waiting_keep == frozenset() and adapters.waiting_behind == ()
     assert fill_for_waiting_requests(None, output) == 0  # a worker without LoRA
 
 
@@ -350,6 +367,10 @@ def test_a_steps_own_fills_take_no_slot_a_waiting_request_or_the_step_itself_nee
     manager = Slots(3, registered=[1, 2, 3], active=[1, 2, 3], capacity=4)
     make_room_for_step(manager, [2, 5], keep=frozenset({1, 2, 3, 5}))
     assert manager.lora_index_to_id == [None, 2, 3] and list(manager._registered_adapters) == [1, 2, 3]
+    # every other slot's adapter waits: the step takes the slot of the one queued last (3), not the least recent (1)
+    manager = Slots(3, registered=[1, 2, 3], active=[1, 2, 3], capacity=3)
+    make_room_for_step(manager, [2, 5], keep=frozenset({1, 2, 3, 5}), behind=(1, 3))
+    assert manager.lora_index_to_id == [1, 2, None] and list(manager._registered_adapters) == [1, 2]
     # every slot is the step's own: vLLM's order decides
     manager = Slots(2, registered=[1, 2], active=[1, 2])
     make_room_for_step(manager, [1, 2, 5])

@@ -12,6 +12,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_qu
 from vllm_bdlora.scheduling import (
     HELD_FOR_FILL,
     SlotsSeen,
+    adapter_to_evict,
     hold_back,
     hold_for_fills,
     put_back,
@@ -71,13 +72,27 @@ def test_the_schedulers_view_of_slots_follows_steps_and_fills_in_least_recently_
     seen.ran([1, 2, 3])
     seen.ran([1, 4])  # 4 takes the least recently used slot: 2's
     assert [seen.holds(a) for a in (1, 2, 3, 4)] == [True, False, True, True]
-    seen.filled([5, 6], keep={1, 4, 5, 6})  # 5 takes 3's slot (no request needs it); nothing is left for 6
+    # 5 takes 3's slot (no request needs it); nothing is left for 6
+    assert seen.filled([5, 6], keep={1, 4, 5, 6}) == [5]
     assert [seen.holds(a) for a in (3, 5, 6)] == [False, True, False]
-    assert not seen.has_room({1, 4, 5}) and seen.has_room({1, 4})
+    assert seen.would_fill([6], {1, 4, 5}) == [] and seen.would_fill([6], {1, 4}) == [6]
+    assert seen.holds(4) and not seen.holds(6)  # asking what would be filled changes nothing
     seen.forget(4)  # removed, or admitted again: its slot no longer serves it
-    assert not seen.holds(4) and seen.has_room({1, 4, 5})
+    assert not seen.holds(4) and seen.would_fill([6], {1, 4, 5}) == [6]
     seen.filled([6], keep={1, 5})
     assert seen.holds(6)
+
+
+def test_where_every_slot_is_needed_a_fill_takes_the_slot_of_the_adapter_queued_last_behind_it():
+    assert adapter_to_evict([1, 2, 3], keep={1, 3}) == 2  # one no request needs goes first
+    assert adapter_to_evict([1, 2, 3], keep={1, 2, 3}) is None  # none queued behind: none is taken
+    assert adapter_to_evict([1, 2, 3], keep={1, 2, 3}, later=[3, 9, 2]) == 2  # of those in slots, queued last
+    assert adapter_to_evict([1, 2, 3], keep={1, 2, 3}, later=[9]) is None
+    # 3 and 4 were filled as their requests arrived, after 5's: 5 takes 4's slot, and nothing is left for 4
+    seen = SlotsSeen(3)
+    seen.ran([3, 4, 1])
+    assert seen.filled([5, 3, 4], keep={1, 3, 4, 5}, behind=[5, 3, 4]) == [5]
+    assert [seen.holds(a) for a in (1, 3, 4, 5)] == [True, True, False, True]
 
 
 def spare_slot_scheduler(running_adapters, waiting, step_limit=2, slots=3):
@@ -113,6 +128,36 @@ def test_no_request_sits_out_where_no_adapter_could_join_or_no_slot_could_be_fil
     no_spare = spare_slot_scheduler([1], waiting, slots=2)  # the workers' slots are the step limit, as in vLLM
     assert slots_seen(no_spare) is None and hold_for_fills(no_spare) == []
     assert [r.request_id for r in no_spare.waiting] == ["a"]
+
+
+def test_a_request_sits_out_where_its_fill_can_take_the_slot_of_an_adapter_queued_behind_it():
+    # 1 runs; one more adapter may join; the other slots hold 3 and 4, whose requests came after 5's
+    waiting = [request("a", 5, 1.0), request("c", 3, 2.0), request("d", 4, 3.0)]
+    sched = spare_slot_scheduler([1], waiting)
+    slots_seen(sched).ran([3, 4, 1])
+    held = hold_for_fills(sched)
+    assert [r.request_id for r in slots_seen(sched).held] == ["a"]  # takes 4's slot: 3 joins the step, 4 waits
+    assert all(slots_seen(sched).holds(a) for a in (1, 3, 4))  # the fill is named with the step, not here
+    put_back(held)
+    # where the one behind it joins the step too, there is no slot to take: it joins, and its step fills it
+    waiting = [request("a2", 5, 1.0), request("c2", 3, 2.0), request("d2", 4, 3.0)]
+    sched = spare_slot_scheduler([6], waiting, step_limit=3, slots=4)
+    sched.requests["e"] = request("e", 7, 0.5)  # 7's request is in the engine, though not queued
+    slots_seen(sched).ran([3, 4, 7, 6])
+    assert hold_for_fills(sched) == []
+
+
+def test_every_adapter_in_no_slot_sits_out_where_a_fill_ahead_finds_a_slot_for_one():
+    # 1 and 2 just finished; 3 holds a slot and joins; 4 and 5 take 1's and 2's slots ahead of their steps, and 6,
+    # for which none is left now, sits out as well: joining now, its own step would fill it (as slots free when the
+    # next requests finish, its fill ahead can come then)
+    waiting = [request("c", 3, 1.0), request("d", 4, 2.0), request("e", 5, 3.0), request("f", 6, 4.0)]
+    sched = spare_slot_scheduler([], waiting)
+    slots_seen(sched).ran([1, 2, 3])
+    held = hold_for_fills(sched)
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert [r.request_id for r in slots_seen(sched).held] == ["d", "e", "f"]
+    put_back(held)
 
 
 def test_requests_behind_the_adapters_a_step_can_add_keep_their_hold_for_when_they_could_join():

@@ -43,6 +43,11 @@ def adapters_of(requests: Iterable) -> set[int]:
     return {r.lora_request.lora_int_id for r in requests if getattr(r, "lora_request", None)}
 
 
+def adapters_of_in_order(requests: Iterable) -> list[int]:
+    """The adapters `requests` name, each once, in the order of the requests that first name them."""
+    return list(dict.fromkeys(r.lora_request.lora_int_id for r in requests if getattr(r, "lora_request", None)))
+
+
 def starved_adapter(scheduler, limit_s: float, now: float | None = None) -> int | None:
     """The adapter of the oldest waiting request that needs a slot while every slot is taken, if that request has
     waited longer than `limit_s`; else None."""
@@ -85,18 +90,36 @@ def put_back(held: list) -> None:
             queue.add_request(request)
 
 
-def adapter_to_evict(least_recent_first: Iterable[int], keep: frozenset | set) -> int | None:
-    """The adapter whose slot a fill ahead takes where none is free: the least recently used one outside `keep`
-    (adapters with requests in the engine). The worker's rule (`fill_ahead.slot_to_take`) and the scheduler's
-    guess of it (`SlotsSeen`)."""
-    return next((adapter_id for adapter_id in least_recent_first if adapter_id not in keep), None)
+def queued_after(behind: Iterable[int], adapter_id: int) -> tuple[int, ...]:
+    """The adapters of `behind` (waiting adapters, in the order the scheduler takes them) queued after `adapter_id`;
+    none where it is not queued there (an adapter filled as its request arrives is the queue's last)."""
+    behind = tuple(behind)
+    return behind[behind.index(adapter_id) + 1 :] if adapter_id in behind else ()
+
+
+def adapter_to_evict(least_recent_first: Iterable[int], keep: frozenset | set, later: Iterable[int] = ()) -> int | None:
+    """The adapter whose slot a fill takes where none is free: the least recently used one outside `keep` (adapters
+    with requests in the engine); else, of the adapters `later` (waiting requests' adapters queued behind the one
+    being filled, in the order the scheduler takes them), the one it takes last: of every slot, its adapter is needed
+    last. The worker's rule (`fill_ahead.slot_to_take`) and the scheduler's guess of it (`SlotsSeen`).
+
+    Without the second rule a request's fill ahead finds no slot whenever the slots not running hold adapters of
+    requests that arrived after it (filled as they arrived, since the step limit kept them waiting too): its own
+    step then fills it, and takes one of theirs anyway."""
+    candidates = list(least_recent_first)
+    unneeded = next((adapter_id for adapter_id in candidates if adapter_id not in keep), None)
+    if unneeded is not None:
+        return unneeded
+    position = {adapter_id: index for index, adapter_id in enumerate(later)}
+    return max((a for a in candidates if a in position), key=position.__getitem__, default=None)
 
 
 class SlotsSeen:
     """What a scheduler can tell of its workers' GPU slots without asking them: the adapters its steps ran and those
     it named for a fill ahead, least recently used first, as many as there are slots (vLLM's worker evicts in that
-    order, and fills ahead take the least recently used slot no request needs). A guess: a worker fills ahead only an
-    adapter it holds in host memory, and a pinned adapter keeps its slot."""
+    order, and fills ahead take the least recently used slot no request needs, else the slot of the waiting adapter
+    queued furthest back). A guess: a worker fills ahead only an adapter it holds in host memory, and a pinned adapter
+    keeps its slot."""
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -114,23 +137,30 @@ class SlotsSeen:
             if len(self._order) > self.slots:
                 self._order.popitem(last=False)
 
-    def has_room(self, keep: frozenset | set) -> bool:
-        """Whether a fill ahead could take a slot: a free one, or one whose adapter is not in `keep`."""
-        return len(self._order) < self.slots or any(a not in keep for a in self._order)
+    def filled(self, adapter_ids: Iterable[int], keep: frozenset | set, behind: Iterable[int] = ()) -> list[int]:
+        """Workers were asked to fill `adapter_ids` ahead, taking no slot of `keep`'s adapters but those of adapters
+        queued behind the one filled (`behind`: the waiting adapters in the order the scheduler takes them); as they
+        do, the first that finds no slot ends it. Returns the adapters that took a slot."""
+        return self._fill(self._order, adapter_ids, keep, behind)
 
-    def filled(self, adapter_ids: Iterable[int], keep: frozenset | set) -> None:
-        """Workers were asked to fill `adapter_ids` ahead, taking no slot of `keep`'s adapters; as they do, the
-        first that finds no slot ends it."""
+    def would_fill(self, adapter_ids: Iterable[int], keep: frozenset | set, behind: Iterable[int] = ()) -> list[int]:
+        """The adapters of `adapter_ids` that `filled` would give a slot, changing nothing."""
+        return self._fill(collections.OrderedDict(self._order), adapter_ids, keep, behind)
+
+    def _fill(self, order: collections.OrderedDict, adapter_ids, keep, behind) -> list[int]:
+        behind, keep, taken_by = tuple(behind), set(keep), []
         for adapter_id in adapter_ids:
-            if adapter_id in self._order:
+            if adapter_id in order:
                 continue
-            if len(self._order) >= self.slots:
-                taken = adapter_to_evict(self._order, keep)
-                if taken is None:
-                    return
-                del self._order[taken]
-            self._order[adapter_id] = None
-            keep = set(keep) | {adapter_id}
+            if len(order) >= self.slots:
+                evicted = adapter_to_evict(order, keep, queued_after(behind, adapter_id))
+                if evicted is None:
+                    break
+                del order[evicted]
+            order[adapter_id] = None
+            keep.add(adapter_id)
+            taken_by.append(adapter_id)
+        return taken_by
 
     def forget(self, adapter_id: int) -> None:
         """The adapter was removed: its slots were freed."""
@@ -158,19 +188,22 @@ def hold_for_fills(scheduler) -> list:
     join (it holds a slot, or its request already sat out a step) takes one of the adapters the step may add, and
     each that would join without a slot is held (every waiting request of it), until the step has no room left for
     another adapter; the requests behind wait for that room anyway, and keep their one hold for when it comes. Only
-    where a fill ahead could take a slot. Returns (queue, requests) pairs for `put_back`, and remembers the requests
-    for naming their adapters for the fills beside the step (`SlotsSeen.held`)."""
+    where a fill ahead would find a slot for one of them (`SlotsSeen.would_fill`: one no request needs, or one of an
+    adapter queued behind it that does not join); the others are held too, since slots free as the step's requests
+    finish, while one joining now would be filled by the step. Returns (queue, requests) pairs for `put_back`, and
+    remembers the requests for naming their adapters for the fills beside the step (`SlotsSeen.held`)."""
     seen = slots_seen(scheduler)
     if seen is None:
         return []
     seen.held = []
     running = adapters_of(scheduler.running)
     room = scheduler.lora_config.max_loras - len(running)
-    if room <= 0 or not seen.has_room(adapters_of(getattr(scheduler, "requests", {}).values())):
+    if room <= 0:
         return []
+    queued = [r for queue in waiting_queues(scheduler) for r in queue]
     joining: set[int] = set()
-    holding: set[int] = set()
-    for request in (r for queue in waiting_queues(scheduler) for r in queue):
+    holding: dict[int, None] = {}  # in queue order
+    for request in queued:
         adapter_id = request.lora_request.lora_int_id if request.lora_request is not None else None
         if adapter_id is None or adapter_id in running or adapter_id in joining or adapter_id in holding:
             continue
@@ -179,7 +212,14 @@ def hold_for_fills(scheduler) -> list:
             if len(joining) >= room:
                 break
         else:
-            holding.add(adapter_id)
+            holding[adapter_id] = None
+    if not holding:
+        return []
+    # the workers' fills ahead beside this step see the queue behind each held adapter without those that join it
+    behind = dict.fromkeys(a for a in adapters_of_in_order(queued) if a not in running and a not in joining)
+    in_engine = adapters_of(getattr(scheduler, "requests", {}).values())
+    if not seen.would_fill(holding, in_engine, behind):
+        return []
     held = []
     for queue in waiting_queues(scheduler):
         hold = [r for r in queue if r.lora_request is not None and r.lora_request.lora_int_id in holding]

@@ -7,8 +7,9 @@ engine core asks as the request arrives, `calls.RestoreAhead`), the worker activ
 
 * the slot (`slot_to_take`): the first free one, else the least recently used slot (vLLM's own order) whose adapter
   is not pinned and has no request in the engine (the engine core names those: `RestoreAhead.keep`, so a burst of
-  requests for new adapters never takes a slot from one whose request waits). Where there is none (every slot holds
-  a pinned adapter or one with requests), the step fills it, as before.
+  requests for new adapters never takes a slot from one whose request waits), else, for a waiting request's adapter,
+  the slot of the waiting adapter queued last behind it (`scheduling.adapter_to_evict`). Where there is none (every
+  slot holds a pinned adapter, a running one, or one queued before), the step fills it, as before.
 * the order on a GPU (`AheadFills`): the copies run on a stream of their own. A slot the latest step did not run (the
   least recently used one, wherever a step leaves one idle) is copied after every step before the latest (an event
   recorded as the latest step began), beside the latest step; a slot it ran, after everything enqueued so far. The
@@ -44,7 +45,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from vllm_bdlora.scheduling import adapter_to_evict, adapters_of, slots_seen, waiting_queues
+from vllm_bdlora.scheduling import adapter_to_evict, adapters_of, adapters_of_in_order, slots_seen, waiting_queues
 
 ADAPTERS_PER_STEP = "_bdlora_adapters_per_step"  # on vLLM's LoRAConfig where slots were added for fills ahead
 WAITING_ADAPTERS = "_bdlora_waiting_adapters"  # on vLLM's SchedulerOutput: what its workers may fill after launching it
@@ -76,29 +77,24 @@ def scheduler_lora_config(lora_config):
 @dataclasses.dataclass(frozen=True)
 class WaitingAdapters:
     """What the workers may fill after launching a step: the adapters of waiting requests that no running request
-    names, in the order the scheduler takes them (`fill`), and every adapter with requests in the engine (`keep`: no
-    fill takes their slots)."""
+    names, in the order the scheduler takes them (`behind`), the first of them as many as there are slots (`fill`),
+    and every adapter with requests in the engine (`keep`: no fill takes their slots but for those of adapters queued
+    behind the one filled, the one queued last first: `scheduling.adapter_to_evict`)."""
 
     fill: tuple[int, ...]
     keep: frozenset[int]
+    behind: tuple[int, ...] = ()
 
 
 def waiting_adapters(running: Iterable, waiting: Iterable, in_engine: Iterable, at_most: int) -> WaitingAdapters | None:
     """The adapters the requests `waiting` (in the scheduler's order) need that no `running` request holds, at most
-    `at_most` of them (the slots); `in_engine`: every request the scheduler holds. None where there is none."""
+    `at_most` of them (the slots) to fill, and all of them in order (`behind`); `in_engine`: every request the
+    scheduler holds. None where there is none."""
     running_ids = adapters_of(running)
-    fill: list[int] = []
-    for request in waiting:
-        lora = request.lora_request
-        if lora is None or lora.lora_int_id in running_ids or lora.lora_int_id in fill:
-            continue
-        fill.append(lora.lora_int_id)
-        if len(fill) >= at_most:
-            break
-    if not fill:
+    behind = tuple(a for a in adapters_of_in_order(waiting) if a not in running_ids)
+    if not behind:
         return None
-    keep = frozenset(adapters_of(in_engine))
-    return WaitingAdapters(tuple(fill), keep)
+    return WaitingAdapters(behind[:at_most], frozenset(adapters_of(in_engine)), behind)
 
 
 def _least_recent_first(cache) -> list[int]:
@@ -106,17 +102,18 @@ def _least_recent_first(cache) -> list[int]:
     return list(cache.order if hasattr(cache, "order") else cache)
 
 
-def slot_to_take(manager, keep=frozenset()) -> int | None:
+def slot_to_take(manager, keep=frozenset(), later=()) -> int | None:
     """The slot an adapter filled ahead of its step may take in vLLM's LoRA model manager `manager`: the first free
     slot (vLLM's activation takes that one), else the least recently used one whose adapter is neither pinned nor in
-    `keep` (adapters with requests in the engine). None where that leaves nothing."""
+    `keep` (adapters with requests in the engine), else that of the adapter of `later` (waiting adapters queued behind
+    this one) queued last. None where that leaves nothing."""
     slots = manager.lora_index_to_id
     if None in slots:
         return slots.index(None)
     active = manager._active_adapters
     pinned = getattr(active, "pinned_items", ())
     candidates = (a for a in _least_recent_first(active) if a not in pinned and a in slots)
-    evicted = adapter_to_evict(candidates, keep)
+    evicted = adapter_to_evict(candidates, keep, later)
     return None if evicted is None else slots.index(evicted)
 
 
@@ -124,8 +121,9 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
     """Registering an adapter in vLLM's host cache (to fill its slot) when the cache is full drops an entry, and vLLM's
     own eviction drops the least recently used one, taking its GPU slot with it, which may be a slot a step runs. So
     the entry dropped is chosen here: None where the cache has room; else the least recently used entry that is
-    neither pinned, nor in `keep`, nor in a GPU slot other than `evicted`'s (the slot being taken); False where
-    there is no such entry."""
+    neither pinned, nor in `keep`, nor in a GPU slot other than `evicted`'s (the slot being taken); else `evicted`'s
+    own (an adapter of `keep` whose slot goes to one queued before it: its fill registers it again from the worker's
+    memory); False where there is no such entry."""
     registered = manager._registered_adapters
     if len(registered) < manager.capacity:
         return None
@@ -135,6 +133,8 @@ def host_entry_to_drop(manager, evicted: int | None, keep=frozenset()) -> int | 
             continue
         if adapter_id == evicted or adapter_id not in active:
             return adapter_id
+    if evicted is not None and evicted in registered and evicted not in pinned:
+        return evicted
     return False
 
 
@@ -149,10 +149,11 @@ class Room:
     dropped: int | None
 
 
-def room_for(manager, adapter_id: int, keep=frozenset()) -> Room | None:
-    """The room `adapter_id` would take sparing `keep`'s adapters (`slot_to_take`, and `host_entry_to_drop` unless
-    the host cache holds it); None where either is lacking. The one rule of a fill ahead and of a step's own fills."""
-    slot = slot_to_take(manager, keep)
+def room_for(manager, adapter_id: int, keep=frozenset(), later=()) -> Room | None:
+    """The room `adapter_id` would take sparing `keep`'s adapters but those of `later` (`slot_to_take`, and
+    `host_entry_to_drop` unless the host cache holds it); None where either is lacking. The one rule of a fill ahead
+    and of a step's own fills."""
+    slot = slot_to_take(manager, keep, later)
     if slot is None:
         return None
     evicted = manager.lora_index_to_id[slot]
@@ -171,19 +172,21 @@ def clear(manager, room: Room) -> None:
         manager.remove_adapter(room.dropped)
 
 
-def make_room_for_step(manager, adapter_ids, keep=frozenset()) -> None:
+def make_room_for_step(manager, adapter_ids, keep=frozenset(), behind=()) -> None:
     """A step about to fill slots for those of `adapter_ids` that no slot holds: vLLM's activation would take the least
     recently used slot, and registering an adapter in a full host cache would drop the least recently used entry with
     its slot. Least recently used is what an adapter filled ahead for a waiting request is after a step or two, or an
     adapter of this very step that its loop has not reached yet: its own step would fill it again, and that fill would
     take the next one. So the slots (and entries) are freed here first: none of the step's adapters', and none of
-    `keep`'s (adapters with requests in the engine) where another can go; where all are the step's or `keep`'s, vLLM's
-    order decides."""
+    `keep`'s (adapters with requests in the engine) where another can go, else that of the waiting adapter queued
+    last (`behind`: waiting adapters in the order the scheduler takes them); where all are the step's, or `keep`'s
+    and none is queued, vLLM's order decides."""
     step = frozenset(adapter_ids)
+    later = tuple(adapter_id for adapter_id in behind if adapter_id not in step)
     for adapter_id in adapter_ids:
         if adapter_id in manager._active_adapters:
             continue
-        room = room_for(manager, adapter_id, step | keep) or room_for(manager, adapter_id, step)
+        room = room_for(manager, adapter_id, step | keep, later) or room_for(manager, adapter_id, step)
         if room is None:
             return
         clear(manager, room)
@@ -205,7 +208,7 @@ def name_waiting_adapters(scheduler, output) -> None:
     named = waiting_adapters(scheduler.running, waiting, scheduler.requests.values(), seen.slots)
     if named is not None:
         setattr(output, WAITING_ADAPTERS, named)
-        seen.filled(named.fill, named.keep)
+        seen.filled(named.fill, named.keep, named.behind)
 
 
 class AheadFills:

@@ -65,6 +65,7 @@ from vllm_bdlora.compat import adapter_absolute_path, lora_warm_up, without_load
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.manager import is_first_tp_rank
 from vllm_bdlora.metrics import WorkerAdapterStats
+from vllm_bdlora.scheduling import queued_after
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -113,6 +114,7 @@ class WorkerAdapters:
         self.kept: AdapterStore | None = None  # None until BD-LoRA first admits an adapter here
         self.ahead = AheadFills(getattr(worker_manager, "device", None))
         self.waiting_keep: frozenset[int] = frozenset()  # the latest step's adapters with requests in the engine
+        self.waiting_behind: tuple[int, ...] = ()  # its waiting adapters, in the order the scheduler takes them
         # adapter id -> why a step would still fill it, from the latest fill ahead that named it (`IN_STEP_CAUSES`);
         # dropped when a step runs it
         self.ahead_outcome: dict[int, str] = {}
@@ -185,9 +187,10 @@ class WorkerAdapters:
         return AdmissionReceipt(bool(loaded), admitted.identity if admitted else None)
 
     # -- a slot fill ------------------------------------------------------------------------------------------------
-    def fill_ahead(self, adapter_ids, keep=frozenset(), reading=()) -> int:
+    def fill_ahead(self, adapter_ids, keep=frozenset(), reading=(), behind=()) -> int:
         """Copy each adapter of `adapter_ids` that no GPU slot holds, but vLLM's host cache or this worker's memory
-        does (not `reading`: being read back), into a slot no adapter of `keep` holds, now rather than in the step
+        does (not `reading`: being read back), into a slot no adapter of `keep` holds, or else one whose adapter waits
+        behind it (`behind`: waiting adapters in the order the scheduler takes them), now rather than in the step
         that runs it (`fill_ahead.py`); stops at the first for which no such slot is left. Returns how many it
         filled."""
         manager, filled, full, outcome = self.manager, 0, False, self.ahead_outcome
@@ -199,7 +202,7 @@ class WorkerAdapters:
             if adapter_id in reading or not in_memory:
                 outcome[adapter_id] = "not_in_memory"
                 continue
-            room = None if full else room_for(manager, adapter_id, keep)
+            room = None if full else room_for(manager, adapter_id, keep, queued_after(behind, adapter_id))
             if room is None:  # none left for this one, nor for those after it
                 full = True
                 outcome[adapter_id] = "no_slot"
@@ -391,7 +394,7 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
         adapters.stats.record_in_step_causes(outcomes[adapter_id] for adapter_id in missing)
     adapters.ahead.step_begins(manager, adapter_ids, fills_in_step=fills > 0)
     if fills:
-        make_room_for_step(manager, adapter_ids, adapters.waiting_keep)
+        make_room_for_step(manager, adapter_ids, adapters.waiting_keep, adapters.waiting_behind)
     started = time.perf_counter()
     applied = apply(ordered)
     if fills and counted:
@@ -403,11 +406,14 @@ def apply_in_id_order(worker_manager, requests, apply: Callable):
 def note_waiting_requests(worker_manager, scheduler_output) -> None:
     """Before a step runs: the adapters with requests in the engine (`fill_ahead.WaitingAdapters.keep`, which the
     engine core's scheduler put on the step where requests wait for adapters), whose slots the step's own fills do not
-    take where others can go (`fill_ahead.make_room_for_step`)."""
+    take where others can go, and the waiting ones in queue order, whose slots go last first where none can
+    (`fill_ahead.make_room_for_step`)."""
     if worker_manager is None:
         return
     waiting = getattr(scheduler_output, WAITING_ADAPTERS, None)
-    WorkerAdapters.of(worker_manager).waiting_keep = waiting.keep if waiting is not None else frozenset()
+    adapters = WorkerAdapters.of(worker_manager)
+    adapters.waiting_keep = waiting.keep if waiting is not None else frozenset()
+    adapters.waiting_behind = waiting.behind if waiting is not None else ()
 
 
 def fill_for_waiting_requests(worker_manager, scheduler_output) -> int:
@@ -417,7 +423,7 @@ def fill_for_waiting_requests(worker_manager, scheduler_output) -> int:
     waiting = getattr(scheduler_output, WAITING_ADAPTERS, None)
     if waiting is None or worker_manager is None:
         return 0
-    return WorkerAdapters.of(worker_manager).fill_ahead(waiting.fill, waiting.keep)
+    return WorkerAdapters.of(worker_manager).fill_ahead(waiting.fill, waiting.keep, behind=waiting.behind)
 
 
 def remove_adapter(worker_manager, adapter_id: int, remove: Callable) -> bool:
