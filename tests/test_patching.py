@@ -116,7 +116,9 @@ PATCH_TESTS = {
     "runtime_loading_routes_say_how_to_enable": [
         "test_metrics.py::test_a_server_without_runtime_loading_says_how_to_turn_it_on"
     ],
-    "lora_info_gauge_keeps_one_series": ["test_server_guards.py::test_metrics_need_the_key_and_keep_one_lora_series"],
+    "lora_info_gauge_keeps_one_series": [
+        "test_server_guards.py::test_metrics_need_the_key_and_keep_one_lora_series_at_the_step_limit"
+    ],
     "engine_core_adapter_stats": ["test_metrics.py::test_prometheus_scrapes_residency_and_token_counts"],
     "adapter_request_metrics": ["test_metrics.py::test_prometheus_scrapes_residency_and_token_counts"],
     "adapter_metrics_in_merged_registry": [

@@ -409,7 +409,7 @@ def test_bad_tenant_key_file_stops_startup_naming_it(assets, tmp_path):
     assert f"--tenant-keys {keys}: tenant 'b': its key is another tenant's too" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_metrics_need_the_key_and_keep_one_lora_series(server, reference_words):
+def test_metrics_need_the_key_and_keep_one_lora_series_at_the_step_limit(server, reference_words):
     url, _, _ = server
     assert requests.get(f"{url}/metrics", timeout=10).status_code == 401
     for name in ("bd64", "bd64", "bd64"):
@@ -418,6 +418,8 @@ def test_metrics_need_the_key_and_keep_one_lora_series(server, reference_words):
     assert metrics.status_code == 200
     series = [line for line in metrics.text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(series) == 1, series
+    # --max-loras 1 with a slot kept for fills ahead: the label says the step limit the operator set, not the slots
+    assert 'max_lora="1"' in series[0], series
 
 
 def test_unload_removes_the_adapter_from_the_engine_and_a_reload_serves_it(server, roots, reference_words):

@@ -421,8 +421,12 @@ def patch_static_loras_in_parallel() -> bool:
 def patch_lora_info_gauge_keeps_one_series() -> bool:
     """vLLM's `vllm:lora_requests_info` gauge labels each update with the running and waiting adapters' names joined
     by commas, and never drops an old label set: its series grow with every combination of adapters ever seen.
-    Keep the current one only. Ray Serve's metric wrappers have no way to drop a label set and stay as they are."""
+    Keep the current one only. Ray Serve's metric wrappers have no way to drop a label set and stay as they are.
+    Its `max_lora` label reads the config's `max_loras`, which counts the workers' slots for fills ahead too
+    (`fill_ahead.add_spare_slots`): it says the adapters one step may run, `--max-loras`, again."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from vllm_bdlora.adapter_lifecycle.fill_ahead import adapters_per_step
 
     require_parameters(PrometheusStatLogger.__init__, ("vllm_config",), "PrometheusStatLogger.__init__")
 
@@ -432,6 +436,9 @@ def patch_lora_info_gauge_keeps_one_series() -> bool:
             gauge = getattr(self, "gauge_lora_info", None)
             if callable(getattr(gauge, "clear", None)):
                 self.gauge_lora_info = CurrentSeriesOnly(gauge)
+            lora_config = getattr(getattr(self, "vllm_config", None), "lora_config", None)
+            if hasattr(self, "max_lora") and lora_config is not None:
+                self.max_lora = adapters_per_step(lora_config)
 
         return __init__
 

@@ -603,8 +603,11 @@ PATCHES: tuple[Patch, ...] = (
         stage="plugin",
         versions="0.26-0.33 (API server process only)",
         why="vllm:lora_requests_info labels every update with the running and waiting adapters' names and never "
-        "drops an old label set: /metrics grows with every combination of adapters ever seen.",
-        how="Wrap the gauge so that setting a label set first removes the others: one series per engine.",
+        "drops an old label set: /metrics grows with every combination of adapters ever seen. Its max_lora label "
+        "reads the config's max_loras, which counts the workers' slots for fills ahead (slots_beyond_the_step_limit) "
+        "too.",
+        how="Wrap the gauge so that setting a label set first removes the others: one series per engine; max_lora "
+        "is set back to the adapters one step may run (--max-loras).",
         removal="vLLM's LoRA residency metrics replacing the gauge (vLLM #54830).",
         apply=patch_lora_info_gauge_keeps_one_series,
     ),
