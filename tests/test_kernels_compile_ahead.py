@@ -28,16 +28,17 @@ def test_launches_inside_compile_concurrently_only_compile_and_launch_again_afte
     assert 1 <= compile_threads() <= 8
 
 
-def test_a_failure_while_compiling_on_threads_is_logged_and_leaves_launches_to_compile_as_before(caplog):
+def test_a_failure_on_threads_is_logged_with_its_cause_and_leaves_launches_to_compile_as_before(caplog):
     kernel = RecordingKernel()
 
     def fails():
         launch(kernel, (1,), "x")
-        raise RuntimeError("internals moved")
+        raise RuntimeError("internals moved") from KeyError("the cause")
 
     with caplog.at_level(logging.WARNING, logger="vllm.bdlora"):
         assert compile_concurrently(fails, threads=2) is False
     assert "RuntimeError: internals moved" in caplog.text and "one at a time" in caplog.text
+    assert "KeyError: 'the cause'" in caplog.text  # the chained cause (Triton wraps a kernel's in CompilationError)
     launch(kernel, (2,), "y")
     assert kernel.calls[-1] == ("launched", (2,), ("y",))
 

@@ -56,8 +56,9 @@ def compile_concurrently(launch_all, threads: int | None = None) -> bool:
                 launch_all()
         return True
     except Exception as error:  # e.g. a Triton whose internals moved: serve anyway, compiling serially
+        # with its traceback: a Triton CompilationError names the kernel line, its cause (chained) what failed
         logger.warning("vllm-bdlora: compiling the LoRA kernels on threads failed (%s: %s); compiling them one at "
-                       "a time instead.", type(error).__name__, error)  # fmt: skip
+                       "a time instead.", type(error).__name__, error, exc_info=error)  # fmt: skip
         return False
     finally:
         _compiling_only.reset(token)
