@@ -1,9 +1,16 @@
 """Compiling a layer's kernel variants on threads before `warm_up` launches them (kernels/compile_ahead.py)."""
 
+import contextlib
+import gc
 import logging
 import os
+import sys
+import threading
+import time
 
-from vllm_bdlora.kernels.compile_ahead import compile_concurrently, compile_threads, launch
+import pytest
+
+from vllm_bdlora.kernels.compile_ahead import compile_concurrently, compile_threads, launch, one_parse_at_a_time
 
 
 class RecordingKernel:
@@ -58,3 +65,58 @@ def test_a_layers_variants_compile_on_threads_and_its_launches_then_compile_noth
         launches = layer()
         assert sum(map(len, seconds.values())) == compiled_before  # no compile left for the launches
     assert cubins == launches  # one binary per variant, all compiled on the pool
+
+
+class YieldsWhenCollected:
+    """Cyclic garbage whose finalizer hands the interpreter lock to another thread, as a long-lived process's
+    garbage can when the collector runs in the middle of a parse."""
+
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        time.sleep(0)
+
+
+def parse_on_two_threads(guard) -> list[SystemError]:
+    from vllm_bdlora.kernels.fused_lora import _routed_shrink_kernel
+
+    errors = []
+
+    def parse_repeatedly():
+        for _ in range(300):
+            YieldsWhenCollected()
+            try:
+                _routed_shrink_kernel.parse()
+            except SystemError as error:  # "AST constructor recursion depth mismatch"
+                errors.append(error)
+                return
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50)  # collect often: many finalizers run mid-parse
+    try:
+        with guard:
+            threads = [threading.Thread(target=parse_repeatedly) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        gc.set_threshold(*threshold)
+    return errors
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_kernel_source_parses_take_turns_while_the_pool_compiles(repeat):
+    """Two threads parsing kernel sources at once, the collector running finalizers between them: without
+    `one_parse_at_a_time` CPython 3.11 fails some parse with SystemError (what failed a threaded compile in a
+    long test process); with it, none fails."""
+    assert parse_on_two_threads(one_parse_at_a_time()) == []
+
+
+def test_without_turns_two_threads_parsing_at_once_can_fail_on_this_python():
+    """The test above can fail: here the same two threads parse unguarded (CPython 3.11 keeps the AST builder's
+    recursion depth interpreter-wide). Where a Python keeps it per parse, nothing fails and nothing is claimed."""
+    errors = [error for _ in range(5) for error in parse_on_two_threads(contextlib.nullcontext())]
+    if sys.version_info[:2] == (3, 11):
+        assert errors and "recursion depth mismatch" in str(errors[0])

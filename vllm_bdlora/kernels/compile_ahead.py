@@ -8,12 +8,21 @@ it compiles one at a time as before) hands the compiles of `warmup` calls to an 
 runs its launch sequence with every launch made a `warmup` call (`launch`), the compiles on a thread pool, and
 then launches as before, finding each variant compiled. The kernels are the same either way: this changes when
 they compile, not what runs.
+
+Triton parses a kernel's source (`ast.parse`) when it hashes it, on the launching thread, and when it generates
+its code, on the pool's. CPython 3.11 keeps the AST builder's recursion depth in interpreter-wide state, so two
+parses at once can fail with "SystemError: AST constructor recursion depth mismatch" (cpython gh-106905; seen as
+a Triton CompilationError at a call of a helper kernel) where the collector runs finalizers mid-parse, as in a
+long-lived process. While the pool compiles, Triton's parses therefore take turns (`one_parse_at_a_time`): each
+is a fraction of a millisecond, and the compiles still overlap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 
@@ -21,6 +30,7 @@ logger = logging.getLogger("vllm.bdlora")
 
 _compiling_only: ContextVar[bool] = ContextVar("vllm_bdlora_compiling_only", default=False)
 MAX_THREADS = 8
+_parse_lock = threading.Lock()
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -40,6 +50,28 @@ def compile_threads() -> int:
     return max(1, min(MAX_THREADS, cpus))
 
 
+@contextlib.contextmanager
+def one_parse_at_a_time():
+    """Within: Triton's kernel-source parses (`JITFunction.parse`, on any thread) run one at a time (see above)."""
+    from triton.runtime.jit import JITFunction
+
+    owner = next((cls for cls in JITFunction.__mro__ if "parse" in vars(cls)), None)
+    if owner is None:  # a Triton that parses elsewhere: nothing to guard here
+        yield
+        return
+    parse = vars(owner)["parse"]
+
+    def parse_alone(self):
+        with _parse_lock:
+            return parse(self)
+
+    owner.parse = parse_alone
+    try:
+        yield
+    finally:
+        owner.parse = parse
+
+
 def compile_concurrently(launch_all, threads: int | None = None) -> bool:
     """Call `launch_all` (which launches kernels through `launch`) with each launch compiled on a pool of
     `threads` and none run; returns once every compile has finished. False where this Triton has no
@@ -51,9 +83,12 @@ def compile_concurrently(launch_all, threads: int | None = None) -> bool:
         return False
     token = _compiling_only.set(True)
     try:
-        with ThreadPoolExecutor(threads or compile_threads(), thread_name_prefix="bdlora-compile") as pool:
-            with AsyncCompileMode(pool):
-                launch_all()
+        with (
+            one_parse_at_a_time(),
+            ThreadPoolExecutor(threads or compile_threads(), thread_name_prefix="bdlora-compile") as pool,
+            AsyncCompileMode(pool),
+        ):
+            launch_all()
         return True
     except Exception as error:  # e.g. a Triton whose internals moved: serve anyway, compiling serially
         # with its traceback: a Triton CompilationError names the kernel line, its cause (chained) what failed
