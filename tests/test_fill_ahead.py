@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.test_scheduling import last_token_in_flight
 from vllm_bdlora.adapter_lifecycle.calls import RestoreAhead
 from vllm_bdlora.adapter_lifecycle.engine import EngineAdmissions
 from vllm_bdlora.adapter_lifecycle.fill_ahead import (
@@ -262,6 +263,27 @@ def test_a_step_names_the_adapters_of_waiting_requests_no_running_request_holds_
     named = waiting_adapters(running, waiting, running + waiting, at_most=2)
     assert named == WaitingAdapters((5, 4), frozenset({1, 2, 4, 5, 6}), behind=(5, 4, 6))
     assert waiting_adapters(running, waiting[:1] + waiting[2:3], running, at_most=2) is None  # all running or base
+
+
+def test_an_adapter_whose_requests_all_end_in_flight_keeps_no_slot_and_is_not_counted_as_run():
+    running = [request("r0", 1), last_token_in_flight(request("r1", 2))]
+    waiting = [request("w0", 5)]
+    named = waiting_adapters(running, waiting, running + waiting, at_most=2)
+    assert named == WaitingAdapters((5,), frozenset({1, 5}), behind=(5,))  # 2's slot may take 5's fill
+    both = running + [request("w1", 2)]  # a waiting request of 2 keeps it
+    assert waiting_adapters(running, waiting, both + waiting, at_most=2).keep == {1, 2, 5}
+    # the scheduler's view of the slots: the step ran what its output schedules, not every running request
+    from vllm.config import LoRAConfig
+
+    workers = LoRAConfig(max_loras=2, max_lora_rank=8)
+    add_spare_slots(workers, 1)
+    in_engine = {r.request_id: r for r in running + waiting}
+    scheduler = SimpleNamespace(vllm_config=SimpleNamespace(lora_config=workers), running=running, waiting=waiting,
+                                lora_config=scheduler_lora_config(workers), requests=in_engine)  # fmt: skip
+    slots_seen(scheduler).ran([2, 1, 3])  # least recently used first
+    name_waiting_adapters(scheduler, SimpleNamespace(num_scheduled_tokens={"r0": 1}))
+    seen = slots_seen(scheduler)
+    assert seen.holds(5) and seen.holds(3) and not seen.holds(2)  # 5 took 2's slot: the step did not run 2
 
 
 def test_the_scheduler_puts_the_waiting_adapters_on_its_output_only_where_workers_have_spare_slots():

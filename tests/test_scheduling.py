@@ -16,6 +16,7 @@ from vllm_bdlora.scheduling import (
     hold_back,
     hold_for_fills,
     put_back,
+    runs_again,
     slots_seen,
     starved_adapter,
 )
@@ -173,3 +174,45 @@ def test_requests_behind_the_adapters_a_step_can_add_keep_their_hold_for_when_th
     sched = spare_slot_scheduler([], [request("b", 2, 1.0), request("e", 5, 2.0)], step_limit=1, slots=2)
     slots_seen(sched).ran([2])
     assert hold_for_fills(sched) == []
+
+
+def last_token_in_flight(r, prompt=4, max_tokens=4):
+    """`r` as vLLM's async scheduling leaves a running request whose step in flight yields its last token."""
+    r.num_prompt_tokens, r.max_tokens = prompt, max_tokens
+    r.num_computed_tokens, r.num_output_placeholders = prompt + max_tokens - 1, 1
+    return r
+
+
+def test_a_running_request_runs_again_unless_a_step_in_flight_yields_its_last_token():
+    r = request("r", 1, 0.0)
+    assert runs_again(r)  # no async scheduling: no placeholders
+    last_token_in_flight(r)
+    assert not runs_again(r)
+    r.num_computed_tokens -= 1  # two tokens to go, one in flight
+    assert runs_again(r)
+    r.num_computed_tokens, r.num_output_placeholders = 7, 0  # its output arrived: vLLM decides, as without async
+    assert runs_again(r)
+
+
+def test_an_adapter_whose_last_request_ends_in_flight_leaves_room_and_its_slot_to_a_waiting_fill():
+    # 1 and 3 run, the step limit is 2; 3's only request has its last token in flight, so vLLM schedules it no more
+    # and may add an adapter: 2 is first in the queue and in no slot, 4 was filled ahead behind it
+    for in_flight in (False, True):
+        waiting = [request("a", 2, 1.0), request("d", 4, 2.0)]
+        sched = spare_slot_scheduler([1, 3], waiting)
+        if in_flight:
+            last_token_in_flight(sched.running[1])
+        slots_seen(sched).ran([1, 3, 4])
+        held = hold_for_fills(sched)
+        if not in_flight:  # two adapters run: the step limit keeps 2 out anyway
+            assert held == []
+            continue
+        # 2 sits out while its fill takes 3's slot (no later step runs 3), and 4 joins
+        assert [r.request_id for r in slots_seen(sched).held] == ["a"]
+        assert [r.request_id for r in sched.waiting] == ["d"]
+        assert slots_seen(sched).would_fill([2], {1, 2, 4}) == [2]
+        put_back(held)
+    sched = spare_slot_scheduler([1, 3], [request("a", 2, 1.0)])
+    last_token_in_flight(sched.running[1])
+    sched.running[1].arrival_time = 0.0
+    assert starved_adapter(sched, 2.0, now=100.0) is None  # vLLM has room for 2: nothing to hold back for it

@@ -19,7 +19,9 @@ named for a fill ahead of the next step: the fill then runs beside the step the 
 request's step waits for it. The scheduler does not ask its workers which adapters their slots hold; it follows them
 (`SlotsSeen`): the adapters its steps ran and those it named for filling, in vLLM's least-recently-used order. Where
 that guess is wrong, a request waits one step it did not need to, or its adapter is filled in its step, as without the
-hold; each request is held once at most.
+hold; each request is held once at most. A running request whose last token a step in flight already yields (async
+scheduling, vLLM's default on GPUs) counts as finished (`runs_again`): vLLM schedules it no more, so its adapter
+leaves room under the step limit one step before the request ends, and its slot may take a waiting adapter's fill.
 """
 
 from __future__ import annotations
@@ -43,6 +45,25 @@ def adapters_of(requests: Iterable) -> set[int]:
     return {r.lora_request.lora_int_id for r in requests if getattr(r, "lora_request", None)}
 
 
+def runs_again(request) -> bool:
+    """Whether vLLM's scheduler may still give `request` a step. With async scheduling (vLLM's default on GPUs) a
+    step is scheduled while the one before it runs, and a running request whose last token (`max_tokens`) a step in
+    flight already yields is not scheduled again: it finishes as that step's output arrives. vLLM's step limit counts
+    the adapters of the running requests it schedules, so such a request's adapter no longer counts against it, and
+    its slot is needed by no later step. The test is vLLM's own (`Scheduler.schedule`, 0.10 to 0.33); without async
+    scheduling no request has output placeholders, and every running request runs again."""
+    placeholders = getattr(request, "num_output_placeholders", 0) or 0
+    max_tokens = getattr(request, "max_tokens", None)
+    if placeholders <= 0 or max_tokens is None:
+        return True
+    return request.num_computed_tokens + 2 - placeholders < request.num_prompt_tokens + max_tokens
+
+
+def adapters_needed(requests: Iterable) -> set[int]:
+    """The adapters of those of `requests` that a later step may still run (`runs_again`)."""
+    return adapters_of(r for r in requests if runs_again(r))
+
+
 def adapters_of_in_order(requests: Iterable) -> list[int]:
     """The adapters `requests` name, each once, in the order of the requests that first name them."""
     return list(dict.fromkeys(r.lora_request.lora_int_id for r in requests if getattr(r, "lora_request", None)))
@@ -54,7 +75,7 @@ def starved_adapter(scheduler, limit_s: float, now: float | None = None) -> int 
     lora_config = getattr(scheduler, "lora_config", None)
     if not limit_s or lora_config is None:
         return None
-    running = adapters_of(scheduler.running)
+    running = adapters_needed(scheduler.running)
     if len(running) < lora_config.max_loras:
         return None
     now = time.time() if now is None else now
@@ -196,7 +217,7 @@ def hold_for_fills(scheduler) -> list:
     if seen is None:
         return []
     seen.held = []
-    running = adapters_of(scheduler.running)
+    running = adapters_needed(scheduler.running)  # what vLLM counts against its step limit
     room = scheduler.lora_config.max_loras - len(running)
     if room <= 0:
         return []
@@ -217,7 +238,7 @@ def hold_for_fills(scheduler) -> list:
         return []
     # the workers' fills ahead beside this step see the queue behind each held adapter without those that join it
     behind = dict.fromkeys(a for a in adapters_of_in_order(queued) if a not in running and a not in joining)
-    in_engine = adapters_of(getattr(scheduler, "requests", {}).values())
+    in_engine = adapters_needed(getattr(scheduler, "requests", {}).values())
     if not seen.would_fill(holding, in_engine, behind):
         return []
     held = []

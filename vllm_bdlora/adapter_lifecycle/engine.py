@@ -66,7 +66,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     verdict,
 )
 from vllm_bdlora.config import BdLoraSettings
-from vllm_bdlora.scheduling import adapters_of, slots_seen
+from vllm_bdlora.scheduling import adapters_needed, adapters_of, slots_seen
 
 logger = logging.getLogger("vllm.bdlora")
 
@@ -218,7 +218,9 @@ class EngineAdmissions:
         it, or, where it is in host memory, to copy it into a GPU slot that no adapter with requests holds; True if a
         rank is reading it back."""
         adapter_id = lora_request.lora_int_id
-        keep = frozenset(self._adapters_in_use() | set(self.reading_back))  # their requests need their slots first
+        # their requests need their slots first (not one whose last token is in flight: no later step runs it)
+        requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
+        keep = frozenset(adapters_needed(requests.values()) | set(self.reading_back))
         call = RestoreAhead([adapter_id], fill=[lora_request], keep=keep)
         reading = any(adapter_id in ranks_reading for ranks_reading in self._rpc(call))
         seen = slots_seen(getattr(self.core, "scheduler", None))

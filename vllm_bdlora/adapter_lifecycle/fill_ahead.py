@@ -45,7 +45,14 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from vllm_bdlora.scheduling import adapter_to_evict, adapters_of, adapters_of_in_order, slots_seen, waiting_queues
+from vllm_bdlora.scheduling import (
+    adapter_to_evict,
+    adapters_needed,
+    adapters_of,
+    adapters_of_in_order,
+    slots_seen,
+    waiting_queues,
+)
 
 ADAPTERS_PER_STEP = "_bdlora_adapters_per_step"  # on vLLM's LoRAConfig where slots were added for fills ahead
 WAITING_ADAPTERS = "_bdlora_waiting_adapters"  # on vLLM's SchedulerOutput: what its workers may fill after launching it
@@ -89,12 +96,13 @@ class WaitingAdapters:
 def waiting_adapters(running: Iterable, waiting: Iterable, in_engine: Iterable, at_most: int) -> WaitingAdapters | None:
     """The adapters the requests `waiting` (in the scheduler's order) need that no `running` request holds, at most
     `at_most` of them (the slots) to fill, and all of them in order (`behind`); `in_engine`: every request the
-    scheduler holds. None where there is none."""
+    scheduler holds, of which those that no later step runs (`scheduling.runs_again`: their last token is in flight)
+    keep no slot. None where there is none."""
     running_ids = adapters_of(running)
     behind = tuple(a for a in adapters_of_in_order(waiting) if a not in running_ids)
     if not behind:
         return None
-    return WaitingAdapters(behind[:at_most], frozenset(adapters_of(in_engine)), behind)
+    return WaitingAdapters(behind[:at_most], frozenset(adapters_needed(in_engine)), behind)
 
 
 def _least_recent_first(cache) -> list[int]:
@@ -199,7 +207,7 @@ def name_waiting_adapters(scheduler, output) -> None:
     seen = slots_seen(scheduler)
     if seen is None:
         return
-    seen.ran(adapters_of(scheduler.running))
+    seen.ran(adapters_of(scheduled_requests(scheduler, output)))
     # with the requests held out of this step, in the order the scheduler takes them once they are back in its
     # queues (scheduling.put_back: arrival order); the queue as it is where none was held (most steps)
     waiting = (request for queue in waiting_queues(scheduler) for request in queue)
@@ -209,6 +217,16 @@ def name_waiting_adapters(scheduler, output) -> None:
     if named is not None:
         setattr(output, WAITING_ADAPTERS, named)
         seen.filled(named.fill, named.keep, named.behind)
+
+
+def scheduled_requests(scheduler, output) -> list:
+    """The requests a step's scheduler output runs: its workers' slots serve their adapters, which become the most
+    recently used. Not every running request: one whose last token is in flight is not scheduled again."""
+    scheduled = getattr(output, "num_scheduled_tokens", None)
+    if scheduled is None:
+        return list(scheduler.running)
+    requests = scheduler.requests
+    return [requests[request_id] for request_id in scheduled if request_id in requests]
 
 
 class AheadFills:
