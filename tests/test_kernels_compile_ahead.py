@@ -114,6 +114,22 @@ def test_kernel_source_parses_take_turns_while_the_pool_compiles(repeat):
     assert parse_on_two_threads(one_parse_at_a_time()) == []
 
 
+def test_windows_of_turns_may_overlap_and_the_last_to_close_restores_tritons_parse():
+    from triton.runtime.jit import JITFunction
+
+    own = JITFunction.parse
+    first, second = one_parse_at_a_time(), one_parse_at_a_time()
+    first.__enter__()
+    guarded = JITFunction.parse
+    assert guarded is not own
+    second.__enter__()  # another thread's warm-up, say
+    assert JITFunction.parse is guarded
+    first.__exit__(None, None, None)
+    assert JITFunction.parse is guarded  # the second still compiles
+    second.__exit__(None, None, None)
+    assert JITFunction.parse is own
+
+
 def test_without_turns_two_threads_parsing_at_once_can_fail_on_this_python():
     """The test above can fail: here the same two threads parse unguarded (CPython 3.11 keeps the AST builder's
     recursion depth interpreter-wide)."""

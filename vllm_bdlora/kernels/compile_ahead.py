@@ -32,6 +32,9 @@ logger = logging.getLogger("vllm.bdlora")
 _compiling_only: ContextVar[bool] = ContextVar("vllm_bdlora_compiling_only", default=False)
 MAX_THREADS = 8
 _parse_lock = threading.Lock()
+_windows_lock = threading.Lock()  # guards the two below
+_windows_open = 0  # `one_parse_at_a_time` windows open now, on any thread
+_unguarded_parse = None  # (class, its own parse) while any window is open
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -53,24 +56,38 @@ def compile_threads() -> int:
 
 @contextlib.contextmanager
 def one_parse_at_a_time():
-    """Within: Triton's kernel-source parses (`JITFunction.parse`, on any thread) run one at a time (see above)."""
+    """Within: Triton's kernel-source parses (`JITFunction.parse`, on any thread) run one at a time (see above).
+    Windows may overlap (several threads compiling at once): the first to open installs the guarded parse, the last
+    to close restores Triton's own."""
+    global _windows_open, _unguarded_parse
     from triton.runtime.jit import JITFunction
 
-    owner = next((cls for cls in JITFunction.__mro__ if "parse" in vars(cls)), None)
-    if owner is None:  # a Triton that parses elsewhere: nothing to guard here
+    with _windows_lock:
+        if _windows_open == 0:
+            owner = next((cls for cls in JITFunction.__mro__ if "parse" in vars(cls)), None)
+            if owner is not None:  # else a Triton that parses elsewhere: nothing to guard here
+                _unguarded_parse = (owner, vars(owner)["parse"])
+                owner.parse = _taking_turns(_unguarded_parse[1])
+        _windows_open += 1
+    try:
         yield
-        return
-    parse = vars(owner)["parse"]
+    finally:
+        with _windows_lock:
+            _windows_open -= 1
+            if _windows_open == 0 and _unguarded_parse is not None:
+                owner, parse = _unguarded_parse
+                owner.parse = parse
+                _unguarded_parse = None
+
+
+def _taking_turns(parse):
+    """`parse` under the one lock of every parse (a parse already under way as the windows close still finishes)."""
 
     def parse_alone(self):
         with _parse_lock:
             return parse(self)
 
-    owner.parse = parse_alone
-    try:
-        yield
-    finally:
-        owner.parse = parse
+    return parse_alone
 
 
 def compile_concurrently(launch_all, threads: int | None = None) -> bool:
