@@ -178,7 +178,8 @@ def test_the_engine_cores_read_back_call_fills_ahead_unless_the_setting_is_off()
 def test_the_engine_core_asks_for_a_fill_naming_the_adapters_whose_requests_need_their_slots():
     calls = []
     running = SimpleNamespace(lora_request=lora(7))
-    scheduler = SimpleNamespace(requests={"r0": running, "r1": SimpleNamespace(lora_request=None)},
+    ending = last_token_in_flight(SimpleNamespace(lora_request=lora(8)))  # no later step runs it: 8 keeps no slot
+    scheduler = SimpleNamespace(requests={"r0": running, "r1": SimpleNamespace(lora_request=None), "r4": ending},
                                 lora_config=SimpleNamespace(max_loras=1),
                                 vllm_config=SimpleNamespace(lora_config=SimpleNamespace(max_loras=2)))  # fmt: skip
     core = SimpleNamespace(

@@ -219,8 +219,7 @@ class EngineAdmissions:
         rank is reading it back."""
         adapter_id = lora_request.lora_int_id
         # their requests need their slots first (not one whose last token is in flight: no later step runs it)
-        requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
-        keep = frozenset(adapters_needed(requests.values()) | set(self.reading_back))
+        keep = frozenset(adapters_needed(self._requests()) | set(self.reading_back))
         call = RestoreAhead([adapter_id], fill=[lora_request], keep=keep)
         reading = any(adapter_id in ranks_reading for ranks_reading in self._rpc(call))
         seen = slots_seen(getattr(self.core, "scheduler", None))
@@ -426,8 +425,11 @@ class EngineAdmissions:
 
     def _adapters_in_use(self) -> set[int]:
         """The adapters the scheduler holds requests of (running or waiting)."""
-        requests = getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}
-        return adapters_of(requests.values())
+        return adapters_of(self._requests())
+
+    def _requests(self) -> list:
+        """Every request the scheduler holds."""
+        return list((getattr(getattr(self.core, "scheduler", None), "requests", {}) or {}).values())
 
     # -- the ticker -------------------------------------------------------------------------------------------------
     def _busy(self) -> bool:
