@@ -228,7 +228,8 @@ def settled_scrape(url: str, tries: int = 5) -> dict:
 
 def server_figures(before: dict, after: dict) -> dict:
     """What the server saw during one workload, from two scrapes of its /metrics: hit rates, loads by kind (count,
-    mean, p99), a step's own slot fills by cause, engine step times (p50, p99)."""
+    mean, p99), a step's own slot fills by cause, waiting requests held out of a step by reason, engine step times
+    (p50, p99)."""
     from vllm_bdlora.metrics import CLOCKS
     from vllm_bdlora.serve.top import by_label, quantile
 
@@ -260,6 +261,8 @@ def server_figures(before: dict, after: dict) -> dict:
     for cause, count in grown("vllm_bdlora:slot_fills_in_step_total", "cause").items():
         if count:
             figures[f"in_step_{cause}"] = count
+    for reason, count in grown("vllm_bdlora:requests_held_total", "reason").items():
+        figures[f"held_{reason}"] = count
     admitted = counts.get("admission")
     for clock in CLOCKS:  # one admission's stages, on the first worker's admission threads
         spent = grown("vllm_bdlora:admission_stage_seconds_total", "stage", clock=clock)

@@ -33,7 +33,8 @@ def load_figures(row: dict) -> str:
 
 def slot_hits(row: dict) -> str:
     """GPU-slot hit rate and the slot fills it leaves (a lookup per engine step and adapter), then the fills steps made
-    themselves by why none was made ahead (`vllm_bdlora.metrics.IN_STEP_CAUSES`)."""
+    themselves by why none was made ahead (`vllm_bdlora.metrics.IN_STEP_CAUSES`), and the requests that sat out a
+    step while their adapter was filled beside it instead (`vllm_bdlora.scheduling.hold_for_fills`)."""
     from vllm_bdlora.metrics import IN_STEP_CAUSES
 
     if "gpu_hit_rate" not in row:
@@ -41,7 +42,8 @@ def slot_hits(row: dict) -> str:
     counts = {cause: int(row.get(f"in_step_{cause}") or 0) for cause in IN_STEP_CAUSES}
     causes = ", ".join(f"{cause} {count}" for cause, count in counts.items() if count)
     in_step = f"; in a step: {causes}" if causes else ""
-    return f"{fmt(100 * row['gpu_hit_rate'], 1, '%')} ({int(row['gpu_misses'])} fills{in_step})"
+    held = f"; requests held a step for a fill: {int(row['held_slot_fill'])}" if row.get("held_slot_fill") else ""
+    return f"{fmt(100 * row['gpu_hit_rate'], 1, '%')} ({int(row['gpu_misses'])} fills{in_step}{held})"
 
 
 def admission_stage_lines(servers: list[dict]) -> list[str]:

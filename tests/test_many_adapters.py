@@ -139,6 +139,8 @@ def test_a_small_run_reports_every_request_and_the_servers_own_figures(tmp_path)
     for row in rows:  # each fill a step made itself, with its cause
         causes = sum(row.get(f"in_step_{cause}", 0) for cause in IN_STEP_CAUSES)
         assert causes == row.get("loads_slot_fill", 0), row
+        # a request sits out one step at most while its adapter is filled beside it
+        assert 0 <= row["held_slot_fill"] <= row["requests"] and row["held_starved_adapter"] >= 0, row
     assert distinct["gpu_misses"] == 0 or distinct["load_slot_fill_mean_ms"] > 0, distinct
     # 2 MiB of host memory per worker holds some of the 64 adapters; the others are spilled, and a request naming
     # one has its workers read it back ahead of the step that fills its slot

@@ -19,6 +19,7 @@ from tests.conftest import cpu_engine_env
 from tests.test_server import complete, server_env
 from tests.test_server_guards import assert_every_route_but_the_probes_needs_a_key
 from vllm_bdlora.metrics import ADMISSION_STAGES, IN_STEP_CAUSES, OTHER, AdapterMetrics, StageClock, worker_figures
+from vllm_bdlora.scheduling import HOLD_REASONS
 from vllm_bdlora.serve.process import free_port, running_server, tail, wait_healthy
 
 KEY = "metrics-key"
@@ -77,7 +78,8 @@ def test_engine_counts_are_exported_as_the_workers_keep_them_across_a_reload():
         return {"workers": {"names": {"1": "a", "2": "a"}, "gpu": gpu, "cpu": gpu, "pinned": [], "spilled": [],
                             "slots": 2, "host_bytes": 10, "lookups": {"gpu": lookups}, "hits": {"gpu": hits},
                             "loads": {"admission": {"counts": [1] + [0] * 15, "sum": 0.001}, "reread": empty}},
-                "steps": {"counts": [3] + [0] * 14, "sum": 0.003}}  # fmt: skip
+                "steps": {"counts": [3] + [0] * 14, "sum": 0.003},
+                "held": {"slot_fill": lookups, "starved_adapter": 1}}  # fmt: skip
 
     metrics.latest = workers([1], 5, 4)
     first = generate_latest(registry).decode()
@@ -92,6 +94,8 @@ def test_engine_counts_are_exported_as_the_workers_keep_them_across_a_reload():
     assert 'vllm:lora_cache_lookups_total{level="gpu"} 9.0' in second
     assert 'vllm:lora_adapter_loaded{adapter_name="a",level="gpu",pinned="false"} 1.0' in second
     assert "vllm_bdlora:engine_step_seconds_count 3.0" in second
+    assert 'vllm_bdlora:requests_held_total{reason="slot_fill"} 9.0' in second
+    assert 'vllm_bdlora:requests_held_total{reason="starved_adapter"} 1.0' in second
 
 
 def test_the_workers_are_asked_again_only_after_something_else_reached_them():
@@ -248,6 +252,8 @@ def test_prometheus_scrapes_residency_and_token_counts(assets, prometheus, tmp_p
         assert all(cpu[stage] <= wall[stage] + 1e-3 for stage in wall) and wall["open"] > 0 and wall["cut"] > 0
         steps = query(scraper, "vllm_bdlora:engine_step_seconds_count")
         assert max(steps.values()) > 0
+        held = values_by(query(scraper, "vllm_bdlora:requests_held_total"), "reason")
+        assert set(held) == set(HOLD_REASONS) and held["slot_fill"] <= sum(SENT.values()), held
         top = subprocess.run(["vllm-bdlora", "top", url, "--api-key", KEY, "--once", "--interval", "1"],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         assert top.returncode == 0, top.stderr

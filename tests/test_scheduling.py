@@ -13,6 +13,7 @@ from vllm_bdlora.scheduling import (
     HELD_FOR_FILL,
     SlotsSeen,
     adapter_to_evict,
+    held_counts,
     hold_back,
     hold_for_fills,
     put_back,
@@ -60,6 +61,7 @@ def test_the_oldest_starved_adapter_holds_the_others_back_until_the_step_is_sche
     held = hold_back(sched, starved)
     left = [r.request_id for r in sched.waiting]
     assert sorted(left) == ["base", "c1", "c2"]  # adapter 1's new requests no longer join: it drains
+    assert held_counts(sched) == {"slot_fill": 0, "starved_adapter": 3}  # for /metrics: a1, d1, a2 sat this step out
     sched.waiting.pop_request()  # the scheduler takes one meanwhile
     put_back(held)
     order = [r.request_id for r in sched.waiting]
@@ -111,11 +113,13 @@ def test_a_request_whose_adapter_is_in_no_slot_sits_out_one_step_and_is_named_fi
     held = hold_for_fills(sched)
     assert [r.request_id for r in sched.waiting] == ["base", "b", "c"]  # 2 in no slot: both its requests sit out
     assert [r.request_id for r in slots_seen(sched).held] == ["a", "a2"]
+    assert held_counts(sched)["slot_fill"] == 2
     put_back(held)
     assert [r.request_id for r in sched.waiting] == ["a", "base", "b", "c", "a2"]
     assert getattr(waiting[0], HELD_FOR_FILL)
     # once only: where its fill ahead did not happen, the step fills it, as without the hold
     assert hold_for_fills(sched) == [] and slots_seen(sched).held == []
+    assert held_counts(sched)["slot_fill"] == 2
 
 
 def test_no_request_sits_out_where_no_adapter_could_join_or_no_slot_could_be_filled_or_none_is_spare():

@@ -25,6 +25,10 @@ steps; the API server polls the engine core every `METRICS_POLL_S`):
   what the admission thread read, keeping it in vLLM's host cache and copying it into a GPU slot; without, reading
   the files too (also counted as "admission") before the same),
   `vllm_bdlora:engine_step_seconds`, `vllm_bdlora:adapter_refusals_total{reason}`;
+* `vllm_bdlora:requests_held_total{reason}`: each time the scheduler took a waiting request out of one step
+  (`vllm_bdlora.scheduling.HOLD_REASONS`: "slot_fill", it sat out the step while its adapter was filled into a GPU
+  slot beside it, once per request at most; "starved_adapter", another adapter's request had waited past
+  `lora_wait_limit_s` for a slot, once per request and step): what the holds cost in steps waited;
 * `vllm_bdlora:slot_fills_in_step_total{cause}`: each "slot_fill" load again, by why no fill ahead of the step made it
   (`IN_STEP_CAUSES`: "not_named", no fill ahead named the adapter; "no_slot", one did, but every slot held an adapter
   with requests in the engine; "not_in_memory", one did while the adapter was spilled or being read back; "evicted",
@@ -455,6 +459,12 @@ class EngineAdapterCollector:
             steps = HistogramMetricFamily("vllm_bdlora:engine_step_seconds", "Engine steps that ran the model.")
             steps.add_metric([], cumulative_buckets(STEP_BUCKETS, stats["steps"]["counts"]), stats["steps"]["sum"])
             add(steps)
+        if "held" in stats:
+            held = CounterMetricFamily("vllm_bdlora:requests_held", "Waiting requests held out of a step, by reason.",
+                                       labels=["reason"])  # fmt: skip
+            for reason, count in stats["held"].items():
+                held.add_metric([reason], count)
+            add(held)
         return families
 
 

@@ -32,6 +32,20 @@ from collections.abc import Iterable
 
 HELD_FOR_FILL = "_bdlora_held_for_fill"  # on a vLLM Request held out of a step while its adapter was filled
 SLOTS_SEEN = "_bdlora_slots_seen"  # on vLLM's scheduler: what it can tell of its workers' slots
+HELD_COUNTS = "_bdlora_held_counts"  # on vLLM's scheduler: `held_counts`
+# Why a waiting request was held out of a step: its adapter was being filled into a GPU slot ahead of the next step
+# (`hold_for_fills`), or another adapter's request had waited past the limit for a slot (`hold_back`).
+HOLD_REASONS = ("slot_fill", "starved_adapter")
+
+
+def held_counts(scheduler) -> dict[str, int]:
+    """How many times the holds took a waiting request out of a step, by reason (`HOLD_REASONS`), since the
+    scheduler started: what the holds cost, for /metrics (`vllm_bdlora:requests_held_total`)."""
+    counts = getattr(scheduler, HELD_COUNTS, None)
+    if counts is None:
+        counts = dict.fromkeys(HOLD_REASONS, 0)
+        setattr(scheduler, HELD_COUNTS, counts)
+    return counts
 
 
 def waiting_queues(scheduler) -> list:
@@ -99,6 +113,7 @@ def hold_back(scheduler, adapter_id: int) -> list:
         if others:
             queue.remove_requests(others)
             held.append((queue, others))
+            held_counts(scheduler)["starved_adapter"] += len(others)
     return held
 
 
@@ -250,4 +265,5 @@ def hold_for_fills(scheduler) -> list:
             queue.remove_requests(hold)
             held.append((queue, hold))
             seen.held.extend(hold)
+            held_counts(scheduler)["slot_fill"] += len(hold)
     return held

@@ -249,12 +249,16 @@ def patch_slots_beyond_the_step_limit() -> bool:
 
 
 def bdlora_adapter_stats(self) -> dict:
-    """Answered by the engine core between steps, for /metrics (`vllm_bdlora.metrics`): its step durations and what
-    its workers hold where, with their counts."""
+    """Answered by the engine core between steps, for /metrics (`vllm_bdlora.metrics`): its step durations, its
+    scheduler's holds, and what its workers hold where, with their counts."""
     from vllm_bdlora.metrics import engine_step_stats, worker_figures
+    from vllm_bdlora.scheduling import held_counts
 
     steps = engine_step_stats(self).steps
     stats = {"steps": steps.snapshot()}
+    scheduler = getattr(self, "scheduler", None)
+    if scheduler is not None:
+        stats["held"] = dict(held_counts(scheduler))
     if getattr(self.vllm_config, "lora_config", None) is not None:
         stats["workers"] = worker_figures(self.model_executor).current(steps.count)
     return stats
