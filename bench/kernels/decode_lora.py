@@ -202,6 +202,17 @@ def candidate_plans(n, k, total_width, slots, adapters, table, block_m=16):
     return [p for p in dict.fromkeys(plans) if not plan_problems(p, n, k, total_width, sms)]
 
 
+def precompile(layer, plans) -> None:
+    """Compile every candidate plan's variants on threads (as a server's warm-up does) before timing any. A layer
+    point has some sixty candidates, each a variant of the one-launch kernel of 1-2 s of compile
+    (results/kernels/compile-time-cpu), so one after another a search over four layers, four batch tiles and two
+    widths would spend most of half an hour compiling. Where a compile fails, the pool stops and the timing loop
+    compiles what is missing one plan at a time, reporting the plan that fails."""
+    from vllm_bdlora.kernels.compile_ahead import compile_concurrently
+
+    compile_concurrently(lambda: [kernel_call(layer, plan)() for plan in plans])
+
+
 def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=None):
     """Every candidate plan of one layer, each checked against the reference, then timed like the layer op."""
     from vllm_bdlora.kernels.plans import cuda_table, row_tile
@@ -214,8 +225,10 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
     tile = row_tile(tokens)
     incumbent = table.decode_plan(n, k, total_width, slots, tile, adapters)
     default = default_decode_plan(n, k, total_width, slots, table.sms, tile, adapters)
+    plans = candidate_plans(n, k, total_width, slots, adapters, table, tile)
+    precompile(layer, plans)
     rows = []
-    for plan in candidate_plans(n, k, total_width, slots, adapters, table, tile):
+    for plan in plans:
         run = kernel_call(layer, plan)
         try:
             for _ in range(3):
