@@ -141,6 +141,7 @@ from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, group_
 from vllm_bdlora.kernels.reference import lora_shrink_reference, slice_views
 unrolled = fused_lora.UNROLLED_WIDTH_STEPS
 decode_expand = LaunchConfig(16, 64, 32, num_stages=2)
+mixed_expand = LaunchConfig(16, 64, 32, num_stages=2, mixed_tiles=True)
 device, dtype, tokens_list, tol = sys.argv[1], getattr(torch, sys.argv[2]), eval(sys.argv[3]), float(sys.argv[4])
 def close(got, want, what):
     if want.numel() == 0:
@@ -170,23 +171,28 @@ for tokens in tokens_list:
             y = (b["x"].float() @ b["weight"].float().T + b["bias"].float()).to(dtype)
             # decode-sized tiles, a rank step wider than the buffer (its loads masked past the width)
             # and the prefill tiles (rows past the batch and columns past the layer masked)
+            # mixed tiles: rows of several adapters (and base-model rows) in one tile
             for expand_cfg in (decode_expand, LaunchConfig(16, 32, 64),
-                               LaunchConfig(128, 256, 32, num_warps=8, num_stages=2)):
+                               LaunchConfig(128, 256, 32, num_warps=8, num_stages=2), mixed_expand,
+                               LaunchConfig(32, 32, 64, mixed_tiles=True)):
                 got = fused_expand(y.clone(), *args, scale_table=g, bias=b["bias"], config=expand_cfg)
                 close(got, reference_by_slice(b, dora, False), f"fused_expand {how} {expand_cfg}")
                 assert torch.equal(got[~adapted], y[~adapted]), "base-model tokens must stay untouched"
         fused_lora.UNROLLED_WIDTH_STEPS = unrolled
         garbage = torch.full_like(y, float("nan"))
-        got = delta_then_gemm(b["x"], b["weight"], *args, bias=b["bias"], out=garbage, config=decode_expand)
-        close(got, reference_by_slice(b, False, True), f"delta_then_gemm split_k={split_k}")
+        for expand_cfg in (decode_expand, mixed_expand):
+            got = delta_then_gemm(b["x"], b["weight"], *args, bias=b["bias"], out=garbage.clone(), config=expand_cfg)
+            close(got, reference_by_slice(b, False, True), f"delta_then_gemm split_k={split_k} {expand_cfg}")
     # CUDA-graph padding: the groups hold only the first rows; the rest must come out as the base layer's.
     grouped = max(tokens - 3, 0)
     part = group_tokens(b["slots"][:grouped], len(SLOT_WIDTHS[0]))
     shrunk = lora_shrink(b["x"], b["lora_a"], part, b["widths"], LaunchConfig(16, 16, 32, split_k=2))
-    got = delta_then_gemm(b["x"], b["weight"], shrunk, b["lora_b"], part, b["widths"], b["bounds"], b["scales"],
-                          bias=b["bias"], out=torch.full_like(y, float("nan")), config=decode_expand)
+    padded = [delta_then_gemm(b["x"], b["weight"], shrunk, b["lora_b"], part, b["widths"], b["bounds"], b["scales"],
+                              bias=b["bias"], out=torch.full_like(y, float("nan")), config=expand_cfg)
+              for expand_cfg in (decode_expand, mixed_expand)]  # fmt: skip
     b["slots"][grouped:] = -1
-    close(got, reference_by_slice(b, False, True), "delta_then_gemm with padding rows")
+    for got, expand_cfg in zip(padded, (decode_expand, mixed_expand), strict=True):
+        close(got, reference_by_slice(b, False, True), f"delta_then_gemm with padding rows {expand_cfg}")
 print("ok")
 """
 

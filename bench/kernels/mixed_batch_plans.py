@@ -65,8 +65,9 @@ class Candidate:
     def label(self) -> str:
         s, e = self.shrink, self.expand
         order = "delta first" if self.delta_first else "in place"
+        tiles = ", mixed tiles" if e.mixed_tiles else ""
         return (f"shrink {s.block_n} cols x {s.block_k} deep, split {s.split_k}, {s.num_warps} warps; expand "
-                f"{e.block_m}x{e.block_n}, {e.num_warps} warps; {order}")  # fmt: skip
+                f"{e.block_m}x{e.block_n}{tiles}, {e.num_warps} warps; {order}")  # fmt: skip
 
 
 def bracket(tokens: int) -> tuple[int, int]:
@@ -94,10 +95,13 @@ def shrink_candidates(hidden: int, width: int, slices: int, current: LaunchConfi
 
 def expand_candidates(tokens: int, current: LaunchConfig) -> list[LaunchConfig]:
     """Expands of 16-row tiles (a dozen adapters leave a group a few rows) or one tile of the whole bracket, 64-256
-    columns, 1-8 warps; the current launch first."""
+    columns, 1-8 warps, each with a tile per adapter's rows or with mixed tiles (rows of any adapters); the current
+    launch first."""
     rows = dict.fromkeys((16, bracket(tokens)[1]))
-    found = [current] + [LaunchConfig(block_m, block_n, current.block_k, num_warps=warps, num_stages=2)
-                         for block_m in rows for block_n in (64, 128, 256) for warps in (1, 2, 4, 8)]  # fmt: skip
+    found = [current] + [LaunchConfig(block_m, block_n, current.block_k, num_warps=warps, num_stages=2,
+                                      mixed_tiles=mixed)
+                         for mixed in (False, True) for block_m in rows for block_n in (64, 128, 256)
+                         for warps in (1, 2, 4, 8)]  # fmt: skip
     return list(dict.fromkeys(found))
 
 

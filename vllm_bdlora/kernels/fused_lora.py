@@ -266,6 +266,78 @@ def _fused_expand_kernel(
                        HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
+# Mixed tiles: a batch of a dozen adapters and 64 tokens leaves each adapter a few rows, and one tile per adapter
+# launched three times the tiles of a one-adapter batch, each a 16-row tile of a few live rows; on an H200 the
+# expand of 64 tokens took 1.31-1.44x its one-adapter time over a dozen adapters (TP=4 shapes, BD r'=32;
+# results/kernels/mixed-tiles-h200). A mixed tile covers block_m consecutive positions of the grouped order
+# whatever adapters they belong to, and adds each adapter's delta to its own rows (a dot over the whole tile per
+# adapter, kept where the row is the adapter's): the tiles a batch launches no longer grow with its adapters.
+@triton.jit(do_not_specialize=["n_rows"])
+def _mixed_tiles_expand_kernel(
+    y_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
+    bounds_ptr, scale_ptr, g_ptr, bias_ptr, n_rows, n_cols, n_groups,
+    stride_y, stride_split, stride_s, stride_bl, stride_bn, stride_w, stride_g,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OVERWRITE: tl.constexpr, MAX_GROUPS: tl.constexpr, WIDTH: tl.constexpr,
+    EVEN_W: tl.constexpr, UNROLL_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    positions = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if tl.program_id(0) * BLOCK_M >= n_rows:
+        return
+    n0 = tl.program_id(1) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    valid_cols = cols % n_cols  # lanes past the last column read a real one; only the store is masked
+    # Each position's group: the one whose [start, start + count) holds it (none past the grouped tokens, where
+    # CUDA-graph padding rows follow in token order: their row is their position).
+    groups = tl.arange(0, MAX_GROUPS)
+    group_ok = groups < n_groups
+    starts = tl.load(group_start_ptr + groups, mask=group_ok, other=0)
+    counts = tl.load(group_count_ptr + groups, mask=group_ok, other=0)
+    slots = tl.load(group_slot_ptr + groups, mask=group_ok, other=-1)
+    member = (positions[:, None] >= starts[None, :]) & (positions[:, None] < (starts + counts)[None, :])
+    grouped = tl.sum(member.to(tl.int32), 1) > 0
+    row_group = tl.sum(tl.where(member, groups[None, :], 0), 1)
+    row_slot = tl.sum(tl.where(member, slots[None, :], 0), 1)
+    adapted = grouped & (row_slot >= 0)
+    in_batch = positions < n_rows
+    rows = tl.load(sorted_ids_ptr + positions, mask=grouped, other=0)
+    rows = tl.where(grouped, rows, tl.where(in_batch, positions, 0)).to(tl.int64)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    g_tile = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
+    first = tl.min(tl.where(adapted, row_group, MAX_GROUPS), 0)
+    last = tl.max(tl.where(adapted, row_group, -1), 0)
+    for group in range(first, last + 1):  # the tile's groups are consecutive: positions run in group order
+        slot = tl.load(group_slot_ptr + group)
+        if (slot >= 0) & (tl.load(group_count_ptr + group) > 0):
+            mine = (adapted & (row_group == group))[:, None]
+            part = _slices_delta(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), s_ptr, b_ptr + slot * stride_bl,
+                                 widths_ptr, bounds_ptr, slot, rows, valid_cols, n0, stride_split, stride_s,
+                                 stride_bn, stride_w, NUM_SLICES, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K, EVEN_W,
+                                 UNROLL_W)  # fmt: skip
+            if HAS_SCALE:
+                part = part * tl.load(scale_ptr + slot)
+            delta = tl.where(mine, part, delta)  # other rows' S (another adapter's, or unwritten) is dropped here
+            if HAS_DORA:
+                g = tl.load(g_ptr + slot * stride_g + cols, mask=col_ok, other=1.0)
+                g_tile = tl.where(mine, g[None, :], g_tile)
+    if OVERWRITE:  # every row of the batch: the delta + bias (bias alone for base-model and padding rows)
+        _store_delta(y_ptr, delta, rows, in_batch, cols, col_ok, stride_y, bias_ptr, HAS_BIAS)
+        return
+    if last >= 0:  # base-model rows stay untouched: a tile of those alone reads nothing
+        base = tl.load(y_ptr + rows[:, None] * stride_y + valid_cols[None, :]).to(tl.float32)
+        if HAS_DORA:
+            unbiased = base
+            if HAS_BIAS:
+                unbiased = base - tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            out = base + ((g_tile - 1.0) * unbiased + g_tile * delta)
+        else:
+            out = base + delta
+        mask = adapted[:, None] & col_ok[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows_major(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
@@ -329,10 +401,19 @@ def fused_expand(
         raise TypeError("fused_expand needs its launch configuration (plans.launch_for)")
     cfg = config
     n_groups = groups.group_slot.shape[0]
-    grid = _groups_grid(groups, y.shape[0], cfg.block_m, cdiv(y.shape[1], cfg.block_n))
-    if overwrite:
-        grid = (grid[0], n_groups + 1, grid[2])  # the extra group: rows past the grouped tokens
-    launch(_fused_expand_kernel, grid,
+    if cfg.mixed_tiles:
+        kernel, grid = (
+            _mixed_tiles_expand_kernel,
+            (cdiv(max(y.shape[0], 1), cfg.block_m), cdiv(y.shape[1], cfg.block_n)),
+        )
+    else:
+        kernel, grid = (
+            _fused_expand_kernel,
+            _groups_grid(groups, y.shape[0], cfg.block_m, cdiv(y.shape[1], cfg.block_n)),
+        )
+        if overwrite:
+            grid = (grid[0], n_groups + 1, grid[2])  # the extra group: rows past the grouped tokens
+    launch(kernel, grid,
         y, shrunk, lora_b, groups.sorted_ids, groups.group_slot, groups.group_count, groups.group_start,
         slot_widths, slice_bounds, _optional(slot_scales, slice_bounds), _optional(scale_table, slice_bounds),
         _optional(bias, slice_bounds), y.shape[0], y.shape[1], n_groups, y.stride(0), shrunk.stride(0),

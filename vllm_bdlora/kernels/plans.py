@@ -92,6 +92,9 @@ class LaunchConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # Expand only: tiles of block_m consecutive tokens in adapter order, each adding the delta of every adapter its
+    # rows hold, rather than one tile per adapter's block_m tokens (fused_lora.py, "mixed tiles").
+    mixed_tiles: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,8 +271,14 @@ def _plan_json(plan: DecodePlan | None) -> dict | None:
     return {k: v for k, v in asdict(plan).items() if k not in _DECODE_DEFAULTS or _DECODE_DEFAULTS[k] != v}
 
 
+def _config_json(config: LaunchConfig) -> dict:
+    """A launch as a table entry: every field but flags left off (a table written before a flag existed reads the
+    same, and its entries stay as they were)."""
+    return {k: v for k, v in asdict(config).items() if v is not False}
+
+
 def _range_json(r: PrefillRange) -> dict:
-    return {"from_tokens": r.from_tokens, "shrink": asdict(r.shrink), "expand": asdict(r.expand),
+    return {"from_tokens": r.from_tokens, "shrink": _config_json(r.shrink), "expand": _config_json(r.expand),
             "delta_first": r.delta_first}  # fmt: skip
 
 
