@@ -14,7 +14,8 @@ with the current launch by more than --min-gain.
         --out DIR [--write-table]
 
 The search goes a kernel at a time: shrinks under the table's expand, then expands (in place, and delta first in
-packed layers) after the best shrink, then shrinks again under the best expand. Each round's variants compile on
+packed layers; a tile per adapter's rows, or mixed tiles) after the best shrink, then shrinks again under the best
+expand. Each round's variants compile on
 threads before any is timed, and every candidate is checked against the torch reference before it is timed.
 `mixed_batch_plans.md` gives per layer and per decoder layer the current and the chosen launch's times at each
 adapter count, and the chosen launches.

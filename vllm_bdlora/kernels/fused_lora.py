@@ -266,12 +266,15 @@ def _fused_expand_kernel(
                        HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
-# Mixed tiles: a batch of a dozen adapters and 64 tokens leaves each adapter a few rows, and one tile per adapter
-# launched three times the tiles of a one-adapter batch, each a 16-row tile of a few live rows; on an H200 the
-# expand of 64 tokens took 1.31-1.44x its one-adapter time over a dozen adapters (TP=4 shapes, BD r'=32;
-# results/kernels/mixed-tiles-h200). A mixed tile covers block_m consecutive positions of the grouped order
-# whatever adapters they belong to, and adds each adapter's delta to its own rows (a dot over the whole tile per
-# adapter, kept where the row is the adapter's): the tiles a batch launches no longer grow with its adapters.
+# Mixed tiles: a batch of 64 tokens over a dozen adapters leaves each adapter a few rows, and one tile per adapter
+# launches three times the tiles of a one-adapter batch, each of a few live rows. A mixed tile covers block_m
+# consecutive positions of the grouped order whatever adapters they belong to, and adds each adapter's delta to its
+# own rows (a dot over the whole tile per adapter, kept where the row is the adapter's), so a batch launches as many
+# tiles whatever it mixes; but the tile's adapters take turns. Measured on an H200 (TP=4 shapes, BD r'=32, 12
+# slots; results/kernels/mixed-tiles-tp4-h200): where a tile holds many adapters the turns cost more than the tiles
+# saved (16 tokens over 12 adapters: 1.7-3.7x the per-adapter tiles' time), while for o_proj and down_proj at 33-64
+# tokens the plan search chose them, with their shrinks (the whole layer 5-8% faster at 1 and 4 adapters, 1.5-4% at
+# 12). So they are a plan-table choice, off by default.
 @triton.jit(do_not_specialize=["n_rows"])
 def _mixed_tiles_expand_kernel(
     y_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
