@@ -199,3 +199,30 @@ def test_the_load_timing_script_starts_one_server_per_thread_count_and_stock(run
     assert "--rank 8 " in (out / "stock.log").read_text()
     stock = served((out / "stock.log").read_text())
     assert len(stock) == 1 and "--enable-lora" in stock[0] and "--enable-bdlora" not in stock[0], stock
+
+
+@pytest.mark.parametrize(
+    "lines, runs", [(["run echo kernels-only"], True), (["run echo kernels-only", "llama-3.1-8b 1 16 bdlora"], False)]
+)
+def test_a_queue_needs_vllm_only_for_its_sweeps(tmp_path, lines, runs):
+    """Kernel work (`run` lines) needs only torch and Triton: such a queue runs on a host without the vLLM bundle,
+    while a queue with a sweep line stops at once there (exit 3) rather than fail server by server."""
+    import time
+
+    stub, host_root = tmp_path / "bin", tmp_path / "host"
+    stub.mkdir()
+    host_root.mkdir()
+    (stub / "python3").write_text("#!/bin/sh\nexit 1\n")  # a host whose Python has no vLLM
+    (stub / "python3").chmod(0o755)
+    environment = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "HOST_ROOT": str(host_root)}
+    proc = subprocess.run(["bash", "bench/hosts/gpu_host.sh", "queue", *lines], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    log_path = host_root / "queue.log"
+    if not runs:
+        assert proc.returncode == 3 and "no vLLM" in proc.stdout and not log_path.exists(), proc.stdout
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 30
+    while "queue done" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "kernels-only" in log_path.read_text(), log_path.read_text()

@@ -233,10 +233,14 @@ sweep)
   du -sh $HOST_ROOT/.cache/* $HOST_ROOT/.triton 2>/dev/null | tr '\n' ' '; echo "<- caches after"
   mkdir -p "$OUT" && tar czf "$OUT/$RESULTS.tgz" --exclude='*.pt.trace.json*' -C $HOST_ROOT/results "$RESULTS" ;;
 queue)
-  if ! python3 -c "import vllm, vllm_bdlora" 2> /dev/null; then
+  shift
+  # Sweep lines serve vLLM; a queue of `run` lines alone (kernel benchmarks and tests, which need only torch and
+  # Triton) runs on a bare host, no bundle installed.
+  sweeps=0; for line in "$@"; do [[ $line == "run "* ]] || sweeps=1; done
+  if (( sweeps )) && ! python3 -c "import vllm, vllm_bdlora" 2> /dev/null; then
     echo "no vLLM or vllm_bdlora on this host: copy the bundle parts and run install first (README.md)"; exit 3
   fi
-  shift; printf '%s\n' "$@" > $HOST_ROOT/queue.plan
+  printf '%s\n' "$@" > $HOST_ROOT/queue.plan
   # A line may start with NAME=VALUE settings for its sweep alone (CAPTURE_SIZE=1024 llama-3.1-8b 2 64 ...). A sweep
   # line is split into words as the shell splits a command line (eval), so a quoted sweep argument stays one word.
   setsid nohup bash -c 'while read -r line; do
