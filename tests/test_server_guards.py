@@ -563,10 +563,25 @@ def test_dead_engine_turns_health_to_503_and_exits_non_zero(server, roots):
         except requests.RequestException as e:
             answers[name] = e
 
-    generation = {"model": "bd64", "prompt": "w5 w6", "max_tokens": 200, "ignore_eos": True}
-    client = threading.Thread(target=post, args=("generation", "/v1/completions", generation))
+    # Streamed, and the worker killed once its first tokens arrive, so that the kill lands inside a step whatever the
+    # machine's speed: a generation done before the kill would leave the engine core idle, and it would answer the
+    # load with an error itself, leaving no call waiting on the dead engine.
+    generation = {"model": "bd64", "prompt": "w5 w6", "max_tokens": 250, "ignore_eos": True, "stream": True}
+    streaming = threading.Event()
+
+    def generate():
+        try:
+            with requests.post(f"{url}/v1/completions", json=generation, headers=AUTH, timeout=90,
+                               stream=True) as response:  # fmt: skip
+                for _ in response.iter_lines():
+                    streaming.set()
+            answers["generation"] = response
+        except requests.RequestException as e:
+            answers["generation"] = e
+
+    client = threading.Thread(target=generate)
     client.start()
-    time.sleep(1)
+    assert streaming.wait(timeout=60), answers.get("generation")
     processes = psutil.Process(proc.pid).children(recursive=True)
     worker = next(p for p in processes if "Worker_TP1" in " ".join(p.cmdline()))
     worker.kill()
