@@ -71,8 +71,12 @@ def _fused_lora_linear_kernel(
                               WIDTH, BLOCK_N, BLOCK_R, EVEN_W, UNROLL_W)  # fmt: skip
         if HAS_SCALE:
             delta = delta * tl.load(scale_ptr + slot)
-    _compose_and_store(out_ptr, base, delta, rows, row_ok, cols, col_ok, slot, stride_out, g_ptr, stride_g, bias_ptr,
-                       HAS_DORA, HAS_BIAS)  # fmt: skip
+    g = 1.0
+    if HAS_DORA:  # a base-model tile (slot -1) keeps g = 1
+        g = tl.load(g_ptr + tl.maximum(slot, 0) * stride_g + cols, mask=col_ok & (cols * 0 + slot >= 0),
+                    other=1.0)[None, :]  # fmt: skip
+    _compose_and_store(out_ptr, base, delta, g, rows, row_ok[:, None] & col_ok[None, :], cols, stride_out, bias_ptr,
+                       col_ok, HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
 def fused_lora_linear(
