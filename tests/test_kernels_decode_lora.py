@@ -134,6 +134,8 @@ device, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[5]
 phases, hidden, kind = int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
 spread = kind.endswith("+spread")  # the shrink's programs numbered among the GEMV's (spread_shrink)
 kind = kind.removesuffix("+spread")
+one_slot = kind.endswith("+one-slot")  # a layer of one LoRA slot: its finish takes one tl.dot, not a gather
+kind = kind.removesuffix("+one-slot")
 
 
 def plan_of(b, tokens):
@@ -176,6 +178,10 @@ for call, tokens in enumerate(sizes):
         slots[torch.arange(tokens, device=device) % 5 == call % 5] = call % len(SLOT_WIDTHS[0])
     if call == len(sizes) - 1:
         slots[0] = 99  # a batch whose only slot is stale: no adapter, nothing read past the buffers
+    if one_slot:  # slot 1's adapter alone (its widths differ per slice), in slot 0
+        for name in ("lora_a", "lora_b", "widths"):
+            b[name] = b[name][1:2] if name != "widths" else b[name][:, 1:2]
+        slots = torch.where(slots == 1, 0, torch.where(slots == 99, 99, -1))
     want = lora_linear_slices_reference(b["x"], b["weight"], b["lora_a"], b["lora_b"], b["widths"], b["bounds"],
                                         slots, b["bias"] if call % 2 else None)
     out = torch.full_like(want, float("nan"))
@@ -201,7 +207,7 @@ def run_kernel_check(device, dtype, phases, hidden, tol, interpret, kind):
     torch.cuda.is_available(),
     reason="a GPU host checks the compiled kernel instead; Triton 3.6's interpreter there cannot run kernels",
 )
-@pytest.mark.parametrize("kind", ["whole", "stream_k", "whole+spread", "stream_k+spread"])
+@pytest.mark.parametrize("kind", ["whole", "stream_k", "whole+spread", "stream_k+spread", "whole+one-slot"])
 def test_kernel_in_interpreter_matches_reference(kind):
     run_kernel_check("cpu", "float32", 2, 200, 1e-4, True, kind)
 
@@ -209,7 +215,7 @@ def test_kernel_in_interpreter_matches_reference(kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("hidden", [272, 4096])  # a hidden size the GEMV's K step does not divide, and 8B's
-@pytest.mark.parametrize("kind", ["whole", "stream_k", "default", "whole+spread", "stream_k+spread"])
+@pytest.mark.parametrize("kind", ["whole", "stream_k", "default", "whole+spread", "stream_k+spread", "whole+one-slot"])
 def test_kernel_with_in_kernel_barrier_matches_reference_on_gpu(dtype, hidden, kind):
     run_kernel_check("cuda", dtype, 1, hidden, 3e-2, False, kind)
 

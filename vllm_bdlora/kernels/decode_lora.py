@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from vllm_bdlora.kernels.compile_ahead import launch
+from vllm_bdlora.kernels.fused_lora import _rows_delta
 from vllm_bdlora.kernels.launch_math import next_power_of_2
 from vllm_bdlora.kernels.plans import (
     DECODE_MAX_TOKENS,
@@ -115,30 +116,42 @@ def _gemv(x_ptr, w_ptr, stride_x, stride_w, safe_rows, row_ok, safe_cols, k_lo, 
 def _finish(acc, n0, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots, n_slots,
             n_cols, stride_out, stride_bl, stride_bn, stride_wt,
             NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ADD_LORA: tl.constexpr):  # fmt: skip
-    """Column block n0's X·Wᵀ sum + bias + S·B[slot]ᵀ of each token's slot (unless not ADD_LORA), written once."""
+            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD_LORA: tl.constexpr,
+            ROW_GATHER: tl.constexpr, GATHER_K: tl.constexpr):  # fmt: skip
+    """Column block n0's X·Wᵀ sum + bias + S·B[slot]ᵀ of each token's slot (unless not ADD_LORA), written once.
+    ROW_GATHER: each row reads its own adapter's B (fused_lora._rows_delta, GATHER_K ranks a step), so the
+    adapters of a batch are served side by side; else one tl.dot per adapter of the batch, in turn."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     safe_cols = tl.where(col_ok, cols, 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + safe_cols).to(tl.float32)[None, :]
-    ws = tl.arange(0, BLOCK_W)
-    for slot in range(0, n_slots if ADD_LORA else 0):
-        mine = row_slots == slot
-        if tl.sum(mine.to(tl.int32), 0) > 0:
-            for j in tl.static_range(NUM_SLICES):
-                lo = tl.load(bounds_ptr + j)
-                hi = tl.load(bounds_ptr + j + 1)
-                w_j = tl.load(widths_ptr + j * stride_wt + slot)
-                if (n0 < hi) & (n0 + BLOCK_N > lo) & (w_j > 0):
-                    s = tl.load(s_now + rows[:, None] * TOTAL_W + j * WIDTH + ws[None, :],
-                                mask=mine[:, None] & (ws < w_j)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-                    in_slice = col_ok & (cols >= lo) & (cols < hi)
-                    b = tl.load(b_ptr + slot * stride_bl + safe_cols[None, :] * stride_bn + ws[:, None],
-                                mask=in_slice[None, :] & (ws < w_j)[:, None], other=0.0)  # fmt: skip
-                    # Rows of other slots load S as 0, but 0 times a non-finite B entry is NaN: select, do not rely
-                    # on the zeros, so that no adapter's values reach another adapter's (or the base model's) rows.
-                    acc += tl.where(mine[:, None], tl.dot(s.to(b.dtype), b), 0.0)
+    if ROW_GATHER:
+        if ADD_LORA:
+            # a stale slot number past the buffers (CUDA-graph padding rows) is no adapter: nothing is read for it
+            adapted = row_ok & (row_slots >= 0) & (row_slots < n_slots)
+            acc += _rows_delta(s_now, b_ptr, widths_ptr, bounds_ptr, row_slots, adapted, rows, cols, n0, 0, TOTAL_W,
+                               stride_bl, stride_bn, stride_wt, NUM_SLICES, 1, WIDTH, BLOCK_M, BLOCK_N,
+                               GATHER_K)  # fmt: skip
+    else:
+        ws = tl.arange(0, BLOCK_W)
+        for slot in range(0, n_slots if ADD_LORA else 0):
+            mine = row_slots == slot
+            if tl.sum(mine.to(tl.int32), 0) > 0:
+                for j in tl.static_range(NUM_SLICES):
+                    lo = tl.load(bounds_ptr + j)
+                    hi = tl.load(bounds_ptr + j + 1)
+                    w_j = tl.load(widths_ptr + j * stride_wt + slot)
+                    if (n0 < hi) & (n0 + BLOCK_N > lo) & (w_j > 0):
+                        s = tl.load(s_now + rows[:, None] * TOTAL_W + j * WIDTH + ws[None, :],
+                                    mask=mine[:, None] & (ws < w_j)[None, :], other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                        in_slice = col_ok & (cols >= lo) & (cols < hi)
+                        b = tl.load(b_ptr + slot * stride_bl + safe_cols[None, :] * stride_bn + ws[:, None],
+                                    mask=in_slice[None, :] & (ws < w_j)[:, None], other=0.0)  # fmt: skip
+                        # Rows of other slots load S as 0, but 0 times a non-finite B entry is NaN: select, do not rely
+                        # on the zeros, so that no adapter's values reach another adapter's (or the base model's) rows.
+                        acc += tl.where(mine[:, None], tl.dot(s.to(b.dtype), b), 0.0)
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -152,6 +165,7 @@ def _decode_lora_linear_kernel(
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHRINK_K: tl.constexpr, S_ROWS: tl.constexpr,
     R_CHUNK: tl.constexpr, SHRINK_GROUPS: tl.constexpr, SKIP: tl.constexpr, SPREAD_SHRINK: tl.constexpr,
+    ROW_GATHER: tl.constexpr, GATHER_K: tl.constexpr,
 ):  # fmt: skip
     """Programs below `gemv_programs` run the GEMV and then finish column blocks; the rest compute S. PHASE 0:
     one launch with the in-kernel barrier. PHASE 1: the shrink, stream-K partial sums and every arrival;
@@ -248,7 +262,7 @@ def _decode_lora_linear_kernel(
             acc = tl.load(sum_ptrs, mask=sum_mask, other=0.0, cache_modifier=".cg")
             _finish(acc, tile * BLOCK_N, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok,
                     row_slots, n_slots, n_cols, stride_out, stride_bl, stride_bn, stride_wt, NUM_SLICES, TOTAL_W,
-                    WIDTH, BLOCK_W, HAS_BIAS, BLOCK_N, SKIP != 2)  # fmt: skip
+                    WIDTH, BLOCK_W, HAS_BIAS, BLOCK_M, BLOCK_N, SKIP != 2, ROW_GATHER, GATHER_K)  # fmt: skip
             # Zeroed for the next launch only after the output is written: Triton may re-issue the load above
             # where its value is used (rather than convert its register layout), and a re-issued load after
             # this store read zeros (rows of every other column wrong with a bias, Triton 3.6 on an H200)
@@ -268,7 +282,18 @@ def _decode_lora_linear_kernel(
         s_now = s_buffers + (epoch & 1) * S_ROWS * TOTAL_W
         _finish(acc, pid * BLOCK_N, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots,
                 n_slots, n_cols, stride_out, stride_bl, stride_bn, stride_wt, NUM_SLICES, TOTAL_W, WIDTH, BLOCK_W,
-                HAS_BIAS, BLOCK_N, SKIP != 2)  # fmt: skip
+                HAS_BIAS, BLOCK_M, BLOCK_N, SKIP != 2, ROW_GATHER, GATHER_K)  # fmt: skip
+
+
+# A layer of several LoRA slots finishes its column blocks with each row gathering its own adapter's B (ROW_GATHER):
+# a batch's adapters then cost no turns after the barrier, where every turn is on the critical path. The gather's
+# step holds block_m x block_n x GATHER_K products: at most this many, so that it stays in registers.
+GATHER_VALUES = 4096
+
+
+def gather_step(block_m: int, block_n: int, width: int) -> int:
+    """The gather's rank step: as many of the adapter's `width` columns as GATHER_VALUES products allow (at least 1)."""
+    return max(1, min(next_power_of_2(width), GATHER_VALUES // (block_m * block_n)))
 
 
 def decode_lora_linear(
@@ -315,8 +340,9 @@ def decode_lora_linear(
         BLOCK_W=max(16, next_power_of_2(width)), BLOCK_R=block_r, R_CHUNK=min(plan.shrink_columns, block_r),
         SHRINK_GROUPS=plan.shrink_groups, HAS_BIAS=bias is not None, EVEN_K=hidden % plan.block_k == 0,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SHRINK_K=plan.shrink_k,
-        S_ROWS=DECODE_MAX_TOKENS, SKIP=_SKIPS[skip], SPREAD_SHRINK=plan.spread_shrink, num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
+        S_ROWS=DECODE_MAX_TOKENS, SKIP=_SKIPS[skip], SPREAD_SHRINK=plan.spread_shrink,
+        ROW_GATHER=lora_a.shape[0] > 1, GATHER_K=gather_step(plan.block_m, plan.block_n, width),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     grid = (plan.programs,)
     if phases == 2:

@@ -275,7 +275,8 @@ def _rows_delta(
     """The (BLOCK_M, BLOCK_N) delta S_j[row, :w]·B[slot of the row, cols, :w]ᵀ over the slices j that the column
     block meets, each row reading its own adapter's B (w: that adapter's width in slice j). Rows that are not
     adapted load nothing: S and B are masked (not multiplied by zero), so no value of another row's adapter, or
-    an unwritten S, reaches them."""
+    an unwritten S, reaches them. S is read past L1 (.cg): the one-launch kernel reads it after other SMs' atomics
+    wrote it in the same launch."""
     slot = tl.where(adapted, row_slot, 0).to(tl.int64)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(NUM_SLICES):
@@ -288,9 +289,9 @@ def _rows_delta(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 s_ok = ks[None, :] < w[:, None]
                 s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
-                s = tl.load(s_ptr + s_offs, mask=s_ok, other=0.0)
+                s = tl.load(s_ptr + s_offs, mask=s_ok, other=0.0, cache_modifier=".cg")
                 for part in tl.static_range(1, SPLIT_K):
-                    s += tl.load(s_ptr + part * stride_split + s_offs, mask=s_ok, other=0.0)
+                    s += tl.load(s_ptr + part * stride_split + s_offs, mask=s_ok, other=0.0, cache_modifier=".cg")
                 b_ptrs = b_ptr + slot[:, None, None] * stride_bl + cols[None, :, None] * stride_bn + ks[None, None, :]
                 b = tl.load(b_ptrs, mask=s_ok[:, None, :] & in_slice[None, :, None], other=0.0)
                 delta += tl.sum(s[:, None, :] * b.to(tl.float32), axis=2)
