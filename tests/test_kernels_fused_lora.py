@@ -141,7 +141,7 @@ from vllm_bdlora.kernels.fused_lora import delta_then_gemm, fused_expand, group_
 from vllm_bdlora.kernels.reference import lora_shrink_reference, slice_views
 unrolled = fused_lora.UNROLLED_WIDTH_STEPS
 decode_expand = LaunchConfig(16, 64, 32, num_stages=2)
-mixed_expand = LaunchConfig(16, 64, 16, num_stages=2, mixed_tiles=True)
+mixed_expand = LaunchConfig(16, 64, 32, num_stages=2, mixed_tiles=True)
 device, dtype, tokens_list, tol = sys.argv[1], getattr(torch, sys.argv[2]), eval(sys.argv[3]), float(sys.argv[4])
 def close(got, want, what):
     if want.numel() == 0:
@@ -174,7 +174,7 @@ for tokens in tokens_list:
             # mixed tiles: rows of several adapters (and base-model rows) in one tile
             for expand_cfg in (decode_expand, LaunchConfig(16, 32, 64),
                                LaunchConfig(128, 256, 32, num_warps=8, num_stages=2), mixed_expand,
-                               LaunchConfig(32, 32, 8, mixed_tiles=True)):
+                               LaunchConfig(32, 32, 64, mixed_tiles=True)):
                 got = fused_expand(y.clone(), *args, scale_table=g, bias=b["bias"], config=expand_cfg)
                 close(got, reference_by_slice(b, dora, False), f"fused_expand {how} {expand_cfg}")
                 assert torch.equal(got[~adapted], y[~adapted]), "base-model tokens must stay untouched"

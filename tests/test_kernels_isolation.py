@@ -67,7 +67,7 @@ for value in (float("nan"), float("inf")):
             cfg = LaunchConfig(16, 16, 32, split_k=split_k)
             # mixed tiles: rows of the poisoned slot share tiles with every other adapter's rows
             for expand_cfg in (LaunchConfig(16, 64, 32, num_stages=2), LaunchConfig(128, 256, 32, num_warps=8),
-                               LaunchConfig(16, 64, 8, num_stages=2, mixed_tiles=True)):
+                               LaunchConfig(16, 64, 32, num_stages=2, mixed_tiles=True)):
                 runs = []
                 for w in (b, bad):
                     shrunk = lora_shrink(w["x"], w["lora_a"], groups, w["widths"], config=cfg)

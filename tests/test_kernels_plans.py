@@ -51,10 +51,8 @@ def prefill_problems(r: PrefillRange, hidden: int, width: int, slices: int) -> l
     for name, config in (("shrink", r.shrink), ("expand", r.expand)):
         for field in ("block_m", "block_n", "block_k"):
             value = getattr(config, field)
-            # a mixed tile's rank step is a gather's (tl.arange: a power of two), no tl.dot's
-            least = 1 if config.mixed_tiles and field == "block_k" else 16
-            if value < least or value & (value - 1):
-                problems.append(f"{name} {field} {value}: not a power of two of at least {least} (tl.dot)")
+            if value < 16 or value & (value - 1):
+                problems.append(f"{name} {field} {value}: not a power of two of at least 16 (tl.dot)")
         warps = config.num_warps
         if warps & (warps - 1) or not 1 <= warps <= 16 or not 1 <= config.num_stages <= 8:
             problems.append(f"{name}: {warps} warps, {config.num_stages} stages")
@@ -289,20 +287,3 @@ def test_the_mixed_batch_search_keeps_the_launch_best_over_every_adapter_count(m
 
 def replace_start(r: PrefillRange, start: int) -> PrefillRange:
     return PrefillRange(start, r.shrink, r.expand, r.delta_first)
-
-
-def test_mixed_tile_candidates_gather_at_the_adapter_width_within_their_registers():
-    """The search's mixed-tile expands take the adapter width as their gather's rank step (up to 16) and leave out
-    gathers that would hold more values a thread than GATHER_ELEMENTS_PER_THREAD; per-adapter tiles keep the
-    table's rank step (a tensor-core dot's, at least 16)."""
-    from bench.kernels.mixed_batch_plans import GATHER_ELEMENTS_PER_THREAD, expand_candidates
-
-    current = LaunchConfig(16, 64, 16, num_stages=2)
-    for width, step, row_tiles in ((8, 8, {16, 64}), (32, 16, {16}), (4, 4, {16, 64})):
-        found = expand_candidates(64, width, current)
-        mixed = [c for c in found if c.mixed_tiles]
-        assert mixed and {c.block_k for c in mixed} == {step}
-        assert all(c.block_m * c.block_n * c.block_k <= GATHER_ELEMENTS_PER_THREAD * 32 * c.num_warps for c in mixed)
-        assert {c.block_m for c in mixed} == row_tiles  # 64 x 64 x 16 values exceed even 8 warps' registers
-        assert {c.block_k for c in found if not c.mixed_tiles} == {16}
-        assert found[0] == current and len(found) == len(set(found))

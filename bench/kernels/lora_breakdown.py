@@ -33,7 +33,6 @@ TOKENS = (1, 16, 64, 1024, 8192)
 def kernels(layer):
     """(name, fn, bytes it must move or None) for every kernel of the layer on its own."""
     from bench.kernels.fused_lora import table_launch
-    from bench.kernels.mixed_batch_plans import mixed_tiles_launch
     from vllm_bdlora.kernels.fused_lora import fused_expand, lora_shrink
 
     x, w, groups, widths, bounds = layer["x"], layer["weight"], layer["groups"], layer["widths"], layer["bounds"]
@@ -41,8 +40,7 @@ def kernels(layer):
     y = x @ w.T
     launch = table_launch(layer)
     shrunk = lora_shrink(x, layer["lora_a"], groups, widths, launch.shrink)
-    expand = replace(launch.expand, mixed_tiles=False)
-    mixed = mixed_tiles_launch(expand, layer["lora_b"].shape[2])
+    expand, mixed = replace(launch.expand, mixed_tiles=False), replace(launch.expand, mixed_tiles=True)
     out_bytes = 2 * tokens * n
     found = [
         ("cublas_gemm", lambda: x @ w.T, None),

@@ -44,7 +44,6 @@ from bench.kernels.harness import (
     update_plan_table,
     write_report,
 )
-from vllm_bdlora.kernels.launch_math import next_power_of_2
 from vllm_bdlora.kernels.plans import (
     DECODE_MAX_TOKENS,
     ROW_TILES,
@@ -95,31 +94,15 @@ def shrink_candidates(hidden: int, width: int, slices: int, current: LaunchConfi
     return list(dict.fromkeys(found))
 
 
-# Registers a mixed tile's gather may hold per thread: block_m x block_n x block_k products over its warps' threads.
-GATHER_ELEMENTS_PER_THREAD = 128
-
-
-def mixed_tiles_launch(expand: LaunchConfig, width: int) -> LaunchConfig:
-    """`expand` with mixed tiles, its rank step (the gather's block_k) the adapter width up to 16: no tensor-core
-    dot needs 16 there, and a step past the width only loads masked lanes."""
-    return replace(expand, mixed_tiles=True, block_k=min(16, next_power_of_2(width)))
-
-
-def expand_candidates(tokens: int, width: int, current: LaunchConfig) -> list[LaunchConfig]:
+def expand_candidates(tokens: int, current: LaunchConfig) -> list[LaunchConfig]:
     """Expands of 16-row tiles (a dozen adapters leave a group a few rows) or one tile of the whole bracket, 64-256
-    columns, 1-8 warps, each with a tile per adapter's rows or with mixed tiles (rows of any adapters, each gathering
-    its adapter's B: those whose gather would hold more than GATHER_ELEMENTS_PER_THREAD values a thread are left
-    out); the current launch first."""
+    columns, 1-8 warps, each with a tile per adapter's rows or with mixed tiles (rows of any adapters); the current
+    launch first."""
     rows = dict.fromkeys((16, bracket(tokens)[1]))
-    found = [current]
-    for block_m in rows:
-        for block_n in (64, 128, 256):
-            for warps in (1, 2, 4, 8):
-                own = LaunchConfig(block_m, block_n, current.block_k, num_warps=warps, num_stages=2)
-                mixed = mixed_tiles_launch(own, width)
-                found.append(own)
-                if block_m * block_n * mixed.block_k <= GATHER_ELEMENTS_PER_THREAD * 32 * warps:
-                    found.append(mixed)
+    found = [current] + [LaunchConfig(block_m, block_n, current.block_k, num_warps=warps, num_stages=2,
+                                      mixed_tiles=mixed)
+                         for mixed in (False, True) for block_m in rows for block_n in (64, 128, 256)
+                         for warps in (1, 2, 4, 8)]  # fmt: skip
     return list(dict.fromkeys(found))
 
 
@@ -170,7 +153,7 @@ def search_point(name, k, heights, tokens, adapter_counts, width, slots, tp, min
     packed = len(heights) > 1
     current = Candidate(launch.shrink, launch.expand, launch.delta_first and packed)
     shrinks = shrink_candidates(k, width, len(heights), launch.shrink)
-    expands = expand_candidates(tokens, width, launch.expand)
+    expands = expand_candidates(tokens, launch.expand)
     orders = (False, True) if packed else (False,)
     timed: dict = {}
     time_candidates(layers_by_adapters, wants, [current], timed)

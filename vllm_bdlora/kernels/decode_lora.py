@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from vllm_bdlora.kernels.compile_ahead import launch
-from vllm_bdlora.kernels.fused_lora import _rows_delta
 from vllm_bdlora.kernels.launch_math import next_power_of_2
 from vllm_bdlora.kernels.plans import (
     DECODE_MAX_TOKENS,
@@ -113,13 +112,44 @@ def _gemv(x_ptr, w_ptr, stride_x, stride_w, safe_rows, row_ok, safe_cols, k_lo, 
 
 
 @triton.jit
+def _rows_delta(
+    s_ptr, b_ptr, widths_ptr, bounds_ptr, row_slot, adapted, rows, cols, n0, stride_split, stride_s, stride_bl,
+    stride_bn, stride_w, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_M, BLOCK_N) delta S_j[row, :w]·B[slot of the row, cols, :w]ᵀ over the slices j that the column
+    block meets, each row reading its own adapter's B (w: that adapter's width in slice j). Rows that are not
+    adapted load nothing: S and B are masked (not multiplied by zero), so no value of another row's adapter, or
+    an unwritten S, reaches them. S is read past L1 (.cg): other SMs' atomics wrote it in this launch."""
+    slot = tl.where(adapted, row_slot, 0).to(tl.int64)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(NUM_SLICES):
+        lo = tl.load(bounds_ptr + j)
+        hi = tl.load(bounds_ptr + j + 1)
+        if (n0 < hi) & (n0 + BLOCK_N > lo):
+            w = tl.load(widths_ptr + j * stride_w + slot, mask=adapted, other=0)
+            in_slice = (cols >= lo) & (cols < hi)
+            for k0 in range(0, tl.max(w, 0), BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                s_ok = ks[None, :] < w[:, None]
+                s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
+                s = tl.load(s_ptr + s_offs, mask=s_ok, other=0.0, cache_modifier=".cg")
+                for part in tl.static_range(1, SPLIT_K):
+                    s += tl.load(s_ptr + part * stride_split + s_offs, mask=s_ok, other=0.0, cache_modifier=".cg")
+                b_ptrs = b_ptr + slot[:, None, None] * stride_bl + cols[None, :, None] * stride_bn + ks[None, None, :]
+                b = tl.load(b_ptrs, mask=s_ok[:, None, :] & in_slice[None, :, None], other=0.0)
+                delta += tl.sum(s[:, None, :] * b.to(tl.float32), axis=2)
+    return delta
+
+
+@triton.jit
 def _finish(acc, n0, out_ptr, b_ptr, bias_ptr, widths_ptr, bounds_ptr, s_now, rows, row_ok, row_slots, n_slots,
             n_cols, stride_out, stride_bl, stride_bn, stride_wt,
             NUM_SLICES: tl.constexpr, TOTAL_W: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD_LORA: tl.constexpr,
             ROW_GATHER: tl.constexpr, GATHER_K: tl.constexpr):  # fmt: skip
     """Column block n0's X·Wᵀ sum + bias + S·B[slot]ᵀ of each token's slot (unless not ADD_LORA), written once.
-    ROW_GATHER: each row reads its own adapter's B (fused_lora._rows_delta, GATHER_K ranks a step), so the
+    ROW_GATHER: each row reads its own adapter's B (_rows_delta, GATHER_K ranks a step), so the
     adapters of a batch are served side by side; else one tl.dot per adapter of the batch, in turn."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols

@@ -266,45 +266,18 @@ def _fused_expand_kernel(
                        col_ok, HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
-@triton.jit
-def _rows_delta(
-    s_ptr, b_ptr, widths_ptr, bounds_ptr, row_slot, adapted, rows, cols, n0, stride_split, stride_s, stride_bl,
-    stride_bn, stride_w, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The (BLOCK_M, BLOCK_N) delta S_j[row, :w]·B[slot of the row, cols, :w]ᵀ over the slices j that the column
-    block meets, each row reading its own adapter's B (w: that adapter's width in slice j). Rows that are not
-    adapted load nothing: S and B are masked (not multiplied by zero), so no value of another row's adapter, or
-    an unwritten S, reaches them. S is read past L1 (.cg): the one-launch kernel reads it after other SMs' atomics
-    wrote it in the same launch."""
-    slot = tl.where(adapted, row_slot, 0).to(tl.int64)
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(NUM_SLICES):
-        lo = tl.load(bounds_ptr + j)
-        hi = tl.load(bounds_ptr + j + 1)
-        if (n0 < hi) & (n0 + BLOCK_N > lo):
-            w = tl.load(widths_ptr + j * stride_w + slot, mask=adapted, other=0)
-            in_slice = (cols >= lo) & (cols < hi)
-            for k0 in range(0, tl.max(w, 0), BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                s_ok = ks[None, :] < w[:, None]
-                s_offs = rows[:, None] * stride_s + j * WIDTH + ks[None, :]
-                s = tl.load(s_ptr + s_offs, mask=s_ok, other=0.0, cache_modifier=".cg")
-                for part in tl.static_range(1, SPLIT_K):
-                    s += tl.load(s_ptr + part * stride_split + s_offs, mask=s_ok, other=0.0, cache_modifier=".cg")
-                b_ptrs = b_ptr + slot[:, None, None] * stride_bl + cols[None, :, None] * stride_bn + ks[None, None, :]
-                b = tl.load(b_ptrs, mask=s_ok[:, None, :] & in_slice[None, :, None], other=0.0)
-                delta += tl.sum(s[:, None, :] * b.to(tl.float32), axis=2)
-    return delta
-
-
 # Mixed tiles: a batch of 64 tokens over a dozen adapters leaves each adapter a few rows, and one tile per adapter
 # launches three times the tiles of a one-adapter batch, each of a few live rows. A mixed tile covers block_m
-# consecutive positions of the grouped order whatever adapters they belong to, and each row reads its own adapter's
-# B (as vLLM's BGMV kernels do), so a batch launches as many tiles whatever it mixes, and a tile's adapters are
-# served side by side. Rows of one adapter sit together in that order, so their B comes from cache after the first.
-# The product runs on CUDA cores, not a tensor-core dot: at BD's widths per GPU (8-128 columns) the expand is bound
-# by its loads, not by its multiplies. block_k is the rank step of the gather. A plan-table choice, off by default.
+# consecutive positions of the grouped order whatever adapters they belong to, and adds each adapter's delta to its
+# own rows (a dot over the whole tile per adapter, kept where the row is the adapter's), so a batch launches as many
+# tiles whatever it mixes; but the tile's adapters take turns. Measured on an H200 (TP=4 shapes, BD r'=32, 12
+# slots; results/kernels/mixed-tiles-tp4-h200): where a tile holds many adapters the turns cost more than the tiles
+# saved (16 tokens over 12 adapters: 1.7-3.7x the per-adapter tiles' time), while for o_proj and down_proj at 33-64
+# tokens the plan search chose them, with their shrinks (the whole layer 5-8% faster at 1 and 4 adapters, 1.5-4% at
+# 12). So they are a plan-table choice, off by default. Tried: each row gathering its own adapter's B instead of
+# turns (as the one-launch kernel's finish does, decode_lora._rows_delta): flat in adapters, but at best twice the
+# per-adapter tiles' time per projection on an H200 and never chosen by the search
+# (results/kernels/mixed-tiles-tp4-h200/row-gather).
 @triton.jit(do_not_specialize=["n_rows"])
 def _mixed_tiles_expand_kernel(
     y_ptr, s_ptr, b_ptr, sorted_ids_ptr, group_slot_ptr, group_count_ptr, group_start_ptr, widths_ptr,
@@ -331,28 +304,37 @@ def _mixed_tiles_expand_kernel(
     slots = tl.load(group_slot_ptr + groups, mask=group_ok, other=-1)
     member = (positions[:, None] >= starts[None, :]) & (positions[:, None] < (starts + counts)[None, :])
     grouped = tl.sum(member.to(tl.int32), 1) > 0
+    row_group = tl.sum(tl.where(member, groups[None, :], 0), 1)
     row_slot = tl.sum(tl.where(member, slots[None, :], 0), 1)
     adapted = grouped & (row_slot >= 0)
     in_batch = positions < n_rows
     rows = tl.load(sorted_ids_ptr + positions, mask=grouped, other=0)
     rows = tl.where(grouped, rows, tl.where(in_batch, positions, 0)).to(tl.int64)
-    delta = _rows_delta(s_ptr, b_ptr, widths_ptr, bounds_ptr, row_slot, adapted, rows, cols, n0, stride_split,
-                        stride_s, stride_bl, stride_bn, stride_w, NUM_SLICES, SPLIT_K, WIDTH, BLOCK_M, BLOCK_N,
-                        BLOCK_K)  # fmt: skip
-    safe_slot = tl.where(adapted, row_slot, 0)
-    if HAS_SCALE:
-        delta = delta * tl.load(scale_ptr + safe_slot, mask=adapted, other=0.0)[:, None]
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    g_tile = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
+    first = tl.min(tl.where(adapted, row_group, MAX_GROUPS), 0)
+    last = tl.max(tl.where(adapted, row_group, -1), 0)
+    for group in range(first, last + 1):  # the tile's groups are consecutive: positions run in group order
+        slot = tl.load(group_slot_ptr + group)
+        if (slot >= 0) & (tl.load(group_count_ptr + group) > 0):
+            mine = (adapted & (row_group == group))[:, None]
+            part = _slices_delta(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), s_ptr, b_ptr + slot * stride_bl,
+                                 widths_ptr, bounds_ptr, slot, rows, valid_cols, n0, stride_split, stride_s,
+                                 stride_bn, stride_w, NUM_SLICES, SPLIT_K, WIDTH, BLOCK_N, BLOCK_K, EVEN_W,
+                                 UNROLL_W)  # fmt: skip
+            if HAS_SCALE:
+                part = part * tl.load(scale_ptr + slot)
+            delta = tl.where(mine, part, delta)  # other rows' S (another adapter's, or unwritten) is dropped here
+            if HAS_DORA:
+                g = tl.load(g_ptr + slot * stride_g + cols, mask=col_ok, other=1.0)
+                g_tile = tl.where(mine, g[None, :], g_tile)
     if OVERWRITE:  # every row of the batch: the delta + bias (bias alone for base-model and padding rows)
         _store_delta(y_ptr, delta, rows, in_batch, cols, col_ok, stride_y, bias_ptr, HAS_BIAS)
         return
-    if tl.sum(adapted.to(tl.int32), 0) > 0:  # base-model rows stay untouched: a tile of those alone reads nothing
+    if last >= 0:  # base-model rows stay untouched: a tile of those alone reads nothing
         base = tl.load(y_ptr + rows[:, None] * stride_y + valid_cols[None, :]).to(tl.float32)
-        mask = adapted[:, None] & col_ok[None, :]
-        g = 1.0
-        if HAS_DORA:
-            g = tl.load(g_ptr + safe_slot[:, None] * stride_g + cols[None, :], mask=mask, other=1.0)
-        _compose_and_store(y_ptr, base, delta, g, rows, mask, cols, stride_y, bias_ptr, col_ok, HAS_DORA,
-                           HAS_BIAS)  # fmt: skip
+        _compose_and_store(y_ptr, base, delta, g_tile, rows, adapted[:, None] & col_ok[None, :], cols, stride_y,
+                           bias_ptr, col_ok, HAS_DORA, HAS_BIAS)  # fmt: skip
 
 
 def _rows_major(*tensors: torch.Tensor) -> None:
