@@ -84,6 +84,7 @@ def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix():
     """Plans are looked up for the adapters a batch may mix: one per token, at most one per slot, and at most as
     many as the mixed-adapter limit lets it; the layer's plans (what warm_up compiles and the state is sized for)
     are those of each batch size; larger tiles serve one-slot layers only."""
+    from tests.test_kernels_plans import TABLES, load
     from vllm_bdlora.kernels.plans import (
         batch_adapters,
         batch_plan,
@@ -107,6 +108,13 @@ def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix():
     every_slot = table.decode_plan(*gate_up, 16, 4)
     assert batch_plan(table, *gate_up, 16, 2, 1 << 30) == every_slot
     assert table.decode_plan(*gate_up, 16, 9) == table.decode_plan(*gate_up, 16, 8)  # more than the table holds
+    # a batch that may mix adapters finishes with its rows gathering B; one adapter (or one slot) with a tl.dot,
+    # and the layer's plans (what warm_up compiles) hold both finishes
+    assert (one.row_gather, two.row_gather, every_slot.row_gather) == (False, True, True)
+    assert not table.decode_plan(28672, 4096, 256, 1, 16, 1).row_gather
+    assert {p.row_gather for p in layer_plans(table, *gate_up, 2, 256).values()} == {False, True}
+    for path in TABLES:  # not a table choice
+        assert not any(plan.row_gather for plan in load(path).decode.values() if plan), path
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -157,6 +165,8 @@ def plan_of(b, tokens):
         plan = batch_plan(cuda_table(device), out_features, hidden, total_width,
                           len(SLOT_WIDTHS[0]) if tile == 16 else 1, tile, 3, DEFAULT_MAX_MIXED_WIDTH)
     assert plan.gemv_programs > 1 and plan.chunks > 1 and plan.block_m == tile, plan
+    if kind != "default":  # finish as a layer's table plan would: rows gather B where the batch may mix adapters
+        plan = replace(plan, row_gather=not one_slot and tile == 16 and tokens > 1)
     return replace(plan, spread_shrink=True) if spread else plan
 
 

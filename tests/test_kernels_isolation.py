@@ -41,6 +41,7 @@ def test_references_keep_a_poisoned_slot_to_its_own_rows(value):
 
 ISOLATION_CHECK = """
 import sys, torch
+from dataclasses import replace
 from tests.test_kernels_fused_lora import SLOT_WIDTHS, mixed_batch
 from tests.test_kernels_isolation import POISONED_SLOT, poisoned
 from vllm_bdlora.kernels.decode_lora import decode_lora_linear, new_decode_state
@@ -83,14 +84,16 @@ for value in (float("nan"), float("inf")):
         tile = row_tile(tokens)
         plan = make_plan(b["weight"].shape[0], hidden, b["lora_a"].shape[1], 3, block_n=16,
                          block_k=min(64, whole_block_step(16, tile)), stream_k=False, block_m=tile)
-        outs = []
-        for w in (b, bad):
-            state = new_decode_state(w["lora_a"].shape[1], device, plan)
-            out = torch.full_like(y, float("nan"))
-            decode_lora_linear(out, w["x"], w["weight"], w["lora_a"], w["lora_b"], w["widths"], w["bounds"],
-                               w["slots"], state, w["bias"], plan=plan, phases=phases)
-            outs.append(out)
-        same_elsewhere(outs[1], outs[0], others, f"decode_lora_linear {value} {tokens}")
+        for row_gather in (False, True):  # the finish's tl.dot per adapter, or each row gathering its B
+            outs = []
+            for w in (b, bad):
+                state = new_decode_state(w["lora_a"].shape[1], device, plan)
+                out = torch.full_like(y, float("nan"))
+                decode_lora_linear(out, w["x"], w["weight"], w["lora_a"], w["lora_b"], w["widths"], w["bounds"],
+                                   w["slots"], state, w["bias"], plan=replace(plan, row_gather=row_gather),
+                                   phases=phases)  # fmt: skip
+                outs.append(out)
+            same_elsewhere(outs[1], outs[0], others, f"decode_lora_linear {value} {tokens} {row_gather}")
 print("ok")
 """
 

@@ -6,6 +6,7 @@ import glob
 import logging
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -133,8 +134,8 @@ def test_a_shape_the_table_lacks_takes_the_default_and_says_how_to_tune_it(caplo
     with no entry, the structural default, logged once per layer shape with the command that tunes it."""
     table = table_for("NVIDIA H200", 132)
     gate_up = (28672, 4096, 256, 4)  # TP=1 gate_up_proj, BD r'=128, 4 slots
-    assert table.decode_plan(*gate_up, 16, 8) == table.decode["out=28672 hidden=4096 total_width=256 slots=many "
-                                                               "tile=16 adapters=8"]  # fmt: skip
+    entry = table.decode["out=28672 hidden=4096 total_width=256 slots=many tile=16 adapters=8"]
+    assert table.decode_plan(*gate_up, 16, 8) == replace(entry, row_gather=True)  # 8 adapters: rows gather B
     assert table.decode_plan(*gate_up, 16, 16) == table.decode_plan(*gate_up, 16, 8)
     caplog.set_level(logging.INFO, logger="vllm.bdlora")
     unknown = (1000, 3000, 40, 1)

@@ -82,6 +82,8 @@ def describe(plan) -> str:
         text += f", S in {plan.shrink_groups} column groups"
     if plan.spread_shrink:
         text += ", shrink spread"
+    if plan.row_gather:
+        text += ", rows gather B"
     return text
 
 
@@ -224,8 +226,12 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
     table = cuda_table("cuda")
     tile = row_tile(tokens)
     incumbent = table.decode_plan(n, k, total_width, slots, tile, adapters)
+    # every candidate finishes as the table's plan would serve this batch (PlanTable.decode_plan sets row_gather)
+    finish = {"row_gather": incumbent.row_gather} if incumbent else {"row_gather": slots > 1 and adapters > 1}
     default = default_decode_plan(n, k, total_width, slots, table.sms, tile, adapters)
-    plans = candidate_plans(n, k, total_width, slots, adapters, table, tile)
+    default = replace(default, **finish) if default else None
+    plans = list(dict.fromkeys(replace(p, **finish) for p in candidate_plans(n, k, total_width, slots, adapters,
+                                                                              table, tile)))  # fmt: skip
     precompile(layer, plans)
     rows = []
     for plan in plans:
@@ -264,7 +270,7 @@ def write_table(rows, table, min_gain: float) -> list[str]:
         if incumbent is not None and best["us"] >= incumbent["us"] * (1 - min_gain):
             said.append(f"{key}: kept ({incumbent['us']} µs; best other {best['us']} µs)")
             continue
-        table.decode[key] = DecodePlan(**best["plan_fields"])
+        table.decode[key] = DecodePlan(**{**best["plan_fields"], "row_gather": False})  # not a table choice
         before = f"{incumbent['us']} µs" if incumbent else "no entry"
         said.append(f"{key}: {best['plan']} ({before} -> {best['us']} µs)")
     return said

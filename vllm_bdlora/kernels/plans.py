@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from vllm_bdlora.kernels.launch_math import cdiv, next_power_of_2
 
@@ -63,6 +63,10 @@ class DecodePlan:
     shrink_columns: int = 128  # columns of S a shrink program computes at a time
     shrink_groups: int = 1  # the shrink programs split S's columns (in shrink_columns) this many ways
     spread_shrink: bool = False  # shrink programs numbered evenly among the GEMV's, not after them
+    # The finish adds each row's LoRA term with the row gathering its own adapter's B (a batch's adapters side by
+    # side), not with a tl.dot per adapter in turn. Not a table choice: PlanTable.decode_plan sets it for batches
+    # that may mix adapters (measured: results/kernels/decode-row-gather-tp4).
+    row_gather: bool = False
 
     def __post_init__(self):
         if self.chunks % self.shrink_groups:  # the kernel gives each group chunks // shrink_groups programs
@@ -148,8 +152,9 @@ def shrink_step(columns: int) -> int:
 
 
 def largest_tile(slots: int) -> int:
-    """The most token rows a layer with `slots` LoRA slots runs in one launch: the finish after the barrier loads
-    B once per adapter of the batch, so tiles over 16 rows serve one-slot layers only."""
+    """The most token rows a layer with `slots` LoRA slots runs in one launch: tiles over 16 rows serve one-slot
+    layers only. Measured when the finish took a turn per adapter (mixing 12 adapters in 16 tokens, 1.40x the three
+    kernels' time per decoder layer on an H100); with its row gather, larger multi-slot tiles are not measured."""
     return DECODE_MAX_TOKENS if slots <= 1 else ROW_TILES[0]
 
 
@@ -326,17 +331,23 @@ class PlanTable:
     def decode_plan(self, out_features: int, hidden: int, total_width: int, slots: int, block_m: int,
                     adapters: int) -> DecodePlan | None:  # fmt: skip
         """The table's plan for this key (for more adapters than any entry of the layer holds, the entry of the
-        most it holds: the shrink programs stop growing with the adapters), else the default."""
+        most it holds: the shrink programs stop growing with the adapters), else the default; with `row_gather`
+        where the batch may mix adapters (a batch of one adapter finishes with one tl.dot: on one H100 the gather
+        took up to 1.8 µs more per decoder layer there, and 8-12% less time mixing 4 adapters)."""
         if block_m > largest_tile(slots):
             return None
+        plan = None
         for mixed in range(max(1, adapters), 0, -1):
             key = decode_key(out_features, hidden, total_width, slots, block_m, mixed)
             if key in self.decode:
-                return self.decode[key]
-        layer = f"out={out_features} hidden={hidden} total_width={total_width}"
-        self._say_default(layer, decode_key(out_features, hidden, total_width, slots, block_m, adapters),
-                          "decode_lora --configs")  # fmt: skip
-        return default_decode_plan(out_features, hidden, total_width, slots, self.sms, block_m, adapters)
+                plan = self.decode[key]
+                break
+        else:
+            layer = f"out={out_features} hidden={hidden} total_width={total_width}"
+            self._say_default(layer, decode_key(out_features, hidden, total_width, slots, block_m, adapters),
+                              "decode_lora --configs")  # fmt: skip
+            plan = default_decode_plan(out_features, hidden, total_width, slots, self.sms, block_m, adapters)
+        return replace(plan, row_gather=slots > 1 and adapters > 1) if plan is not None else None
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019
     def prefill_ranges(self, out_features: int, hidden: int, width: int, slices: int) -> tuple[PrefillRange, ...]:
