@@ -42,8 +42,8 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
 
 
 def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_a_batch_may_mix_are_narrow():
-    """A batch of t tokens may mix min(t, slots) adapters; the kernel runs each one's shrink and B load on its
-    own, so a layer with several slots hands batches over to the three kernels once the adapters they may mix
+    """A batch of t tokens may mix min(t, slots) adapters; the kernel runs each one's shrink on its own, so a
+    layer with several slots hands batches over to the three kernels once the adapters they may mix
     are wider together (per slice) than the "one_launch_max_mixed_width" setting. One slot: unaffected."""
     from vllm_bdlora.kernels.lora_op import one_launch_plan
     from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, layer_state_words, mixed_batch_limit, table_for
@@ -65,7 +65,7 @@ def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_
 
 
 def test_a_multi_slot_layer_limits_the_adapters_a_one_launch_batch_may_mix():
-    """However narrow, each adapter a batch mixes adds its shrink and B load to the one kernel: a layer's mixed width
+    """However narrow, each adapter a batch mixes adds its shrink to the one kernel: a layer's mixed width
     admits at most "one_launch_max_adapters" adapters of its width, and the configured width where that is less."""
     from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, mixed_batch_limit, mixed_width_limit
 
