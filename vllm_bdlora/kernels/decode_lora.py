@@ -4,10 +4,11 @@ At decode sizes each kernel of the three-kernel path (cuBLAS GEMM, routed shrink
 mostly fixed latency, so the LoRA work, a few hundred kB of A and B, costs as much as the base GEMM itself. This
 kernel pays one launch, with two kinds of programs running side by side:
 
-* shrink programs (a few SMs) each compute S = X·A[slot]ᵀ over a slice of the hidden dimension, for every
-  adapter of the batch (one tl.dot per adapter present, its tokens' rows), and add it into a float32 S
-  buffer with atomics (where S is wider than a program computes at once, each group of programs takes one
-  chunk of its columns);
+* shrink programs (a few SMs) compute S = X·A[slot]ᵀ for every adapter of the batch, its tokens' rows: the
+  pairs (adapter, hidden step) are shared evenly among them in runs, each run one pipelined loop of tl.dot
+  per adapter it meets, added into a float32 S buffer with atomics (where S is wider than a program computes
+  at once, each group of programs takes one chunk of its columns). However many adapters a batch mixes, a
+  program's work is its share of theirs, not a turn per adapter;
 * GEMV programs (the other SMs) stream W and accumulate X·Wᵀ, the part that bounds the layer, while the
   shrink runs; then they wait at a grid-wide barrier for every shrink program, add S·B[slot]ᵀ (+ bias) and
   write the output once. Either each owns one block of output columns over the whole hidden dimension
@@ -213,38 +214,55 @@ def _decode_lora_linear_kernel(
     safe_rows = tl.where(row_ok, rows, 0)
     row_slots = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
 
-    if pid >= gemv_programs:  # ---- shrink: S[m, :] += X[m, k-slice]·A[slot_m, :, k-slice]ᵀ, one adapter at a time
+    if pid >= gemv_programs:  # ---- shrink: S[m, :] += X[m, :]·A[slot_m]ᵀ, as a run of (adapter, hidden step) pairs
         if PHASE == 2:
             return
         epoch = (tl.atomic_add(state_ptr, 0) >> 16) & 0xFFFF  # cannot move before this program arrives
         s_now = s_buffers + (epoch & 1) * S_ROWS * TOTAL_W
         rs = tl.arange(0, BLOCK_R)
-        # this program's column chunks (every SHRINK_GROUPS-th of R_CHUNK columns) over its hidden share: each
-        # element of S is added to by the programs of one group only
+        # The batch's distinct adapters, numbered in order of their first row: a row leads where no earlier row has
+        # its slot (a stale slot number past the buffers, CUDA-graph padding, is no adapter: nothing is read for it)
+        adapted = row_ok & (row_slots >= 0) & (row_slots < n_slots)
+        earlier = rows[None, :] < rows[:, None]
+        same = (row_slots[:, None] == row_slots[None, :]) & adapted[None, :] & earlier
+        leads = adapted & (tl.sum(same.to(tl.int32), 1) == 0)
+        lead_rank = tl.sum((earlier & leads[None, :]).to(tl.int32), 1)
+        distinct = tl.sum(leads.to(tl.int32), 0)
+        # Each group of programs (every SHRINK_GROUPS-th chunk of R_CHUNK columns of S) shares the pairs (distinct
+        # adapter, hidden step) evenly, in runs: a program's run covers one adapter or crosses into the next, so a
+        # batch's adapters add no turns to any one program (each run is one pipelined loop and one atomic add per
+        # adapter it meets), and each element of S is added to by the programs of one group only
         chunk, shrink_steps = pid - gemv_programs, tl.cdiv(hidden, SHRINK_K)
         shares = (programs - gemv_programs) // SHRINK_GROUPS
         group, share = chunk % SHRINK_GROUPS, chunk // SHRINK_GROUPS
-        k_lo = (share * shrink_steps // shares) * SHRINK_K  # every share >= 1 step: shares <= shrink_steps
-        k_hi = tl.minimum(((share + 1) * shrink_steps // shares) * SHRINK_K, hidden)
-        for slot in range(0, n_slots if SKIP != 1 else 0):
-            mine = row_slots == slot
-            if tl.sum(mine.to(tl.int32), 0) > 0:
-                for r0 in range(group * R_CHUNK, TOTAL_W, SHRINK_GROUPS * R_CHUNK):
-                    rc = r0 + tl.arange(0, R_CHUNK)
-                    w = tl.load(widths_ptr + (rc // WIDTH) * stride_wt + slot, mask=rc < TOTAL_W, other=0)
-                    r_ok = (rc < TOTAL_W) & (rc % WIDTH < w)
-                    safe_rc = tl.where(r_ok, rc, 0)
-                    acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
-                    for k0 in range(k_lo, k_hi, SHRINK_K):
-                        ks = k0 + tl.arange(0, SHRINK_K)
-                        k_ok = ks < k_hi
-                        x = tl.load(x_ptr + safe_rows[:, None] * stride_x + ks[None, :],
-                                    mask=mine[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                        a = tl.load(a_ptr + slot * stride_al + safe_rc[None, :] * stride_ar + ks[:, None],
-                                    mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
-                        acc += tl.dot(x, a)
-                    tl.atomic_add(s_now + rows[:, None] * TOTAL_W + rc[None, :], acc,
-                                  mask=mine[:, None] & r_ok[None, :], sem="relaxed")  # fmt: skip
+        pairs = distinct * shrink_steps
+        if SKIP == 1:
+            pairs = pairs * 0
+        for r0 in range(group * R_CHUNK, TOTAL_W, SHRINK_GROUPS * R_CHUNK):
+            rc = r0 + tl.arange(0, R_CHUNK)
+            step = share * pairs // shares
+            end = (share + 1) * pairs // shares
+            while step < end:
+                nth = step // shrink_steps
+                first = step - nth * shrink_steps
+                last = tl.minimum(shrink_steps, first + end - step)
+                slot = tl.sum(tl.where(leads & (lead_rank == nth), row_slots, 0), 0)
+                mine = row_slots == slot
+                w = tl.load(widths_ptr + (rc // WIDTH) * stride_wt + slot, mask=rc < TOTAL_W, other=0)
+                r_ok = (rc < TOTAL_W) & (rc % WIDTH < w)
+                safe_rc = tl.where(r_ok, rc, 0)
+                acc = tl.zeros((BLOCK_M, R_CHUNK), dtype=tl.float32)
+                for k0 in range(first * SHRINK_K, tl.minimum(last * SHRINK_K, hidden), SHRINK_K):
+                    ks = k0 + tl.arange(0, SHRINK_K)
+                    k_ok = ks < hidden
+                    x = tl.load(x_ptr + safe_rows[:, None] * stride_x + ks[None, :],
+                                mask=mine[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                    a = tl.load(a_ptr + slot * stride_al + safe_rc[None, :] * stride_ar + ks[:, None],
+                                mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
+                    acc += tl.dot(x, a)
+                tl.atomic_add(s_now + rows[:, None] * TOTAL_W + rc[None, :], acc,
+                              mask=mine[:, None] & r_ok[None, :], sem="relaxed")  # fmt: skip
+                step += last - first
         _arrive(state_ptr, programs)
         if pid == gemv_programs:
             # The next launch adds into the other buffer, which the previous launch added into (in the rows it
