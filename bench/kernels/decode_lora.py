@@ -255,8 +255,9 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
 
 def write_table(rows, table, min_gain: float) -> list[str]:
     """Update a plan table from --configs rows: for each key timed, the fastest candidate replaces the table's entry
-    where it beats it by more than `min_gain` (a fraction; the incumbent keeps its place within noise), and is written
-    where the table had no entry. Returns a line per key saying what happened."""
+    where it beats it by more than `min_gain` (a fraction; the incumbent keeps its place within noise). Where the
+    table had no entry, the fastest is written, or the structural default where that kept its place. Returns a line
+    per key saying what happened."""
     from vllm_bdlora.kernels.plans import DecodePlan, decode_key
 
     said = []
@@ -269,6 +270,10 @@ def write_table(rows, table, min_gain: float) -> list[str]:
         incumbent = next((r for r in timed if r["default"]), None)
         if incumbent is not None and best["us"] >= incumbent["us"] * (1 - min_gain):
             said.append(f"{key}: kept ({incumbent['us']} µs; best other {best['us']} µs)")
+            if key not in table.decode:
+                # The incumbent was the structural default: written, so that an entry for fewer adapters (which
+                # a key without one falls back to) does not take its place
+                table.decode[key] = DecodePlan(**{**incumbent["plan_fields"], "row_gather": False})
             continue
         table.decode[key] = DecodePlan(**{**best["plan_fields"], "row_gather": False})  # not a table choice
         before = f"{incumbent['us']} µs" if incumbent else "no entry"
@@ -448,6 +453,13 @@ def main(argv=None) -> int:
         "kernel wherever it has a plan, multi-slot plans sized for one adapter per token up to one per slot; 256, "
         "the plugin's default: plans sized and batches over the limit sent to the three kernels as served)",
     )
+    p.add_argument(
+        "--multi-slot-tile",
+        type=int,
+        choices=(16, 32, 64),
+        help="time layers of several LoRA slots in row tiles up to this many tokens (default: "
+        "plans.MULTI_SLOT_MAX_TILE, what serving runs); batches past it take the three kernels",
+    )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
     add_write_table_arguments(p, "--configs", "the fastest candidate of each layer and batch")
@@ -465,6 +477,10 @@ def main(argv=None) -> int:
     if started is None:
         return 0
     args, copy_gbs, chosen_report, name = started
+    if args.multi_slot_tile:
+        from vllm_bdlora.kernels import plans
+
+        plans.MULTI_SLOT_MAX_TILE = args.multi_slot_tile  # this process's plans only: a measurement, not a setting
     rows = []
     for tp, layer_name, k, heights, t, a in layer_grid(args):
         if args.configs:

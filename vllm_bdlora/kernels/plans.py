@@ -151,11 +151,15 @@ def shrink_step(columns: int) -> int:
     return max(16, min(128, 8192 // next_power_of_2(columns)))
 
 
+# The largest row tile of layers with several LoRA slots. Measured when the finish took a turn per adapter (mixing
+# 12 adapters in 16 tokens, 1.40x the three kernels' time per decoder layer on an H100); `bench.kernels.decode_lora
+# --multi-slot-tile` times larger ones.
+MULTI_SLOT_MAX_TILE = ROW_TILES[0]
+
+
 def largest_tile(slots: int) -> int:
-    """The most token rows a layer with `slots` LoRA slots runs in one launch: tiles over 16 rows serve one-slot
-    layers only. Measured when the finish took a turn per adapter (mixing 12 adapters in 16 tokens, 1.40x the three
-    kernels' time per decoder layer on an H100); with its row gather, larger multi-slot tiles are not measured."""
-    return DECODE_MAX_TOKENS if slots <= 1 else ROW_TILES[0]
+    """The most token rows a layer with `slots` LoRA slots runs in one launch (MULTI_SLOT_MAX_TILE with several)."""
+    return DECODE_MAX_TOKENS if slots <= 1 else MULTI_SLOT_MAX_TILE
 
 
 def row_tile(tokens: int) -> int:
