@@ -164,7 +164,8 @@ def test_a_table_reads_back_as_written_and_is_not_used_on_another_sm_count(tmp_p
 
 def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_noise(tmp_path, capsys):
     """`bench.kernels.decode_lora --configs --write-table`: per key, the fastest candidate replaces the table's entry
-    only where it saves more than --min-gain; a key the table lacked gets the fastest; the file is rewritten."""
+    only where it saves more than --min-gain; a key the table lacked gets the fastest (or the structural default where
+    it kept its place); the file is rewritten."""
     from dataclasses import asdict
 
     from bench.kernels.decode_lora import write_table
@@ -189,6 +190,13 @@ def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_no
     new_layer = make_plan(3072, 4096, 96, 4, block_n=32, block_k=256, stream_k=False)
     update_plan_table(path, lambda table: write_table([row(new_layer, 7.0, False, n=3072)], table, 0.02))
     assert load(path).decode[key.replace("1536", "3072")] == new_layer and load(path).decode[key] == other
+    # a key the table lacked whose structural default kept its place: written, so that the entry of fewer adapters
+    # (which a key without one falls back to) does not stand in for it
+    default = make_plan(2048, 4096, 96, 4, block_n=32, block_k=256, stream_k=False)
+    rival = make_plan(2048, 4096, 96, 4, block_n=64, block_k=128, stream_k=False)
+    update_plan_table(path, lambda table: write_table([row(default, 8.0, True, n=2048),
+                                                       row(rival, 7.9, False, n=2048)], table, 0.02))  # fmt: skip
+    assert load(path).decode[key.replace("1536", "2048")] == default
 
 
 def test_launch_configs_are_hashable_keys_of_the_variant_sets():
