@@ -161,17 +161,17 @@ def test_dora_and_kernel_settings():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_tokens == 64
     limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
     assert limited.one_launch_max_tokens == 16
-    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_mixed_width == 256
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_mixed_width == 128
     wide = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_mixed_width": 4096}})
     assert wide.one_launch_max_mixed_width == 4096
-    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_adapters == 4
-    many = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 16}})
-    assert many.one_launch_max_adapters == 16
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_adapters == 16
+    few = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 4}})
+    assert few.one_launch_max_adapters == 4
 
 
 def test_the_log_says_which_decode_batches_run_as_one_kernel():
-    """With --max-loras above 1 the one-kernel limit depends on how many adapters a batch may mix and how wide they
-    are; the start-up log states the resulting limit and the settings that move it."""
+    """With --max-loras above 1 the one-kernel limit depends on how wide a batch's token rows are together and how
+    many adapters it may mix; the start-up log states the resulting limit and the settings that move it."""
     from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_ADAPTERS, DEFAULT_MAX_MIXED_WIDTH
     from vllm_bdlora.manager import one_launch_summary
 
@@ -179,14 +179,14 @@ def test_the_log_says_which_decode_batches_run_as_one_kernel():
     assert settings.one_launch_max_mixed_width == DEFAULT_MAX_MIXED_WIDTH
     assert settings.one_launch_max_adapters == DEFAULT_MAX_MIXED_ADAPTERS
     assert one_launch_summary(settings, 1, 512).startswith("Decode batches of up to 64 tokens")
-    assert one_launch_summary(settings, 4, 32).startswith("Decode batches of up to 16 tokens")  # mixes 4 at most
-    many = one_launch_summary(settings, 12, 8)  # TP=4, BD r'=32, 12 slots: a batch mixes 4 adapters at most
-    assert many.startswith("Decode batches of up to 4 tokens") and '"one_launch_max_adapters": 4' in many
-    two = one_launch_summary(settings, 4, 128)  # TP=1, BD r'=128
-    assert two.startswith("Decode batches of up to 2 tokens") and '"one_launch_max_mixed_width": 256' in two
+    many = one_launch_summary(settings, 12, 8)  # TP=4, BD r'=32, 12 slots: 16 rows of 8 columns
+    assert many.startswith("Decode batches of up to 16 tokens") and '"one_launch_max_mixed_width": 128' in many
+    assert one_launch_summary(settings, 4, 32).startswith("Decode batches of up to 4 tokens")  # TP=4, BD r'=128
+    assert one_launch_summary(settings, 4, 128).startswith("Decode batches of up to 1 token:")  # TP=1, BD r'=128
     assert one_launch_summary(settings, 4, 512).startswith("Decode batches take the three kernels")
-    mixing = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 16}})
-    assert one_launch_summary(mixing, 12, 8).startswith("Decode batches of up to 16 tokens")
+    few = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_adapters": 4}})
+    mixing_four = one_launch_summary(few, 12, 8)
+    assert mixing_four.startswith("Decode batches of up to 4 tokens") and '"one_launch_max_adapters": 4' in mixing_four
     limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
     assert one_launch_summary(limited, 1, 128).startswith("Decode batches of up to 16 tokens")
 

@@ -41,19 +41,21 @@ def test_a_decode_state_too_small_for_this_gpus_plan_sends_the_layer_to_three_ke
     assert one_launch_plan(table, 17, *shape, made_for_it, 16, DEFAULT_MAX_MIXED_WIDTH) is None  # the setting
 
 
-def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_a_batch_may_mix_are_narrow():
-    """A batch of t tokens may mix min(t, slots) adapters; the kernel runs each one's shrink on its own, so a
-    layer with several slots hands batches over to the three kernels once the adapters they may mix
-    are wider together (per slice) than the "one_launch_max_mixed_width" setting. One slot: unaffected."""
+def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_its_token_rows_are_narrow():
+    """After the kernel's barrier each token row of a multi-slot layer gathers its own adapter's B, so its cost
+    follows the rows' width: such a layer hands batches over to the three kernels once t tokens x its LoRA
+    columns per slice pass the "one_launch_max_mixed_width" setting, whether or not the rows' adapters repeat.
+    One slot: unaffected."""
     from vllm_bdlora.kernels.lora_op import one_launch_plan
     from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, layer_state_words, mixed_batch_limit, table_for
 
-    assert DEFAULT_MAX_MIXED_WIDTH == 256
-    limits = {(slots, width): mixed_batch_limit(slots, width, 256) for slots in (1, 4) for width in
-              (32, 64, 128, 256, 512)}  # fmt: skip
-    assert limits == {(1, 32): 64, (1, 64): 64, (1, 128): 64, (1, 256): 64, (1, 512): 64,
-                      (4, 32): 16, (4, 64): 16, (4, 128): 2, (4, 256): 1, (4, 512): 0}  # fmt: skip
-    assert mixed_batch_limit(4, 128, 1024) == 16
+    assert DEFAULT_MAX_MIXED_WIDTH == 128
+    limits = {(slots, width): mixed_batch_limit(slots, width, 128) for slots in (1, 4) for width in
+              (8, 32, 64, 128, 256)}  # fmt: skip
+    assert limits == {(1, 8): 64, (1, 32): 64, (1, 64): 64, (1, 128): 64, (1, 256): 64,
+                      (4, 8): 16, (4, 32): 4, (4, 64): 2, (4, 128): 1, (4, 256): 0}  # fmt: skip
+    assert mixed_batch_limit(4, 128, 1024) == 8  # four slots: their adapters repeat, the rows still count
+    assert mixed_batch_limit(4, 8, 1 << 30) == 16  # a multi-slot layer's one tile
     table = table_for("NVIDIA H200", 132)
     qkv = (6144, 4096, 3 * 128, 4)  # TP=1 qkv_proj, BD r'=128, 4 slots: 128 columns per slice
     state = torch.zeros(layer_state_words(table, *qkv, 3, 1 << 30), dtype=torch.int32)
@@ -65,19 +67,32 @@ def test_a_multi_slot_layer_takes_the_one_launch_kernel_only_while_the_adapters_
 
 
 def test_a_multi_slot_layer_limits_the_adapters_a_one_launch_batch_may_mix():
-    """However narrow, each adapter a batch mixes adds its shrink to the one kernel: a layer's mixed width
-    admits at most "one_launch_max_adapters" adapters of its width, and the configured width where that is less."""
-    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, mixed_batch_limit, mixed_width_limit
+    """Where a layer's batches could mix more than "one_launch_max_adapters" adapters (one per token, at most one
+    per slot), its row width admits no more tokens than that; by default (16, a multi-slot tile's rows) only the
+    width limit applies."""
+    from vllm_bdlora.kernels.plans import (
+        DEFAULT_MAX_MIXED_ADAPTERS,
+        DEFAULT_MAX_MIXED_WIDTH,
+        mixed_batch_limit,
+        mixed_width_limit,
+    )
 
-    limit = {width: mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 4, width) for width in (8, 32, 128, 512)}
-    assert limit == {8: 32, 32: 128, 128: 256, 512: 256}
-    assert mixed_batch_limit(12, 8, limit[8]) == 4  # TP=4, BD r'=32, 12 slots: four tokens mix four adapters
-    assert mixed_batch_limit(4, 8, limit[8]) == 16  # four slots: no batch mixes more than four
-    assert mixed_batch_limit(4, 32, limit[32]) == 16  # TP=4, BD r'=128, 4 slots: as under the width limit alone
-    assert mixed_batch_limit(4, 128, limit[128]) == 2  # TP=1, BD r'=128: the width limit
-    assert mixed_batch_limit(1, 8, limit[8]) == 64  # one slot: every tile
-    assert mixed_batch_limit(4, 512, limit[512]) == 0  # one adapter alone is over the configured width
-    assert mixed_batch_limit(12, 8, mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 0, 8)) == 0
+    assert DEFAULT_MAX_MIXED_ADAPTERS == 16
+
+    def tokens(slots, width, max_adapters=DEFAULT_MAX_MIXED_ADAPTERS):
+        return mixed_batch_limit(slots, width, mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, max_adapters, width,
+                                                                 slots))  # fmt: skip
+
+    assert tokens(12, 8) == 16  # TP=4, BD r'=32, 12 slots: every batch of a multi-slot tile
+    assert tokens(12, 16) == 8  # TP=4, BD r'=64
+    assert tokens(8, 32) == tokens(4, 32) == 4  # TP=4, BD r'=128 (or TP=1, r'=32)
+    assert tokens(4, 128) == 1  # TP=1, BD r'=128
+    assert tokens(4, 512) == 0  # one row alone is over the configured width
+    assert tokens(1, 512) == 64  # one slot: every tile
+    assert tokens(12, 8, max_adapters=4) == 4  # four tokens mix four adapters at most
+    assert tokens(4, 8, max_adapters=4) == 16  # four slots: no batch mixes more than four
+    assert tokens(12, 8, max_adapters=0) == 0  # multi-slot layers on the three kernels
+    assert mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, 4, 8, 12) == 32
 
 
 def test_multi_slot_plans_are_sized_for_the_adapters_a_batch_may_mix():

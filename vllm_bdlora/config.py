@@ -45,28 +45,24 @@ class BdLoraSettings:
     # Per decoder layer at 32/64 tokens (one adapter) the one kernel took 0.80/0.86x the three kernels' time
     # at TP=2, 0.84/0.88x at TP=4, 0.88/0.99x at TP=1 (archived H200 runs).
     one_launch_max_tokens: int = 64
-    # With --max-loras above 1 a decode batch of t tokens may mix min(t, max_loras) adapters, and the one kernel
-    # then runs every one's shrink in turn (after its barrier each row gathers its own adapter's B): it serves such
-    # a layer's batch only while the adapters the batch may mix are at most this many LoRA columns per GPU (BD
-    # r'/TP, per projection) wide together; larger batches take the three kernels. With --max-loras 4 the default
-    # 256 keeps BD r'=128 on the one kernel at TP >= 2 and up to 2 tokens at TP=1, r'=512 up to 1 token at TP=2 and
-    # never at TP=1: mixing 4 adapters, the one kernel took up to 1.16x the three kernels' time per decoder layer at
-    # r'=128 and 2x at r'=512 (measured while the finish also took the adapters' B in turn; archived H200 runs;
-    # served at TP=1 with 16 adapters, 16 concurrent requests decoded 1.11x faster than with every batch of up to 16
-    # tokens on the one kernel, 1.52x at r'=512). Traffic that batches one adapter at a time gives up 7-9% per layer
-    # at TP=1, r'=128, 4-16 tokens: a larger value keeps those on the one kernel (65536: every batch of up to 16
-    # tokens, as before); 0 keeps multi-slot layers on the three kernels.
-    one_launch_max_mixed_width: int = 256
-    # And only while a batch may mix at most this many adapters (one per token, at most --max-loras): the kernel's
-    # time grows with every adapter mixed, however narrow. At TP=4, BD r'=32 (8 columns per GPU) with 12 slots, per
-    # decoder layer it took 0.99x the three kernels' time mixing 4 adapters in 4 tokens, 1.04x in 16, and 1.40x
-    # mixing 12 in 16 (bench/results/kernels/many-adapters-tp4-h100); with 4 such limits every batch it serves is
-    # one it serves no slower, BD r'=128 over 4 slots at TP=4 (0.99x mixing 4) keeps every batch of up to 16
-    # tokens, and at TP=1 the width limit holds it to 2 tokens (1.04x mixing 4, 0.92x mixing 2), all on one H100
-    # (bench/results/kernels/one-launch-mixed-adapters-h100). Since the finish gathers each row's B: 0.86x mixing 4
-    # in 4 tokens, 0.94x in 16, and 1.02x mixing 12 in 16 (bench/results/kernels/decode-row-gather-tp4, one H100),
-    # so the limit stays. 0 keeps multi-slot layers on the three kernels.
-    one_launch_max_adapters: int = 4
+    # With --max-loras above 1 a decode batch of t tokens may mix min(t, max_loras) adapters. The one kernel shares
+    # their shrinks' steps among its shrink programs, and after its barrier each token row gathers its own adapter's
+    # B, so its LoRA cost follows the rows' width, not how many adapters they belong to: it serves such a layer's
+    # batch only while t x (LoRA columns per GPU, BD r'/TP, per projection) stays within this many columns; larger
+    # batches take the three kernels. With the default 128: BD r'=32 at TP=4 (8 columns) every batch of up to 16
+    # tokens, r'=64 up to 8, r'=128 up to 4; at TP=1 rank-8 adapters up to 16 tokens, r'=32 up to 4, r'=128 one
+    # token. Per decoder layer on one H100 (Llama-3.1-8B shapes, 1 to 12 adapters mixed, one per token), the one
+    # kernel against the three: 8 columns at TP=4 1.11-1.27x faster up to 16 tokens; 16 columns 1.10-1.21x up to 8
+    # (1.05-1.14x at 16, which this limit leaves to the three kernels); 32 columns 1.03-1.06x at 4 tokens, 0.78-0.97x
+    # at 8-16; at TP=1 rank 8 1.00-1.10x up to 16 tokens, 32 columns 0.96-0.99x at 4, 128 columns 1.21x at one token
+    # and 0.73-0.74x at two (bench/results/kernels/one-launch-row-width-h100). 0 keeps multi-slot layers on the three
+    # kernels; a larger value serves wider batches on the one kernel.
+    one_launch_max_mixed_width: int = 128
+    # And only while a batch may mix at most this many adapters (one per token, at most --max-loras). The default,
+    # the 16 rows of a multi-slot layer's tile, leaves the width limit alone in force: 12 adapters in 16 tokens at
+    # TP=4, BD r'=32 took 1.06x one adapter's time per decoder layer on the one kernel (one H100,
+    # bench/results/kernels/one-launch-row-width-h100). 0 keeps multi-slot layers on the three kernels.
+    one_launch_max_adapters: int = 16
     # Directories under which runtime adapter loads (every route) may read; empty: any path the server can read.
     # Paths are resolved (symlinks, "..", relative to the server's working directory) before they are compared.
     allowed_adapter_roots: tuple[str, ...] = ()

@@ -178,7 +178,8 @@ class BlockDiagonalLoRALayer:
         # fills ahead (the kernels' plans and mixed-adapter limits are chosen for it)
         self.plan_slots = min(max_loras, adapters_per_step(lora_config))
         self.one_launch_mixed_width = mixed_width_limit(self.settings.one_launch_max_mixed_width,
-                                                        self.settings.one_launch_max_adapters, width)  # fmt: skip
+                                                        self.settings.one_launch_max_adapters, width,
+                                                        self.plan_slots)  # fmt: skip
         if self.fused_kernels and self.settings.one_launch_decode and not dora:
             self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width,
                                                    self.plan_slots, self.device, len(heights),

@@ -110,19 +110,21 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
 def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> str:
     """The report's line on which decode batches run as one kernel per BD layer, `width` LoRA columns per GPU."""
     max_adapters = settings.one_launch_max_adapters
-    mixed_width = mixed_width_limit(settings.one_launch_max_mixed_width, max_adapters, width)
+    mixed_width = mixed_width_limit(settings.one_launch_max_mixed_width, max_adapters, width, max_loras)
     limit = min(settings.one_launch_max_tokens, mixed_batch_limit(max_loras, width, mixed_width))
     knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
     if max_loras > 1:
         mixing = (
             f"a batch of t tokens may mix min(t, {max_loras}) adapters of {width} LoRA columns per GPU, and the one "
-            f'kernel serves it while they are at most "one_launch_max_adapters": {max_adapters} and within '
-            f'"one_launch_max_mixed_width": {settings.one_launch_max_mixed_width} columns'
+            f'kernel serves it while t x {width} stays within "one_launch_max_mixed_width": '
+            f"{settings.one_launch_max_mixed_width} columns (each token row gathers its own adapter's B) and it may "
+            f'mix at most "one_launch_max_adapters": {max_adapters}'
         )
         if limit == 0:
             return f"Decode batches take the three kernels: with --max-loras {max_loras} {mixing}."
         knobs = f"at most {largest_tile(max_loras)} with --max-loras above 1: {mixing}; {knobs}"
-    return (f"Decode batches of up to {limit} tokens: base GEMV + LoRA in one kernel per BD layer over an unquantized "
+    tokens = "1 token" if limit == 1 else f"{limit} tokens"
+    return (f"Decode batches of up to {tokens}: base GEMV + LoRA in one kernel per BD layer over an unquantized "
             f"base ({knobs}).")  # fmt: skip
 
 

@@ -53,6 +53,7 @@ from bench.kernels.harness import (
     write_report,
 )
 from vllm_bdlora.kernels.plans import (
+    DEFAULT_MAX_MIXED_ADAPTERS,
     DEFAULT_MAX_MIXED_WIDTH,
     MAX_SHRINK_PROGRAMS,
     default_decode_plan,
@@ -110,7 +111,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
                 mixed_width=DEFAULT_MAX_MIXED_WIDTH):  # fmt: skip
     from vllm_bdlora.kernels.fused_lora import group_tokens
     from vllm_bdlora.kernels.lora_op import layer_decode_state
-    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, mixed_batch_limit
+    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, mixed_batch_limit, mixed_width_limit
 
     width, slots = bd_rank // tp, slots or adapters  # main() has checked that --slots holds every adapter
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
@@ -133,7 +134,8 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     tile_plan = batch_plan(cuda_table("cuda"), *shape, tokens, len(heights), mixed_width)
     # main() lifts the mixed-adapter limit (unless --mixed-width) so that "one launch" times the kernel wherever it
     # has a plan
-    op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, DEFAULT_MAX_MIXED_WIDTH)
+    served_width = mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
+    op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, served_width)
     if breakdown and tile_plan is not None:
         paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots, "K": k, "N": n,
@@ -450,8 +452,9 @@ def main(argv=None) -> int:
         type=int,
         default=1 << 30,
         help="the one kernel's mixed-adapter width while timing (default: unlimited, so 'one launch' times the "
-        "kernel wherever it has a plan, multi-slot plans sized for one adapter per token up to one per slot; 256, "
-        "the plugin's default: plans sized and batches over the limit sent to the three kernels as served)",
+        "kernel wherever it has a plan, multi-slot plans sized for one adapter per token up to one per slot; "
+        f"{DEFAULT_MAX_MIXED_WIDTH}, the plugin's default: plans sized and batches over the limit sent to the three "
+        "kernels as served)",
     )
     p.add_argument(
         "--multi-slot-tile",

@@ -34,10 +34,12 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 # The one-launch kernel keeps every token's rows in one tile of 16 (the smallest tl.dot), 32 or 64 rows.
 ROW_TILES = (16, 32, 64)
 DECODE_MAX_TOKENS = ROW_TILES[-1]
-# The default mixed-adapter width of the one-launch kernel (BdLoraSettings.one_launch_max_mixed_width says why).
-DEFAULT_MAX_MIXED_WIDTH = 256
-# The default most adapters a batch the one-launch kernel serves may mix (BdLoraSettings.one_launch_max_adapters).
-DEFAULT_MAX_MIXED_ADAPTERS = 4
+# The default LoRA columns per GPU a multi-slot layer's batch may have over all its token rows on the one-launch
+# kernel (BdLoraSettings.one_launch_max_mixed_width says why).
+DEFAULT_MAX_MIXED_WIDTH = 128
+# The default most adapters a batch the one-launch kernel serves may mix (BdLoraSettings.one_launch_max_adapters):
+# as many as a multi-slot layer's row tile holds tokens, so by default only the width limit applies.
+DEFAULT_MAX_MIXED_ADAPTERS = 16
 # Stream-K's partial sums and its finish's B loads grow with the tile and the LoRA width: beyond these the
 # default keeps the three-kernel path for layers no whole column blocks fit.
 STREAM_K_MAX_ROWS, STREAM_K_MAX_WIDTH = 16, 256
@@ -169,18 +171,19 @@ def row_tile(tokens: int) -> int:
 
 def mixed_batch_limit(slots: int, width: int, max_width: int) -> int:
     """The most tokens a batch may have to run the one-launch kernel in a layer of `slots` LoRA slots, `width`
-    columns per slice and slot: all of its tile where even every slot's adapter mixed stays within `max_width`,
-    else as many tokens as adapters of that width fit in it."""
-    if slots <= 1 or slots * width <= max_width:
+    columns per slice and slot: with one slot all of its tile; with several, as many tokens as rows of that width fit
+    in `max_width` (after the barrier each row gathers its own adapter's B, so a row costs its width whether or not
+    its adapter repeats in the batch)."""
+    if slots <= 1:
         return largest_tile(slots)
     return min(largest_tile(slots), max_width // max(width, 1))
 
 
-def mixed_width_limit(max_width: int, max_adapters: int, width: int) -> int:
-    """The mixed-adapter width a layer of `width` LoRA columns per slice and slot runs the one-launch kernel under:
-    the configured width, and no more than `max_adapters` adapters of its width (the kernel's cost grows with each
-    adapter a batch mixes, however narrow)."""
-    return min(max_width, max_adapters * width)
+def mixed_width_limit(max_width: int, max_adapters: int, width: int, slots: int) -> int:
+    """The row width a layer of `width` LoRA columns per slice and `slots` slots runs the one-launch kernel under:
+    the configured width, and where a batch could mix more than `max_adapters` adapters (one per token, at most one
+    per slot), no more rows than that."""
+    return min(max_width, max_adapters * width) if slots > max_adapters else max_width
 
 
 def batch_adapters(slots: int, width: int, max_width: int) -> int:
