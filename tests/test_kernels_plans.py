@@ -179,9 +179,9 @@ def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_no
     with open(path, "w") as f:
         f.write(PlanTable("Test GPU", 132, {key: entry}, {}).to_json())
 
-    def row(plan, us, incumbent, n=1536):
+    def row(plan, us, incumbent, n=1536, tokens=1):
         return {"N": n, "K": 4096, "width": 32, "slices": 3, "slots": 1, "tile": 16, "adapters": 1, "us": us,
-                "default": incumbent, "plan": "p", "plan_fields": asdict(plan)}  # fmt: skip
+                "tokens": tokens, "default": incumbent, "plan": "p", "plan_fields": asdict(plan)}  # fmt: skip
 
     update_plan_table(path, lambda table: write_table([row(entry, 10.0, True), row(other, 9.9, False)], table, 0.02))
     assert "kept" in capsys.readouterr().out and load(path).decode[key] == entry
@@ -197,6 +197,21 @@ def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_no
     update_plan_table(path, lambda table: write_table([row(default, 8.0, True, n=2048),
                                                        row(rival, 7.9, False, n=2048)], table, 0.02))  # fmt: skip
     assert load(path).decode[key.replace("1536", "2048")] == default
+    # batches of two token counts in one row tile share the key's plan: the candidate of least time over both wins,
+    # not the one fastest at either alone
+    both = make_plan(4096, 4096, 96, 4, block_n=32, block_k=256, stream_k=False)
+    one_sided = make_plan(4096, 4096, 96, 4, block_n=64, block_k=128, stream_k=False)
+    timed = [
+        row(both, 6.0, True, n=4096, tokens=4),
+        row(both, 9.0, True, n=4096, tokens=16),
+        row(one_sided, 5.0, False, n=4096, tokens=4),
+        row(one_sided, 12.0, False, n=4096, tokens=16),
+    ]
+    update_plan_table(path, lambda table: write_table(timed, table, 0.02))
+    assert (
+        load(path).decode[key.replace("1536", "4096")] == both
+        and "kept (15.0 µs; best other 15.0" in capsys.readouterr().out
+    )
 
 
 def test_launch_configs_are_hashable_keys_of_the_variant_sets():

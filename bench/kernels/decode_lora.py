@@ -258,8 +258,10 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
 def write_table(rows, table, min_gain: float) -> list[str]:
     """Update a plan table from --configs rows: for each key timed, the fastest candidate replaces the table's entry
     where it beats it by more than `min_gain` (a fraction; the incumbent keeps its place within noise). Where the
-    table had no entry, the fastest is written, or the structural default where that kept its place. Returns a line
-    per key saying what happened."""
+    table had no entry, the fastest is written, or the structural default where that kept its place. Batches of
+    several token counts that share a key (one row tile) share its plan, so a candidate's time is its sum over the
+    token counts timed (a candidate not timed at every one is left out). Returns a line per key saying what
+    happened."""
     from vllm_bdlora.kernels.plans import DecodePlan, decode_key
 
     said = []
@@ -268,8 +270,14 @@ def write_table(rows, table, min_gain: float) -> list[str]:
         key = decode_key(r["N"], r["K"], r["slices"] * r["width"], r["slots"], r["tile"], r["adapters"])
         by_key.setdefault(key, []).append(r)
     for key, timed in by_key.items():
-        best = min(timed, key=lambda r: r["us"])
-        incumbent = next((r for r in timed if r["default"]), None)
+        counts = {r.get("tokens") for r in timed}
+        by_plan = {}
+        for r in timed:
+            by_plan.setdefault(repr(sorted(r["plan_fields"].items())), []).append(r)
+        summed = [{**runs[0], "us": round(sum(r["us"] for r in runs), 2)}
+                  for runs in by_plan.values() if {r.get("tokens") for r in runs} == counts]  # fmt: skip
+        best = min(summed, key=lambda r: r["us"])
+        incumbent = next((r for r in summed if r["default"]), None)
         if incumbent is not None and best["us"] >= incumbent["us"] * (1 - min_gain):
             said.append(f"{key}: kept ({incumbent['us']} µs; best other {best['us']} µs)")
             if key not in table.decode:
