@@ -52,15 +52,15 @@ class BdLoraSettings:
     # batches take the three kernels. With the default 128: BD r'=32 at TP=4 (8 columns) every batch of up to 16
     # tokens, r'=64 up to 8, r'=128 up to 4; at TP=1 rank-8 adapters up to 16 tokens, r'=32 up to 4, r'=128 one
     # token. Per decoder layer on one H100 (Llama-3.1-8B shapes, 1 to 12 adapters mixed, one per token), the one
-    # kernel against the three: 8 columns at TP=4 1.11-1.27x faster up to 16 tokens; 16 columns 1.10-1.21x up to 8
-    # (1.05-1.14x at 16, which this limit leaves to the three kernels); 32 columns 1.03-1.06x at 4 tokens, 0.78-0.97x
-    # at 8-16; at TP=1 rank 8 1.00-1.10x up to 16 tokens, 32 columns 0.96-0.99x at 4, 128 columns 1.21x at one token
-    # and 0.73-0.74x at two (bench/results/kernels/one-launch-row-width-h100). 0 keeps multi-slot layers on the three
+    # kernel against the three: 8 columns at TP=4 1.13-1.27x faster up to 16 tokens; 16 columns 1.11-1.20x up to 8
+    # (1.03-1.12x at 16, which this limit leaves to the three kernels); 32 columns 1.03-1.05x at 4 tokens, 0.78-0.97x
+    # at 8-16; at TP=1 rank 8 1.06-1.14x up to 16 tokens, 32 columns 0.94-0.99x at 4, 128 columns 1.21x at one token
+    # and 0.74-0.75x at two (bench/results/kernels/one-launch-row-width-h100). 0 keeps multi-slot layers on the three
     # kernels; a larger value serves wider batches on the one kernel.
     one_launch_max_mixed_width: int = 128
     # And only while a batch may mix at most this many adapters (one per token, at most --max-loras). The default,
     # the 16 rows of a multi-slot layer's tile, leaves the width limit alone in force: 12 adapters in 16 tokens at
-    # TP=4, BD r'=32 took 1.06x one adapter's time per decoder layer on the one kernel (one H100,
+    # TP=4, BD r'=32 took 1.08x one adapter's time per decoder layer on the one kernel (one H100,
     # bench/results/kernels/one-launch-row-width-h100). 0 keeps multi-slot layers on the three kernels.
     one_launch_max_adapters: int = 16
     # Directories under which runtime adapter loads (every route) may read; empty: any path the server can read.
