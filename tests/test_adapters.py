@@ -161,7 +161,9 @@ def test_dora_and_kernel_settings():
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_tokens == 64
     limited = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_tokens": 16}})
     assert limited.one_launch_max_tokens == 16
-    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_mixed_width == 128
+    assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_mixed_width is None  # measured
+    unset = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_mixed_width": None}})
+    assert unset == BdLoraSettings.from_additional_config({"bdlora": {}})
     wide = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_mixed_width": 4096}})
     assert wide.one_launch_max_mixed_width == 4096
     assert BdLoraSettings.from_additional_config({"bdlora": {}}).one_launch_max_adapters == 16
@@ -176,11 +178,16 @@ def test_the_log_says_which_decode_batches_run_as_one_kernel():
     from vllm_bdlora.manager import one_launch_summary
 
     settings = BdLoraSettings.from_additional_config({"bdlora": {}})
-    assert settings.one_launch_max_mixed_width == DEFAULT_MAX_MIXED_WIDTH
+    assert settings.one_launch_max_mixed_width is None  # the GPU's measured limits, else DEFAULT_MAX_MIXED_WIDTH
     assert settings.one_launch_max_adapters == DEFAULT_MAX_MIXED_ADAPTERS
     assert one_launch_summary(settings, 1, 512).startswith("Decode batches of up to 64 tokens")
     many = one_launch_summary(settings, 12, 8)  # TP=4, BD r'=32, 12 slots: 16 rows of 8 columns
-    assert many.startswith("Decode batches of up to 16 tokens") and '"one_launch_max_mixed_width": 128' in many
+    assert many.startswith("Decode batches of up to 16 tokens") and f"within {DEFAULT_MAX_MIXED_WIDTH} columns" in many
+    assert "plan table has measured" in many
+    set_width = BdLoraSettings.from_additional_config({"bdlora": {"one_launch_max_mixed_width": 64}})
+    narrow = one_launch_summary(set_width, 12, 8)
+    assert narrow.startswith("Decode batches of up to 8 tokens") and '"one_launch_max_mixed_width": 64' in narrow
+    assert "measured" not in narrow
     assert one_launch_summary(settings, 4, 32).startswith("Decode batches of up to 4 tokens")  # TP=4, BD r'=128
     assert one_launch_summary(settings, 4, 128).startswith("Decode batches of up to 1 token:")  # TP=1, BD r'=128
     assert one_launch_summary(settings, 4, 512).startswith("Decode batches take the three kernels")

@@ -212,6 +212,65 @@ def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_no
     assert load(path).decode[key.replace("1536", "4096")] == both
 
 
+def test_measured_row_limits_read_back_and_take_the_width_rules_place_unless_set(caplog):
+    """A multi-slot projection the table measured runs the one kernel up to its measured tokens (wider or narrower
+    than the row-width rule would allow), logged once; one it did not measure keeps the rule; a width the operator
+    set applies as set; a table without measured rows writes as before they existed."""
+    from vllm_bdlora.kernels.plans import (
+        DEFAULT_MAX_MIXED_ADAPTERS,
+        DEFAULT_MAX_MIXED_WIDTH,
+        measured_mixed_width,
+        mixed_batch_limit,
+        mixed_rows_key,
+    )
+
+    qkv = (384, 4096, 48)  # TP=4 qkv_proj, 16 columns per slice
+    table = PlanTable("Test GPU", 132, {}, {}, {mixed_rows_key(*qkv): 16, mixed_rows_key(3584, 4096, 64): 0})
+    assert table.to_json().endswith(
+        '"mixed_rows": {\n"out=3584 hidden=4096 total_width=64 slots=many": 0,\n'
+        '"out=384 hidden=4096 total_width=48 slots=many": 16\n}\n}'
+    )
+    again = PlanTable.from_json(table.to_json())
+    assert again.mixed_rows == table.mixed_rows
+    bare = PlanTable("Test GPU", 132, {}, {})
+    assert "mixed_rows" not in bare.to_json() and PlanTable.from_json(bare.to_json()).mixed_rows == {}
+
+    def served(rows, width, set_width=None, max_adapters=DEFAULT_MAX_MIXED_ADAPTERS, slots=12):
+        return mixed_batch_limit(slots, width, measured_mixed_width(rows, set_width, max_adapters, width, slots))
+
+    caplog.set_level(logging.INFO, logger="vllm.bdlora")
+    assert served(again.measured_rows(*qkv), 16) == 16  # the rule would stop at 128 // 16 = 8
+    assert served(again.measured_rows(3584, 4096, 64), 32) == 0  # the rule would allow 4
+    assert served(again.measured_rows(1000, 4096, 48), 16) == DEFAULT_MAX_MIXED_WIDTH // 16 == 8  # not measured
+    assert served(again.measured_rows(*qkv), 16, set_width=128) == 8  # the operator's width
+    assert served(again.measured_rows(*qkv), 16, max_adapters=4) == 4  # and the operator's adapter limit
+    again.measured_rows(*qkv)
+    said = [r.getMessage() for r in caplog.records if "as measured" in r.getMessage()]
+    assert len(said) == 2 and "up to 16 tokens" in said[0] and "up to 0 tokens" in said[1]
+
+
+def test_the_row_limit_search_keeps_the_tokens_up_to_the_first_loss():
+    """`bench.kernels.decode_lora --write-table` (timed rows): per multi-slot projection, the most tokens up to which
+    the one kernel took no more time than the three kernels at every count timed, each count summed over its adapter
+    counts; single-slot rows and batches without a plan write nothing."""
+    from bench.kernels.decode_lora import write_row_limits
+    from vllm_bdlora.kernels.plans import mixed_rows_key
+
+    def row(tokens, one, three, n=384, adapters=1, slots=12, plan="whole blocks"):
+        return {"N": n, "K": 4096, "width": 16, "slices": 3, "slots": slots, "tokens": tokens, "adapters": adapters,
+                "one_launch_us": one, "three_kernels_us": three, "plan": plan}  # fmt: skip
+
+    table = PlanTable("Test GPU", 132, {}, {})
+    rows = [row(1, 5.0, 6.0), row(4, 5.0, 6.0), row(4, 7.0, 6.5, adapters=4),  # 12.0 against 12.5: a win
+            row(8, 6.0, 6.1), row(8, 7.0, 6.8, adapters=8),  # 13.0 against 12.9: the first loss
+            row(16, 5.0, 9.0),  # a win after a loss does not count
+            row(1, 9.0, 1.0, n=3584), row(4, 1.0, 9.0, n=3584),  # loses at the first count: 0
+            row(4, 1.0, 9.0, n=4096, slots=1), row(4, 1.0, 9.0, n=8192, plan="none: three kernels")]  # fmt: skip
+    said = write_row_limits(rows, table)
+    assert table.mixed_rows == {mixed_rows_key(384, 4096, 48): 4, mixed_rows_key(3584, 4096, 48): 0}
+    assert len(said) == 2 and "up to 4 tokens (was no entry" in said[0] and "8: 0.99x" in said[0]
+
+
 def test_launch_configs_are_hashable_keys_of_the_variant_sets():
     assert len({LaunchConfig(16, 32, 64), LaunchConfig(16, 32, 64), LaunchConfig(16, 32, 64, split_k=2)}) == 2
 

@@ -55,9 +55,12 @@ class BdLoraSettings:
     # kernel against the three: 8 columns at TP=4 1.13-1.27x faster up to 16 tokens; 16 columns 1.11-1.20x up to 8
     # (1.03-1.12x at 16, which this limit leaves to the three kernels); 32 columns 1.03-1.05x at 4 tokens, 0.78-0.97x
     # at 8-16; at TP=1 rank 8 1.06-1.14x up to 16 tokens, 32 columns 0.94-0.99x at 4, 128 columns 1.21x at one token
-    # and 0.74-0.75x at two (bench/results/kernels/one-launch-row-width-h100). 0 keeps multi-slot layers on the three
-    # kernels; a larger value serves wider batches on the one kernel.
-    one_launch_max_mixed_width: int = 128
+    # and 0.74-0.75x at two (bench/results/kernels/one-launch-row-width-h100). Since the same width wins at one shape
+    # and loses at another, the default (None) takes, for each projection its GPU's plan table has measured, the
+    # token count up to which the one kernel beat the three there (`bench.kernels.decode_lora --write-table`), and
+    # 128 columns for the others. A number applies as set to every projection: 0 keeps multi-slot layers on the
+    # three kernels; a larger value serves wider batches on the one kernel.
+    one_launch_max_mixed_width: int | None = None
     # And only while a batch may mix at most this many adapters (one per token, at most --max-loras). The default,
     # the 16 rows of a multi-slot layer's tile, leaves the width limit alone in force: 12 adapters in 16 tokens at
     # TP=4, BD r'=32 took 1.08x one adapter's time per decoder layer on the one kernel (one H100,
@@ -165,10 +168,11 @@ class BdLoraSettings:
                 f"{list(ONE_LAUNCH_TOKEN_LIMITS)}, got {max_tokens!r}."
             )
         mixed_width = section.get("one_launch_max_mixed_width", cls.one_launch_max_mixed_width)
-        if isinstance(mixed_width, bool) or not isinstance(mixed_width, int) or mixed_width < 0:
+        if mixed_width is not None and (isinstance(mixed_width, bool) or not isinstance(mixed_width, int)
+                                        or mixed_width < 0):  # fmt: skip
             raise ValueError(
                 f'additional_config["{CONFIG_KEY}"]["one_launch_max_mixed_width"] must be an integer >= 0 (LoRA '
-                f"columns per GPU), got {mixed_width!r}."
+                f"columns per GPU) or null (the GPU's measured limits), got {mixed_width!r}."
             )
         graph_tokens = section.get("prefill_graph_tokens", cls.prefill_graph_tokens)
         if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0:

@@ -53,7 +53,7 @@ from vllm_bdlora.adapter_lifecycle.fill_ahead import adapters_per_step
 from vllm_bdlora.compat import token_groups
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.kernels.lora_op import layer_decode_state  # also registers torch.ops.vllm_bdlora.fused_lora_slices_
-from vllm_bdlora.kernels.plans import mixed_width_limit
+from vllm_bdlora.kernels.plans import cuda_table, measured_mixed_width
 from vllm_bdlora.sharding import Parallelism, ShardGeometry, per_rank_width
 
 # The settings of the BD-enabled LoRA manager being built, while `selecting_bd_layers` runs: vLLM builds layer
@@ -177,9 +177,11 @@ class BlockDiagonalLoRALayer:
         # the slots one batch may use: the adapters a step may run, fewer than the slots where some are kept for
         # fills ahead (the kernels' plans and mixed-adapter limits are chosen for it)
         self.plan_slots = min(max_loras, adapters_per_step(lora_config))
-        self.one_launch_mixed_width = mixed_width_limit(self.settings.one_launch_max_mixed_width,
-                                                        self.settings.one_launch_max_adapters, width,
-                                                        self.plan_slots)  # fmt: skip
+        table = cuda_table(self.device) if self.plan_slots > 1 else None  # None off CUDA
+        measured = table.measured_rows(sum(heights), self.input_size, len(heights) * width) if table else None
+        self.one_launch_mixed_width = measured_mixed_width(measured, self.settings.one_launch_max_mixed_width,
+                                                           self.settings.one_launch_max_adapters, width,
+                                                           self.plan_slots)  # fmt: skip
         if self.fused_kernels and self.settings.one_launch_decode and not dora:
             self.decode_state = layer_decode_state(sum(heights), self.input_size, len(heights) * width,
                                                    self.plan_slots, self.device, len(heights),

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.experts import refuse_lora_experts_on_cpu
-from vllm_bdlora.kernels.plans import largest_tile, mixed_batch_limit, mixed_width_limit
+from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, largest_tile, measured_mixed_width, mixed_batch_limit
 from vllm_bdlora.layers import (
     base_quantization,
     describe_sharding,
@@ -110,14 +110,21 @@ def startup_report(manager, settings: BdLoraSettings, lora_config, vllm_config) 
 def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> str:
     """The report's line on which decode batches run as one kernel per BD layer, `width` LoRA columns per GPU."""
     max_adapters = settings.one_launch_max_adapters
-    mixed_width = mixed_width_limit(settings.one_launch_max_mixed_width, max_adapters, width, max_loras)
+    set_width = settings.one_launch_max_mixed_width
+    # the row-width rule; a GPU's plan table may have measured a projection's limit instead (layers log no line)
+    mixed_width = measured_mixed_width(None, set_width, max_adapters, width, max_loras)
     limit = min(settings.one_launch_max_tokens, mixed_batch_limit(max_loras, width, mixed_width))
     knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
     if max_loras > 1:
+        if set_width is None:
+            within = (f"while t x {width} stays within {DEFAULT_MAX_MIXED_WIDTH} columns, or in a projection this "
+                      "GPU's plan table has measured, up to the tokens where the one kernel beat the three kernels "
+                      "there (logged per layer shape)")  # fmt: skip
+        else:
+            within = f'while t x {width} stays within "one_launch_max_mixed_width": {set_width} columns'
         mixing = (
             f"a batch of t tokens may mix min(t, {max_loras}) adapters of {width} LoRA columns per GPU, and the one "
-            f'kernel serves it while t x {width} stays within "one_launch_max_mixed_width": '
-            f"{settings.one_launch_max_mixed_width} columns (each token row gathers its own adapter's B) and it may "
+            f"kernel serves it {within} (each token row gathers its own adapter's B) and it may "
             f'mix at most "one_launch_max_adapters": {max_adapters}'
         )
         if limit == 0:

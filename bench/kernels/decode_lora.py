@@ -24,6 +24,14 @@ plan the 8B and 70B shapes launch at TP=1-8 with one LoRA slot:
         --out DIR
     python -m bench.kernels.decode_lora --configs --write-table --model-shape llama-3.1-70b --tp 8,4 ... --out DIR
     python -m bench.kernels.decode_lora --configs --write-table --tokens 16 --adapters 2,4 --slots 4 --out DIR
+
+Without --configs, `--write-table` writes what the timed rows say of layers with several LoRA slots: per
+projection, the most tokens a decode batch may have to run the one-launch kernel (where it took no more time than
+the three kernels at every token count timed up to there, summed over the adapter counts timed), which the plugin
+serves by default in place of the row-width rule (`one_launch_max_mixed_width`):
+
+    python -m bench.kernels.decode_lora --write-table --tp 4 --bd-rank 64 --slots 12 --tokens 1,2,4,8,16 \
+        --adapters 1,4,12 --out DIR
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ from vllm_bdlora.kernels.plans import (
     plan_problems,
     whole_block_step,
 )
+
+# --mixed-width's default: no limit, so that "one launch" times the kernel wherever it has a plan
+LIFTED_WIDTH = 1 << 30
 
 
 def shapes_title(rows) -> str:
@@ -111,7 +122,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
                 mixed_width=DEFAULT_MAX_MIXED_WIDTH):  # fmt: skip
     from vllm_bdlora.kernels.fused_lora import group_tokens
     from vllm_bdlora.kernels.lora_op import layer_decode_state
-    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, mixed_batch_limit, mixed_width_limit
+    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, measured_mixed_width, mixed_batch_limit
 
     width, slots = bd_rank // tp, slots or adapters  # main() has checked that --slots holds every adapter
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
@@ -131,15 +142,16 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
             no_adapter, layer_decode_state(*shape, "cuda", len(heights), mixed_width), max_mixed_width=mixed_width
         ),
     }  # fmt: skip
-    tile_plan = batch_plan(cuda_table("cuda"), *shape, tokens, len(heights), mixed_width)
+    table = cuda_table("cuda")
+    tile_plan = batch_plan(table, *shape, tokens, len(heights), mixed_width)
     # main() lifts the mixed-adapter limit (unless --mixed-width) so that "one launch" times the kernel wherever it
-    # has a plan
-    served_width = mixed_width_limit(DEFAULT_MAX_MIXED_WIDTH, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
+    # has a plan; the layer op's pick is the plugin's with its defaults (the table's measured rows, else the width)
+    served_width = measured_mixed_width(table.measured_rows(*shape[:3]), None, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
     op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, served_width)
     if breakdown and tile_plan is not None:
         paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots, "K": k, "N": n,
-           "width": width, "mixed_width": mixed_width, "plan": describe(tile_plan),
+           "width": width, "slices": len(heights), "mixed_width": mixed_width, "plan": describe(tile_plan),
            "layer_op_picks": "one launch" if op_picks else "three kernels"}  # fmt: skip
     lora_bytes = adapter_bytes(tokens, adapters, k, heights, width)
     for path, fn in paths.items():
@@ -288,6 +300,36 @@ def write_table(rows, table, min_gain: float) -> list[str]:
         table.decode[key] = DecodePlan(**{**best["plan_fields"], "row_gather": False})  # not a table choice
         before = f"{incumbent['us']} µs" if incumbent else "no entry"
         said.append(f"{key}: {best['plan']} ({before} -> {best['us']} µs)")
+    return said
+
+
+def write_row_limits(rows, table) -> list[str]:
+    """Update a plan table's measured row limits from timed rows (not --configs): for each projection of a layer
+    with several LoRA slots, the most tokens up to which the one-launch kernel took no more time than the three
+    kernels at every token count timed, its time and theirs each summed over the adapter counts timed at that count
+    (a count's batches mix any of them). Token counts between two timed ones take the smaller's verdict, and below
+    the first the first's (0: none run the one kernel). Returns a line per projection."""
+    from vllm_bdlora.kernels.plans import mixed_rows_key
+
+    said = []
+    by_key = {}
+    for r in rows:
+        if r["slots"] > 1 and not r["plan"].startswith("none"):
+            key = mixed_rows_key(r["N"], r["K"], r["width"] * r["slices"])
+            by_key.setdefault(key, {}).setdefault(r["tokens"], []).append(r)
+    for key, by_tokens in by_key.items():
+        limit, verdicts = 0, []
+        for tokens in sorted(by_tokens):
+            one = sum(r["one_launch_us"] for r in by_tokens[tokens])
+            three = sum(r["three_kernels_us"] for r in by_tokens[tokens])
+            verdicts.append(f"{tokens}: {three / one:.2f}x")
+            if one > three:
+                break
+            limit = tokens
+        before = table.mixed_rows.get(key)
+        table.mixed_rows[key] = limit
+        said.append(f"{key}: up to {limit} tokens (was {'no entry' if before is None else before}; one kernel's "
+                    f"speed-up by tokens {', '.join(verdicts)})")  # fmt: skip
     return said
 
 
@@ -458,7 +500,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--mixed-width",
         type=int,
-        default=1 << 30,
+        default=LIFTED_WIDTH,
         help="the one kernel's mixed-adapter width while timing (default: unlimited, so 'one launch' times the "
         "kernel wherever it has a plan, multi-slot plans sized for one adapter per token up to one per slot; "
         f"{DEFAULT_MAX_MIXED_WIDTH}, the plugin's default: plans sized and batches over the limit sent to the three "
@@ -473,15 +515,22 @@ def main(argv=None) -> int:
     )
     p.add_argument("--configs", action="store_true",
                    help="instead: time every candidate plan of each layer (decode_configs.json/.csv/.md)")  # fmt: skip
-    add_write_table_arguments(p, "--configs", "the fastest candidate of each layer and batch")
+    add_write_table_arguments(
+        p,
+        "--configs",
+        "the fastest candidate of each layer and batch (without --configs: "
+        "each multi-slot projection's measured row limit, the most tokens up to which the one "
+        "kernel took no more time than the three kernels; --min-gain does not apply)",
+    )
 
     def kind(args):  # --configs times (and reports) candidate plans instead
         # checked here, after parsing and before the GPU is asked for
         if args.slots is not None and args.slots < max(map(int, args.adapters.split(","))):
             p.error(f"--slots {args.slots} is fewer than the {args.adapters} adapters of --adapters: a layer holds one "
                     "adapter per slot; raise --slots to the largest adapter count or leave it out")  # fmt: skip
-        if args.write_table is not None and not args.configs:
-            p.error("--write-table writes what --configs times: add --configs")
+        if args.write_table is not None and not args.configs and args.mixed_width != LIFTED_WIDTH:
+            p.error("--write-table measures the one kernel's row limits where it is timed at every batch: leave out "
+                    "--mixed-width")  # fmt: skip
         return (configs_report, "decode_configs") if args.configs else (report, "decode_lora")
 
     started = kernel_bench_cli(p, argv, report, "decode_lora", kind=kind)
@@ -494,6 +543,8 @@ def main(argv=None) -> int:
         plans.MULTI_SLOT_MAX_TILE = args.multi_slot_tile  # this process's plans only: a measurement, not a setting
     rows = []
     for tp, layer_name, k, heights, t, a in layer_grid(args):
+        if a > t:  # a batch of t tokens mixes at most t adapters: the point a = t times it
+            continue
         if args.configs:
             points = configs_point(tp, layer_name, k, heights, t, a, args.bd_rank, args.slots)
         else:
@@ -501,8 +552,10 @@ def main(argv=None) -> int:
                                   args.slots, args.mixed_width)]  # fmt: skip
         rows += [{"shape": args.model_shape, **point} for point in points]
     status = finish(args.out, name, rows, copy_gbs, chosen_report)
-    if args.write_table is not None:
+    if args.write_table is not None and args.configs:
         update_plan_table(args.write_table, lambda table: write_table(rows, table, args.min_gain))
+    elif args.write_table is not None:
+        update_plan_table(args.write_table, lambda table: write_row_limits(rows, table))
     return status
 
 

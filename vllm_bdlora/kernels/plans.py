@@ -15,6 +15,9 @@ command that tunes it). This module chooses plans only; it imports neither Trito
 Decode plans are keyed by what selects them: the layer's outputs, hidden size and LoRA width (all slices), whether
 it has one LoRA slot or several, the batch's row tile (16, 32 or 64 tokens) and how many adapters the batch may mix.
 Prefill plans are keyed by layer shape and hold token ranges, each with its shrink and expand configurations.
+Measured row limits are keyed by layer shape too: for a layer with several LoRA slots, the most tokens a decode
+batch may have to run the one-launch kernel rather than the three kernels, where the benchmark timed both on this GPU
+(layers it did not time take the row-width rule of `one_launch_max_mixed_width`).
 """
 
 from __future__ import annotations
@@ -186,6 +189,17 @@ def mixed_width_limit(max_width: int, max_adapters: int, width: int, slots: int)
     return min(max_width, max_adapters * width) if slots > max_adapters else max_width
 
 
+def measured_mixed_width(measured_rows: int | None, max_width: int | None, max_adapters: int, width: int,
+                         slots: int) -> int:  # fmt: skip
+    """The row width (`mixed_width_limit`'s) a multi-slot layer of `width` LoRA columns per slice runs the one-launch
+    kernel under: with `max_width` None (the setting's default) the rows its GPU's plan table measured for the
+    layer (`PlanTable.measured_rows`: the one kernel against the three kernels at each token count), where the table
+    has measured it, else DEFAULT_MAX_MIXED_WIDTH; a `max_width` the operator set applies as set."""
+    if max_width is None:
+        max_width = DEFAULT_MAX_MIXED_WIDTH if measured_rows is None else measured_rows * width
+    return mixed_width_limit(max_width, max_adapters, width, slots)
+
+
 def batch_adapters(slots: int, width: int, max_width: int) -> int:
     """The most adapters a batch the one-launch kernel serves may mix: one per token of `mixed_batch_limit`'s, at
     most one per slot (at least 1: a layer whose limit is 0 never launches the kernel)."""
@@ -269,6 +283,10 @@ def decode_key(out_features: int, hidden: int, total_width: int, slots: int, blo
             f"adapters={adapters}")  # fmt: skip
 
 
+def mixed_rows_key(out_features: int, hidden: int, total_width: int) -> str:
+    return f"out={out_features} hidden={hidden} total_width={total_width} slots=many"
+
+
 def prefill_key(out_features: int, hidden: int, width: int, slices: int) -> str:
     return f"out={out_features} hidden={hidden} width={width} slices={slices}"
 
@@ -307,8 +325,12 @@ class PlanTable:
     sms: int  # that device's SM count: decode plans size their grids to it
     decode: dict  # decode_key -> DecodePlan, or None for "keep the three-kernel path"
     prefill: dict  # prefill_key -> tuple of PrefillRange, by from_tokens
+    # mixed_rows_key -> the most tokens a decode batch of a layer with several LoRA slots may have to run the
+    # one-launch kernel: measured against the three kernels (bench.kernels.decode_lora --write-table)
+    mixed_rows: dict = field(default_factory=dict)
     source: str = "no table"  # where it was read from, for the logs
-    defaults_said: set = field(default_factory=set, repr=False)  # layer shapes whose missing plan was logged
+    # what was logged once: layer shapes whose missing plan was said, measured row limits taken
+    defaults_said: set = field(default_factory=set, repr=False)
 
     @classmethod
     def empty(cls, device: str, sms: int) -> PlanTable:
@@ -319,7 +341,7 @@ class PlanTable:
         data = json.loads(text)
         decode = {key: None if entry is None else DecodePlan(**entry) for key, entry in data["decode"].items()}
         prefill = {key: tuple(_range_from_json(e) for e in ranges) for key, ranges in data["prefill"].items()}
-        return cls(data["device"], data["sms"], decode, prefill, source)
+        return cls(data["device"], data["sms"], decode, prefill, dict(data.get("mixed_rows", {})), source)
 
     def to_json(self) -> str:
         """The table as written to configs/: one entry per line, keys sorted, so regenerating it gives a readable
@@ -331,8 +353,25 @@ class PlanTable:
         entries = [f"{json.dumps(k)}: {json.dumps([_range_json(r) for r in self.prefill[k]])}"
                    for k in sorted(self.prefill)]  # fmt: skip
         lines.append(",\n".join(entries))
-        lines += ["}", "}", ""]
+        lines.append("}")
+        if self.mixed_rows:  # a table without measured rows reads and writes as before they existed
+            lines[-1] += ","
+            lines.append('"mixed_rows": {')
+            lines.append(",\n".join(f"{json.dumps(k)}: {self.mixed_rows[k]}" for k in sorted(self.mixed_rows)))
+            lines.append("}")
+        lines += ["}", ""]
         return "\n".join(line for line in lines if line)
+
+    def measured_rows(self, out_features: int, hidden: int, total_width: int) -> int | None:
+        """The tokens up to which a multi-slot layer of this shape runs the one-launch kernel, where this GPU's
+        table measured it; None where it did not."""
+        key = mixed_rows_key(out_features, hidden, total_width)
+        rows = self.mixed_rows.get(key)
+        if rows is not None and (key, "rows") not in self.defaults_said:  # what replaced the row-width rule, once
+            self.defaults_said.add((key, "rows"))
+            logger.info("vllm-bdlora: %s: decode batches of up to %d tokens run the one-launch kernel, as measured "
+                        "in %s (%s)", key, rows, self.source, self.device)  # fmt: skip
+        return rows
 
     @functools.lru_cache(maxsize=8192)  # noqa: B019  (tables live as long as the process)
     def decode_plan(self, out_features: int, hidden: int, total_width: int, slots: int, block_m: int,
