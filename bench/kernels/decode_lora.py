@@ -27,7 +27,8 @@ plan the 8B and 70B shapes launch at TP=1-8 with one LoRA slot:
 
 Without --configs, `--write-table` writes what the timed rows say of layers with several LoRA slots: per
 projection, the most tokens a decode batch may have to run the one-launch kernel (where it took no more time than
-the three kernels at every token count timed up to there, summed over the adapter counts timed), which the plugin
+the three kernels, within --min-gain, at every token count timed up to there, summed over the adapter counts
+timed), which the plugin
 serves by default in place of the row-width rule (`one_launch_max_mixed_width`):
 
     python -m bench.kernels.decode_lora --write-table --tp 4 --bd-rank 64 --slots 12 --tokens 1,2,4,8,16 \
@@ -303,12 +304,13 @@ def write_table(rows, table, min_gain: float) -> list[str]:
     return said
 
 
-def write_row_limits(rows, table) -> list[str]:
+def write_row_limits(rows, table, tolerance: float) -> list[str]:
     """Update a plan table's measured row limits from timed rows (not --configs): for each projection of a layer
     with several LoRA slots, the most tokens up to which the one-launch kernel took no more time than the three
-    kernels at every token count timed, its time and theirs each summed over the adapter counts timed at that count
-    (a count's batches mix any of them). Token counts between two timed ones take the smaller's verdict, and below
-    the first the first's (0: none run the one kernel). Returns a line per projection."""
+    kernels at every token count timed, within `tolerance` (a fraction: a difference that small is noise, and the
+    one kernel keeps the batch), its time and theirs each summed over the adapter counts timed at that count (a
+    count's batches mix any of them). Token counts between two timed ones take the smaller's verdict, and below the
+    first the first's (0: none run the one kernel). Returns a line per projection."""
     from vllm_bdlora.kernels.plans import mixed_rows_key
 
     said = []
@@ -323,7 +325,7 @@ def write_row_limits(rows, table) -> list[str]:
             one = sum(r["one_launch_us"] for r in by_tokens[tokens])
             three = sum(r["three_kernels_us"] for r in by_tokens[tokens])
             verdicts.append(f"{tokens}: {three / one:.2f}x")
-            if one > three:
+            if one > three * (1 + tolerance):
                 break
             limit = tokens
         before = table.mixed_rows.get(key)
@@ -520,7 +522,7 @@ def main(argv=None) -> int:
         "--configs",
         "the fastest candidate of each layer and batch (without --configs: "
         "each multi-slot projection's measured row limit, the most tokens up to which the one "
-        "kernel took no more time than the three kernels; --min-gain does not apply)",
+        "kernel took no more time than the three kernels, within --min-gain)",
     )
 
     def kind(args):  # --configs times (and reports) candidate plans instead
@@ -555,7 +557,7 @@ def main(argv=None) -> int:
     if args.write_table is not None and args.configs:
         update_plan_table(args.write_table, lambda table: write_table(rows, table, args.min_gain))
     elif args.write_table is not None:
-        update_plan_table(args.write_table, lambda table: write_row_limits(rows, table))
+        update_plan_table(args.write_table, lambda table: write_row_limits(rows, table, args.min_gain))
     return status
 
 
