@@ -512,6 +512,9 @@ def test_decode_kernel_report_sums_multi_slot_layers_by_the_adapters_a_batch_mix
     text = open(report(str(tmp_path / "decode_lora.json"))).read()
     assert "| 1 | 4 | 1 | 113.7 | 244.6 (2.15) | 256.8 (2.26) | 0.95× | 256.8 (2.26) |" in text
     assert "| 1 | 4 | 16 | 114.5 | 334.6 (2.92) | 543.3 (4.75) | 0.62× | 334.6 (2.92) |" in text
+    # beside it what the row-width rule runs (a projection the GPU table has not measured): 4 x 128 columns at TP=1
+    # r'=512 is past 128, so the three kernels even at one token
+    assert "| 0.95× | 256.8 (2.26) | 244.6 (2.15) |" in text and "row-width rule µs (×base) |" in text
     assert "one-launch plan |" in text and "; the layer op picks three kernels" in text
 
 

@@ -455,6 +455,16 @@ def adapters_label(row) -> str:
     return str(row["adapters"]) if slots == row["adapters"] else f"{row['adapters']} of {slots} slots"
 
 
+def rule_picks_one(row) -> bool:
+    """Whether the layer op runs a row's batch on the one kernel where the GPU's table has no measured row limit for
+    its projection (the row-width rule, default settings)."""
+    from vllm_bdlora.kernels.plans import measured_mixed_width, mixed_batch_limit
+
+    width, slots = row["width"], row["slots"]
+    rule_width = measured_mixed_width(None, None, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
+    return not row["plan"].startswith("none") and row["tokens"] <= mixed_batch_limit(slots, width, rule_width)
+
+
 def per_decoder_layer_by_slots(rows) -> list[str]:
     """Per decoder layer sums for layers with several LoRA slots, by the adapters a batch mixes: whether the
     one-launch kernel or the three kernels should serve a batch of that many tokens, and (rows that record it,
@@ -467,7 +477,10 @@ def per_decoder_layer_by_slots(rows) -> list[str]:
              "| TP | adapters | tokens | base µs | three kernels µs (×base) | one launch µs (×base) | speed-up |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     if with_choice:
-        lines[-2:] = [lines[-2] + " layer op µs (×base) |", lines[-1] + "---|"]
+        lines[-3] = ("Layer op: what the plugin runs with its defaults (the GPU table's measured row limits where it "
+                     "has them); row-width rule: what it runs where the table has none (t × LoRA columns per GPU <= "
+                     f"{DEFAULT_MAX_MIXED_WIDTH}).")  # fmt: skip
+        lines[-2:] = ["", lines[-2] + " layer op µs (×base) | row-width rule µs (×base) |", lines[-1] + "---|---|"]
     for tp in dict.fromkeys(r["tp"] for r in rows):
         for adapters, slots in settings:
             for tokens in dict.fromkeys(r["tokens"] for r in rows):
@@ -481,7 +494,8 @@ def per_decoder_layer_by_slots(rows) -> list[str]:
                 if with_choice:
                     op = sum(r["three_kernels_us"] if r["layer_op_picks"] == "three kernels" else r["one_launch_us"]
                              for r in picked)  # fmt: skip
-                    line += f" {op:.1f} ({op / base:.2f}) |"
+                    rule = sum(r["one_launch_us"] if rule_picks_one(r) else r["three_kernels_us"] for r in picked)
+                    line += f" {op:.1f} ({op / base:.2f}) | {rule:.1f} ({rule / base:.2f}) |"
                 lines.append(line)
     return lines
 
