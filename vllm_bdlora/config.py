@@ -58,8 +58,9 @@ class BdLoraSettings:
     # and 0.74-0.75x at two (bench/results/kernels/one-launch-row-width-h100). Since the same width wins at one shape
     # and loses at another, the default (None) takes, for each projection its GPU's plan table has measured, the
     # token count up to which the one kernel beat the three there (`bench.kernels.decode_lora --write-table`), and
-    # 128 columns for the others. A number applies as set to every projection: 0 keeps multi-slot layers on the
-    # three kernels; a larger value serves wider batches on the one kernel.
+    # 128 columns for the others (on one H100 4-12% less time per decoder layer than the rule where the two differ:
+    # bench/results/kernels/one-launch-measured-rows-h100). A number applies as set to every projection: 0 keeps
+    # multi-slot layers on the three kernels; a larger value serves wider batches on the one kernel.
     one_launch_max_mixed_width: int | None = None
     # And only while a batch may mix at most this many adapters (one per token, at most --max-loras). The default,
     # the 16 rows of a multi-slot layer's tile, leaves the width limit alone in force: 12 adapters in 16 tokens at
