@@ -229,9 +229,8 @@ def test_measured_row_limits_read_back_and_take_the_width_rules_place_unless_set
     from vllm_bdlora.kernels.plans import (
         DEFAULT_MAX_MIXED_ADAPTERS,
         DEFAULT_MAX_MIXED_WIDTH,
-        measured_mixed_width,
-        mixed_batch_limit,
         mixed_rows_key,
+        one_launch_tokens,
     )
 
     qkv = (384, 4096, 48)  # TP=4 qkv_proj, 16 columns per slice
@@ -246,7 +245,7 @@ def test_measured_row_limits_read_back_and_take_the_width_rules_place_unless_set
     assert "mixed_rows" not in bare.to_json() and PlanTable.from_json(bare.to_json()).mixed_rows == {}
 
     def served(rows, width, set_width=None, max_adapters=DEFAULT_MAX_MIXED_ADAPTERS, slots=12):
-        return mixed_batch_limit(slots, width, measured_mixed_width(rows, set_width, max_adapters, width, slots))
+        return one_launch_tokens(rows, set_width, max_adapters, width, slots)
 
     caplog.set_level(logging.INFO, logger="vllm.bdlora")
     assert served(again.measured_rows(*qkv), 16) == 16  # the rule would stop at 128 // 16 = 8

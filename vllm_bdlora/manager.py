@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from vllm_bdlora.config import BdLoraSettings
 from vllm_bdlora.experts import refuse_lora_experts_on_cpu
-from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, largest_tile, measured_mixed_width, mixed_batch_limit
+from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_WIDTH, largest_tile, one_launch_tokens
 from vllm_bdlora.layers import (
     base_quantization,
     describe_sharding,
@@ -111,9 +111,8 @@ def one_launch_summary(settings: BdLoraSettings, max_loras: int, width: int) -> 
     """The report's line on which decode batches run as one kernel per BD layer, `width` LoRA columns per GPU."""
     max_adapters = settings.one_launch_max_adapters
     set_width = settings.one_launch_max_mixed_width
-    # the row-width rule; a GPU's plan table may have measured a projection's limit instead (layers log no line)
-    mixed_width = measured_mixed_width(None, set_width, max_adapters, width, max_loras)
-    limit = min(settings.one_launch_max_tokens, mixed_batch_limit(max_loras, width, mixed_width))
+    # the row-width rule; a GPU's plan table may have measured a projection's limit instead (logged per layer shape)
+    limit = min(settings.one_launch_max_tokens, one_launch_tokens(None, set_width, max_adapters, width, max_loras))
     knobs = '"one_launch_max_tokens": 16 or 32 lowers the limit, "one_launch_decode": false turns it off'
     if max_loras > 1:
         if set_width is None:

@@ -123,7 +123,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
                 mixed_width=DEFAULT_MAX_MIXED_WIDTH):  # fmt: skip
     from vllm_bdlora.kernels.fused_lora import group_tokens
     from vllm_bdlora.kernels.lora_op import layer_decode_state
-    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, measured_mixed_width, mixed_batch_limit
+    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, one_launch_tokens
 
     width, slots = bd_rank // tp, slots or adapters  # main() has checked that --slots holds every adapter
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
@@ -147,8 +147,8 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     tile_plan = batch_plan(table, *shape, tokens, len(heights), mixed_width)
     # main() lifts the mixed-adapter limit (unless --mixed-width) so that "one launch" times the kernel wherever it
     # has a plan; the layer op's pick is the plugin's with its defaults (the table's measured rows, else the width)
-    served_width = measured_mixed_width(table.measured_rows(*shape[:3]), None, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
-    op_picks = tile_plan is not None and tokens <= mixed_batch_limit(slots, width, served_width)
+    served = one_launch_tokens(table.measured_rows(*shape[:3]), None, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
+    op_picks = tile_plan is not None and tokens <= served
     if breakdown and tile_plan is not None:
         paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots, "K": k, "N": n,
@@ -458,11 +458,10 @@ def adapters_label(row) -> str:
 def rule_picks_one(row) -> bool:
     """Whether the layer op runs a row's batch on the one kernel where the GPU's table has no measured row limit for
     its projection (the row-width rule, default settings)."""
-    from vllm_bdlora.kernels.plans import measured_mixed_width, mixed_batch_limit
+    from vllm_bdlora.kernels.plans import one_launch_tokens
 
-    width, slots = row["width"], row["slots"]
-    rule_width = measured_mixed_width(None, None, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
-    return not row["plan"].startswith("none") and row["tokens"] <= mixed_batch_limit(slots, width, rule_width)
+    rule = one_launch_tokens(None, None, DEFAULT_MAX_MIXED_ADAPTERS, row["width"], row["slots"])
+    return not row["plan"].startswith("none") and row["tokens"] <= rule
 
 
 def per_decoder_layer_by_slots(rows) -> list[str]:

@@ -200,6 +200,13 @@ def measured_mixed_width(measured_rows: int | None, max_width: int | None, max_a
     return mixed_width_limit(max_width, max_adapters, width, slots)
 
 
+def one_launch_tokens(measured_rows: int | None, max_width: int | None, max_adapters: int, width: int,
+                      slots: int) -> int:  # fmt: skip
+    """The most tokens a batch of a layer of `slots` slots and `width` LoRA columns per slice may have to run the
+    one-launch kernel, under these settings (`measured_mixed_width`'s arguments)."""
+    return mixed_batch_limit(slots, width, measured_mixed_width(measured_rows, max_width, max_adapters, width, slots))
+
+
 def batch_adapters(slots: int, width: int, max_width: int) -> int:
     """The most adapters a batch the one-launch kernel serves may mix: one per token of `mixed_batch_limit`'s, at
     most one per slot (at least 1: a layer whose limit is 0 never launches the kernel)."""
