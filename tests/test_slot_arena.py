@@ -13,7 +13,7 @@ from vllm_bdlora.adapter_lifecycle.store import AdapterStore
 from vllm_bdlora.adapter_lifecycle.targets import LoRATarget
 from vllm_bdlora.image_memory import ImageMemory
 from vllm_bdlora.layers import BlockDiagonalLoRALayer
-from vllm_bdlora.slot_arena import IMAGE_ATTRIBUTE, SlotArena, activate_filling_whole_slot
+from vllm_bdlora.slot_arena import ALIGNMENT, IMAGE_ATTRIBUTE, SlotArena, activate_filling_whole_slot, image_width_for
 
 SLOTS, WIDTH = 3, 16
 
@@ -75,8 +75,11 @@ def image_of(arena: SlotArena, layers, factors: dict):
 
 
 WIDE = {(0, 0): WIDTH, (0, 1): WIDTH, (0, 2): WIDTH, (1, 0): WIDTH, (2, 0): WIDTH, (2, 1): WIDTH}
-# narrower, slice 1 of the packed layer and the whole row-parallel layer left out
+# narrower, slice 1 of the packed layer and the whole row-parallel layer left out (an image as wide as the slot)
 NARROW = {(0, 0): 5, (0, 2): 12, (2, 0): 8, (2, 1): 1}
+# half the slot's width everywhere (an image half as wide), and narrower still with slices left out (the same width)
+HALF = {key: WIDTH // 2 for key in WIDE}
+QUARTER_OR_LESS = {(0, 1): 3, (1, 0): 4, (2, 1): 1}
 
 
 def same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -101,24 +104,32 @@ def images_start_as_nan(monkeypatch):
 
 
 def test_a_whole_slot_fill_serves_what_the_layers_own_fills_serve():
-    """A wide adapter, then a narrower one that adapts fewer slices, through the same slot: the arena's layers (two
-    copies per fill, from images) serve what layers filled by their own set_lora/reset_lora serve, hold zeros past
-    every width (the kernels read whole tiles of B), and the neighbouring slot keeps what it held."""
+    """Adapters as wide as the slot, half as wide, narrower still, adapting fewer slices, one after another through
+    the same slot: after every fill the arena's layers (from images: two copies where the image is as wide as the
+    slot, a zeroing and one copy per group of blocks where it is narrower) serve what layers filled by their own
+    set_lora/reset_lora serve, hold zeros past every width (the kernels read whole tiles of B), and the neighbouring
+    slot keeps what it held."""
     by_layer, in_arena = model_layers(), model_layers()
     arena = SlotArena(in_arena, SLOTS, torch.float32, torch.device("cpu"))
     assert all(layer.slot_arena is arena for layer in in_arena)
-    wide, narrow, neighbour = adapter(WIDE, 1), adapter(NARROW, 2), adapter(WIDE, 3)
-    for slot, factors in ((0, neighbour), (1, wide), (1, narrow)):
+    fills = [(0, WIDE, WIDTH), (1, WIDE, WIDTH), (1, NARROW, WIDTH), (1, HALF, WIDTH // 2), (1, WIDE, WIDTH),
+             (1, QUARTER_OR_LESS, 4), (1, HALF, WIDTH // 2)]  # fmt: skip
+    for seed, (slot, widths, image_width) in enumerate(fills):
+        factors = adapter(widths, seed)
         fill_layer_by_layer(by_layer, slot, factors)
-        arena.fill(slot, image_of(arena, in_arena, factors)[0])
-    for want, got in zip(by_layer, in_arena, strict=True):
-        for slot in (0, 1):
-            for (w_width, w_a, w_b), (g_width, g_a, g_b) in zip(served(want, slot), served(got, slot), strict=True):
-                assert w_width == g_width and torch.equal(w_a, g_a) and torch.equal(w_b, g_b)
-        assert torch.equal(got.lora_a_all[0], want.lora_a_all[0]) and torch.equal(got.lora_b_all[0], want.lora_b_all[0])
-        for i, width in enumerate(got.slot_widths[:, 1].tolist()):
-            assert not got.lora_a_stacked[i][1, 0, width:].any() and not got.lora_b_stacked[i][1, 0, :, width:].any()
-    assert in_arena[0].slot_widths[:, 1].tolist() == [5, 0, 12] and not in_arena[1].slot_widths[:, 1].any()
+        image = image_of(arena, in_arena, factors)[0]
+        assert image.width == image_width
+        arena.fill(slot, image)
+        for want, got in zip(by_layer, in_arena, strict=True):
+            for s in (0, 1):
+                for (w_width, w_a, w_b), (g_width, g_a, g_b) in zip(served(want, s), served(got, s), strict=True):
+                    assert w_width == g_width and torch.equal(w_a, g_a) and torch.equal(w_b, g_b)
+            assert torch.equal(got.lora_a_all[0], want.lora_a_all[0])
+            assert torch.equal(got.lora_b_all[0], want.lora_b_all[0])
+            for i, width in enumerate(got.slot_widths[:, slot].tolist()):
+                assert not got.lora_a_stacked[i][slot, 0, width:].any()
+                assert not got.lora_b_stacked[i][slot, 0, :, width:].any()
+    assert in_arena[0].slot_widths[:, 1].tolist() == [8, 8, 8] and in_arena[1].slot_widths[:, 1].tolist() == [8]
     assert in_arena[1].slot_widths[:, 0].tolist() == [WIDTH]
     # the layers' buffers are views of the arena's (the kernels read them there)
     assert in_arena[2].lora_b_all.untyped_storage().data_ptr() == arena.factors.untyped_storage().data_ptr()
@@ -134,7 +145,54 @@ def test_an_image_holds_the_adapters_factors_in_the_lora_dtype_and_module_weight
         assert torch.equal(module.lora_a, a.bfloat16()) and torch.equal(module.lora_b, b.bfloat16())
         assert module.lora_b.untyped_storage().data_ptr() == image.memory.untyped_storage().data_ptr()
     assert image.factors.data_ptr() == image.memory.data_ptr() and image.widths.dtype == torch.int32
-    assert image.memory.numel() >= arena.factors[0].numel() * 2 + arena.widths.shape[0] * 4
+    assert image.width == WIDTH and image.memory.numel() >= arena.factors[0].numel() * 2 + arena.widths.shape[0] * 4
+
+
+def test_an_adapter_narrower_than_the_slot_keeps_an_image_of_its_own_width():
+    """Host memory follows the adapter's width, not the slot's: an adapter half the slot's width keeps about half
+    the bytes, in regions of that width's own; its module weights are views of it holding its factors."""
+    layers = model_layers()
+    arena = SlotArena(layers, SLOTS, torch.bfloat16, torch.device("cpu"))
+    whole, whole_weights = image_of(arena, layers, adapter(WIDE, 11))
+    factors = adapter(HALF, 12)
+    half, weights = image_of(arena, layers, factors)
+    assert half.width == WIDTH // 2 and whole.width == WIDTH
+    assert half.memory.numel() == arena.memory_for(WIDTH // 2).region_bytes
+    assert half.factors.numel() * 2 <= whole.factors.numel() + 2 * ALIGNMENT * len(arena.layout.groups)
+    assert half.factors.numel() * 2 >= whole.factors.numel() - 2 * ALIGNMENT * len(arena.layout.groups)
+    for name, module in weights.items():
+        a, b = factors[tuple(int(p) for p in name.split("."))]
+        assert torch.equal(module.lora_a, a.bfloat16()) and torch.equal(module.lora_b, b.bfloat16())
+        assert module.lora_a.is_contiguous() and module.lora_b.is_contiguous()
+        assert module.lora_b.untyped_storage().data_ptr() == half.memory.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(("widths", "slot", "want"), [
+    ((5, 3), 16, 8), ((12,), 16, 16), ((16, 16), 16, 16), ((1,), 16, 1), ((), 16, 1), ((7,), 12, 8), ((9,), 12, 12),
+])  # fmt: skip
+def test_an_images_width_is_the_power_of_two_holding_its_widest_module_at_most_the_slots(widths, slot, want):
+    assert image_width_for(widths, slot) == want
+
+
+def test_the_slot_layout_keeps_every_layers_blocks_aligned_apart_and_grouped():
+    """The layers' A and B blocks never overlap, each starts aligned (Triton specialises on it), and the groups a
+    narrow image fills through cover every block: A blocks of the same input size side by side, a block that would
+    leave the next unaligned (the row-parallel layer's odd input size) in a group of its own."""
+    layers = model_layers()
+    arena = SlotArena(layers, SLOTS, torch.float32, torch.device("cpu"))
+    spans = []
+    for layer in layers:
+        place = arena.place_of(layer)
+        assert place.a_at % ALIGNMENT == 0 and place.b_at % ALIGNMENT == 0
+        spans += [(place.a_at, place.a_at + place.a_shape[0] * place.a_shape[1]),
+                  (place.b_at, place.b_at + place.b_shape[0] * place.b_shape[1])]  # fmt: skip
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    shapes = [group.shape for group in arena.layout.groups]
+    assert shapes == [(5, WIDTH, 40), (1, WIDTH, 23), (40 + 40 + 60, WIDTH)]
+    covered = sum(group.shape[0] * group.shape[1] * (group.shape[2] if len(group.shape) == 3 else 1)
+                  for group in arena.layout.groups)  # fmt: skip
+    assert covered == sum(end - start for start, end in spans)
 
 
 def test_an_activation_of_an_imaged_adapter_skips_the_layers_own_fills_and_copies_the_image():
@@ -167,32 +225,36 @@ def test_an_imaged_adapter_is_spilled_and_read_back_whole(tmp_path):
     layers = model_layers()
     arena = SlotArena(layers, SLOTS, torch.float32, torch.device("cpu"))
 
-    def admitted(seed: int) -> AdmittedAdapter:
-        image, loras = image_of(arena, layers, adapter(NARROW, seed))
+    def admitted(seed: int, widths: dict) -> AdmittedAdapter:
+        image, loras = image_of(arena, layers, adapter(widths, seed))
         loras["lm_head"] = SimpleNamespace(lora_a=torch.full((4, 8), float(seed)), lora_b=torch.ones(8, 4))
         return AdmittedAdapter(f"a{seed}", SimpleNamespace(loras=loras), f"id{seed}", "", [], None, image=image,
                                arena=arena)  # fmt: skip
 
-    first, second = admitted(6), admitted(7)
-    want = first.image.factors.clone(), first.image.widths.clone(), {k: t.clone() for k, t in first.host_tensors()}
-    store = AdapterStore(host_budget=first.nbytes, spill_dir=str(tmp_path))
-    store.keep(1, first)
-    store.keep(2, second)
-    assert store.spilled_ids() == {1} and first.image is None
-    assert all(w.lora_a is None and w.lora_b is None for w in first.template.loras.values())
-    assert getattr(first.fresh_model(), IMAGE_ATTRIBUTE, None) is None  # a spilled adapter is not filled from an image
-    free = arena.image_memory.free_regions
-    restored = store.get(1)
-    # read back into a region of the arena's image memory, as the one spilled to make room gave its own back
-    assert restored.image.memory.numel() == arena.image_memory.region_bytes and store.spilled_ids() == {2}
-    assert arena.image_memory.free_regions == free
-    assert same(restored.image.factors, want[0]) and torch.equal(restored.image.widths, want[1])
-    for key, tensor in restored.host_tensors():
-        assert same(tensor, want[2][key])
-    weights = restored.template.loras["0.2"]
-    assert weights.lora_a.untyped_storage().data_ptr() == restored.image.factors.untyped_storage().data_ptr()
-    assert torch.equal(weights.lora_b, adapter(NARROW, 6)[(0, 2)][1])
-    assert getattr(restored.fresh_model(), IMAGE_ATTRIBUTE) is restored.image
+    for widths, width in ((NARROW, WIDTH), (HALF, WIDTH // 2)):
+        first, second = admitted(6, widths), admitted(7, widths)
+        want = first.image.factors.clone(), first.image.widths.clone(), {k: t.clone() for k, t in first.host_tensors()}
+        store = AdapterStore(host_budget=first.nbytes, spill_dir=str(tmp_path))
+        store.keep(1, first)
+        store.keep(2, second)
+        assert store.spilled_ids() == {1} and first.image is None
+        assert all(w.lora_a is None and w.lora_b is None for w in first.template.loras.values())
+        assert getattr(first.fresh_model(), IMAGE_ATTRIBUTE, None) is None  # a spilled adapter is not filled from one
+        memory = arena.memory_for(width)
+        free = memory.free_regions
+        restored = store.get(1)
+        # read back into a region of its width's image memory, as the one spilled to make room gave its own back
+        assert restored.image.memory.numel() == memory.region_bytes and store.spilled_ids() == {2}
+        assert memory.free_regions == free and restored.image.width == width
+        assert same(restored.image.factors, want[0]) and torch.equal(restored.image.widths, want[1])
+        for key, tensor in restored.host_tensors():
+            assert same(tensor, want[2][key])
+        weights = restored.template.loras["0.2"]
+        assert weights.lora_a.untyped_storage().data_ptr() == restored.image.factors.untyped_storage().data_ptr()
+        assert torch.equal(weights.lora_b, adapter(widths, 6)[(0, 2)][1])
+        assert getattr(restored.fresh_model(), IMAGE_ATTRIBUTE) is restored.image
+        arena.fill(2, restored.image)
+        assert torch.equal(layers[0].lora_b_stacked[2][2, 0, :, : widths[(0, 2)]], weights.lora_b)
 
 
 @pytest.mark.gpu
@@ -206,17 +268,39 @@ def test_on_a_gpu_images_are_pinned_and_a_recycled_region_waits_for_the_fill_rea
     want = image.factors.clone()
     # the slab's regions never handed out go first (they need no wait): take them all, so that the next region
     # handed out is the one this image gives back
-    never_used = [arena.image_memory.take() for _ in range(arena.image_memory.free_regions)]
-    assert arena.image_memory.free_regions == 0 and never_used
+    never_used = [arena.memory_for(WIDTH).take() for _ in range(arena.memory_for(WIDTH).free_regions)]
+    assert arena.memory_for(WIDTH).free_regions == 0 and never_used
     torch.cuda._sleep(200_000_000)  # the stream is busy for a while: the fill's copy waits behind it
     arena.fill(2, image)
     del image, weights
-    assert arena.image_memory.free_regions == 1
-    recycled = arena.image_memory.take()
+    assert arena.memory_for(WIDTH).free_regions == 1
+    recycled = arena.memory_for(WIDTH).take()
     assert all(done.query() for done in arena._last_fills.values())  # the fill that read the region is done first
     recycled.fill_(255)
     torch.cuda.synchronize()
     assert torch.equal(arena.factors[2].cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_an_image_narrower_than_the_slot_fills_it_as_on_the_cpu():
+    """The narrow fill's copies into the slot's first columns, from pinned memory and asynchronously, leave the slot
+    as the same fill on the CPU does, over a slot that held a wider adapter."""
+    on_cpu, on_gpu = model_layers(), model_layers()
+    cpu = SlotArena(on_cpu, SLOTS, torch.float16, torch.device("cpu"))
+    gpu = SlotArena(on_gpu, SLOTS, torch.float16, torch.device("cuda"))
+    for widths, seed in ((WIDE, 13), (HALF, 14), (QUARTER_OR_LESS, 15)):
+        factors = adapter(widths, seed)
+        cpu.fill(1, image_of(cpu, on_cpu, factors)[0])
+        image = image_of(gpu, on_gpu, factors)[0]
+        assert image.memory.is_pinned()
+        torch.cuda._sleep(50_000_000)  # the copies queue behind other work, as a fill ahead of a step does
+        gpu.fill(1, image)
+        torch.cuda.synchronize()
+        for got, want in zip(on_gpu, on_cpu, strict=True):
+            assert torch.equal(got.slot_widths.cpu(), want.slot_widths)
+            for s in range(got.n_slices):
+                assert torch.equal(got.lora_a_stacked[s][1].cpu(), want.lora_a_stacked[s][1])
+                assert torch.equal(got.lora_b_stacked[s][1].cpu(), want.lora_b_stacked[s][1])
 
 
 def test_an_imaged_adapter_is_packed_once_and_again_only_after_a_read_back(tmp_path):
@@ -252,10 +336,10 @@ def test_an_imaged_adapter_is_packed_once_and_again_only_after_a_read_back(tmp_p
     del model
     store = AdapterStore(host_budget=first.nbytes, spill_dir=str(tmp_path))
     store.keep(1, first)
-    free = arena.image_memory.free_regions
+    free = arena.memory_for(WIDTH).free_regions
     store.keep(2, admitted(10))
     assert store.spilled_ids() == {1} and first.packed is None
-    assert arena.image_memory.free_regions == free  # the second image's region taken, the spilled one's given back
+    assert arena.memory_for(WIDTH).free_regions == free  # the second image's region taken, the spilled one's given back
     restored = store.get(1)
     assert len(packs) == 4  # the second adapter's, and the read-back's
     weights = restored.fresh_model().loras["0"]

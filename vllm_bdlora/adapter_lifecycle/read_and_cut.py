@@ -87,6 +87,7 @@ class AdmittedAdapter:
     # where the server fills slots layer by layer, and while the adapter is spilled.
     image: SlotImage | None = None
     image_modules: Mapping | None = None  # the image's `modules`, kept while it is spilled
+    image_width: int | None = None  # and its width
     arena: SlotArena | None = None  # where the image's memory comes from (a read-back takes a region of it)
     # vLLM's packing (`compat.packing_ahead`) for an imaged adapter: `fresh_model` copies a template packed once
     # (`packed`, remade after a read-back), so that a slot fill's registration neither copies every projection's
@@ -136,7 +137,7 @@ class AdmittedAdapter:
     def release_host_tensors(self) -> None:
         self.packed = None  # its weights are the image's views (models vLLM registered keep their own copies)
         if self.image is not None:
-            self.image_modules = self.image.modules
+            self.image_modules, self.image_width = self.image.modules, self.image.width
             for module in self.image.modules:
                 self.template.loras[module].lora_a = self.template.loras[module].lora_b = None
             self.image = None
@@ -146,8 +147,10 @@ class AdmittedAdapter:
     def empty_host_tensor(self, key: tuple[str, str], nbytes: int, pinned: bool) -> torch.Tensor:
         """Uninitialised host memory (uint8) for the tensor `key` of `host_tensors` to be read back into: the image's
         in a region of the arena's image memory (a recycled one, where an image was dropped since)."""
-        if key == IMAGE_KEY and self.arena is not None and nbytes == self.arena.image_memory.region_bytes:
-            return self.arena.image_memory.take()
+        if key == IMAGE_KEY and self.arena is not None and self.image_width is not None:
+            memory = self.arena.memory_for(self.image_width)
+            if nbytes == memory.region_bytes:
+                return memory.take()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def restore_host_tensors(self, tensors: Mapping[tuple[str, str], torch.Tensor]) -> None:
@@ -155,7 +158,7 @@ class AdmittedAdapter:
             if module:
                 setattr(self.template.loras[module], attribute, tensor)
         if IMAGE_KEY in tensors:
-            self.image = self.arena.image_over(tensors[IMAGE_KEY], self.image_modules)
+            self.image = self.arena.image_over(tensors[IMAGE_KEY], self.image_modules, self.image_width)
             self.image.bind(self.template.loras)
             self.pack_ahead()
 
@@ -332,10 +335,13 @@ def read_adapter(worker_manager, lora_request, settings: BdLoraSettings, clock: 
             if imaged:
                 # BD modules go from the mapped file straight into the adapter's slot image (checked below for a
                 # rewrite meanwhile): vLLM's loader gets views of it
-                region = arena.image_memory.take()  # a fresh one is pinned here: timed on its own
+                # as wide as the adapter's widest module (a region of that width's; a fresh one is pinned here:
+                # timed on its own)
+                width = arena.image_width(item.local.lora_a.shape[0] for item in staged)
+                region = arena.memory_for(width).take()
                 lap("region")
                 image = arena.image_of(((item.name, item.target, item.local.lora_a, item.local.lora_b)
-                                        for item in staged), region)  # fmt: skip
+                                        for item in staged), region, width)  # fmt: skip
                 for item in staged:
                     a_name, b_name = item.tensor_names
                     tensors[a_name], tensors[b_name] = image.views(item.name)
