@@ -143,9 +143,13 @@ def budgets(args, mode: str) -> dict:
     adapter_bytes = trainable_params(shape_spec, rank, nblocks) * element
     per_worker = adapter_bytes // args.tp if mode == "bdlora" else adapter_bytes  # BD: each worker keeps its share
     if mode == "bdlora" and slot_images_kept():
-        # as the image of a whole slot (`vllm_bdlora.slot_arena`): zeros past the width of an adapter narrower than
-        # the slot, which the host budget counts too
-        per_worker = max(per_worker, cost.projections)
+        # as a slot's image at the adapter's width (`vllm_bdlora.slot_arena`: the power of two holding its share of
+        # the rank, at most the slot's), zeros past it, which the host budget counts too
+        from vllm_bdlora.slot_arena import image_width_for
+
+        slot_width = max_lora_rank // args.tp
+        image_width = image_width_for([rank // args.tp], slot_width)
+        per_worker = max(per_worker, cost.projections * image_width // slot_width)
     return {
         "gpu_memory_bytes": gpu, "host_memory_bytes": host, "max_lora_rank": max_lora_rank,
         "slot_bytes": cost.total, "max_loras": slots_that_fit(gpu, cost),

@@ -891,6 +891,26 @@ def test_image_memory_benchmark_compares_per_image_blocks_with_shared_slabs(tmp_
     assert "| regions of shared slabs |" in (tmp_path / "image_memory.md").read_text()
 
 
+def test_slot_images_benchmark_keeps_a_narrow_adapter_in_its_own_width_and_checks_every_fill(tmp_path):
+    """An adapter a quarter and half the slot's width: its image takes a quarter and half the bytes of one as wide as
+    the slot, and both fill the slot alike (the benchmark exits otherwise); an adapter as wide as the slot has one
+    kind of image."""
+    from bench import slot_images
+
+    slot_images.main(["--shape", "tiny", "--tp", "2", "--slot-width", "8", "--widths", "2,4,8", "--images", "2",
+                      "--out", str(tmp_path)])  # fmt: skip
+    result = json.loads((tmp_path / "slot_images.json").read_text())
+    by_width = {row["adapter_width"]: row["kinds"] for row in result["widths"]}
+    for width, share in ((2, 0.25), (4, 0.5), (8, 1.0)):
+        own, slot = by_width[width]["adapter's width"], by_width[width]["slot's width"]
+        assert own["image_width"] == width and slot["image_width"] == 8
+        assert own["image_bytes"] == pytest.approx(share * slot["image_bytes"], rel=0.1)
+        assert own["build_ms"] > 0 and own["fill_host_ms"] > 0 and own["fill_gpu_ms"] is None
+    assert "| 2 | adapter's width | 2 |" in (tmp_path / "slot_images.md").read_text()
+    with pytest.raises(SystemExit):
+        slot_images.parse_args(["--slot-width", "8", "--widths", "16", "--out", str(tmp_path)])
+
+
 @pytest.mark.engine
 def test_slot_fill_host_benchmark_times_every_fill(tmp_path):
     """Run as its command line says (its own process: it holds a vLLM engine in-process to time the worker)."""

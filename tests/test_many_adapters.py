@@ -55,11 +55,12 @@ def test_summary_counts_goodput_and_tiers():
     assert out["all_ttft_p50_ms"] == pytest.approx(550) and out["error_examples"] == ["refused"]
 
 
-@pytest.mark.parametrize(("rank", "image_over_share"), [(2, 2.0), (4, 1.0)])
-def test_a_bd_adapter_narrower_than_a_slot_takes_a_whole_slot_of_host_memory_on_a_gpu(monkeypatch, rank,
-                                                                                       image_over_share):  # fmt: skip
-    """On a GPU a BD worker keeps each adapter as an image of a whole slot: at TP=1 a BD r'=4 adapter (--rank 2) in
-    slots of vLLM's smallest width, 8, takes twice its bytes, an r'=8 one its own."""
+@pytest.mark.parametrize(("rank", "image_over_share"), [(2, 1.0), (3, 8 / 6), (4, 1.0)])
+def test_a_bd_adapter_narrower_than_a_slot_takes_an_image_of_its_own_width_on_a_gpu(monkeypatch, rank,
+                                                                                   image_over_share):  # fmt: skip
+    """On a GPU a BD worker keeps each adapter as a slot's image at the power of two holding its width: at TP=1 in
+    slots of vLLM's smallest width, 8, a BD r'=4 adapter (--rank 2) and an r'=8 one take their own bytes, an r'=6
+    one (--rank 3) those of width 8."""
     from bench import many_adapters
 
     args = many_adapters.parse_args(["--tp", "1", "--rank", str(rank), "--gpu-memory", "512MiB",
