@@ -5,9 +5,9 @@ A worker keeps every admitted adapter's image in host memory until its budget is
 images accumulate: each way takes `--images` images and keeps them (as the store does), then drops a third and takes
 as many again (spills, unloads and read-backs recycling memory). Reported per way: milliseconds per image while
 accumulating and while recycling (means: a slab's allocation is paid by one image in several), the resident memory
-the process gained per image kept (pinned memory is resident from its allocation on), and the bandwidth of one
-image's copy to the GPU (pinned memory is copied asynchronously at full speed; pageable memory is staged by the
-driver).
+the process gained per image kept (pinned memory is resident from its allocation on), the slabs' bytes beyond the
+images' regions, and one image's copy to the GPU: its bandwidth and how long the call holds the host (page-locked
+memory is copied asynchronously at full speed; pageable memory is staged by the driver while the call waits).
 
     python -m bench.image_memory --shape llama-3.1-8b --tp 4 --images 24 --out OUT
 
@@ -82,15 +82,18 @@ def time_way(take, count: int) -> dict:
     if torch.cuda.is_available():
         device = torch.empty(kept[0].numel(), dtype=torch.uint8, device="cuda")
         source = kept[-1].fill_(1)
-        seconds = []
+        seconds, host_seconds = [], []
         for _ in range(5):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            device.copy_(source, non_blocking=True)
+            called = time.perf_counter()
+            device.copy_(source, non_blocking=True)  # returns at once from page-locked memory, after it otherwise
+            host_seconds.append(time.perf_counter() - called)
             end.record()
             end.synchronize()
             seconds.append(start.elapsed_time(end) / 1e3)
         result["copy_to_gpu_gb_per_s"] = source.numel() / statistics.median(seconds) / 1e9
+        result["copy_host_ms"] = statistics.median(host_seconds) * 1e3
         assert int(device[-1]) == 1
     return result
 
@@ -112,6 +115,7 @@ def main(argv=None) -> None:
         "one pinned block per image": time_way(per_image_blocks(nbytes, pinned), args.images),
         "regions of shared slabs": time_way(memory.take, args.images),
     }
+    ways["regions of shared slabs"]["held_beyond_images_bytes"] = memory.held_bytes - args.images * memory.region_bytes
     result = {
         "command": "python -m bench.image_memory " + " ".join(argv if argv is not None else os.sys.argv[1:]),
         "shape": args.shape, "tp": args.tp, "width": args.width, "images": args.images,
@@ -125,21 +129,23 @@ def main(argv=None) -> None:
     lines = [
         f"# Host memory for slot images: {args.shape}, TP={args.tp}, width {args.width} "
         f"({nbytes / MIB:.2f} MiB per image; regions of {memory.region_bytes / MIB:.2f} MiB in slabs of "
-        f"{memory.slab_bytes // MIB} MiB)",
+        f"{memory.slab_bytes / MIB:.2f} MiB)",
         "",
         f"- {result['gpu'] or 'no GPU (pageable memory)'}, torch {torch.__version__}; `{result['command']}`",
         f"- {args.images} images taken and kept, then a third dropped and as many taken again",
         "",
         "| way | ms per image, accumulating (slowest) | ms per image, recycling | resident MiB per image kept "
-        "| pinned | copy to GPU GB/s |",
-        "|---|---|---|---|---|---|",
+        "| pinned | copy to GPU GB/s | copy call, host ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, way in ways.items():
         lines.append(
             f"| {name} | {way['ms_per_image_accumulating']:.2f} ({way['ms_slowest_image']:.1f}) | "
             f"{way['ms_per_image_recycling']:.3f} | {way['resident_bytes_per_image'] / MIB:.2f} | "
-            f"{way['pinned']} | {way.get('copy_to_gpu_gb_per_s', 0):.1f} |"
+            f"{way['pinned']} | {way.get('copy_to_gpu_gb_per_s', 0):.1f} | {way.get('copy_host_ms', 0):.3f} |"
         )
+    beyond = ways["regions of shared slabs"]["held_beyond_images_bytes"]
+    lines += ["", f"The slabs held {beyond / MIB:.2f} MiB beyond the {args.images} images' regions at their peak."]
     with open(os.path.join(args.out, "image_memory.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

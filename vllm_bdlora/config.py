@@ -74,9 +74,9 @@ class BdLoraSettings:
     # admitted, vllm_bdlora/adapter_lifecycle/store.py); past it the least recently used are spilled to unlinked
     # private files in `adapter_spill_dir` and read back when a request asks for them. None: a fifth of the machine's
     # memory shared by its workers. A size string ("16GiB", "512MB") is read as bytes. The budget counts adapters'
-    # bytes; on the fused kernels each adapter is one region of pinned slabs (vllm_bdlora/image_memory.py), which
-    # hold at most a twentieth more than their regions and are kept at their peak (the budget plus the admissions
-    # and read-backs in flight).
+    # bytes; on the fused kernels each adapter is one region of page-locked slabs (vllm_bdlora/image_memory.py),
+    # which hold less than one slab (about 64 MiB, or one image where larger) per image width beyond their regions and
+    # are kept at their peak (the budget plus the admissions and read-backs in flight).
     adapter_host_memory: int | None = None
     # GPU memory for LoRA slots, per GPU, in bytes (or a size string): the server's --max-loras is set to the slots
     # that fit (vllm_bdlora/sizing.py; logged with what a stock vLLM server would fit). None: --max-loras as given.

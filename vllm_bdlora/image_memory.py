@@ -1,17 +1,19 @@
-"""Host memory for slot images: equal regions carved out of a few large blocks, reused as images come and go.
+"""Host memory for slot images: equal regions carved out of a few larger blocks, reused as images come and go.
 
 Every admitted adapter of a fused BD server is kept as one image of a GPU slot (`vllm_bdlora.slot_arena`), pinned on
-a GPU so that a slot fill is an asynchronous copy. Pinning each image on its own costs twice over:
+a GPU so that a slot fill is an asynchronous copy. Pinning each image on its own with PyTorch costs twice over:
 
 * PyTorch's caching host allocator rounds every pinned block up to a power of two, so a 20.5 MiB image (Llama-3.1-8B,
   BD r'=32, TP=4) holds 32 MiB, and a store budgeted at 16 GiB of images pins about 25 GiB;
 * a fresh pinned block costs about a millisecond per MiB to map and lock (19.6 ms for that image on an H200 host),
   paid again by every read-back of a spilled image that the allocator's cache cannot serve.
 
-So images take regions of one size (the image's, rounded to a page) from slabs of a power-of-two size chosen so that
-little of a slab is left over (`slab_size`), allocated as needed and kept for the life of the worker: the memory held
-is the peak of images kept at once (the store's budget, plus admissions and read-backs in flight) and at most a few
-percent more, and a region freed by a spill, an unload or a replaced adapter is the next image's, with no allocation.
+So images take regions of one size (the image's, rounded to a page) from slabs of whole regions, about `SLAB_BYTES`
+each (one region where an image is larger), mapped and page-locked by this module (`cudaHostRegister` through
+`torch.cuda.cudart()`: exactly the bytes asked, with no power-of-two rounding), allocated as needed and kept for the
+life of the worker. The memory held is the peak of images kept at once (the store's budget, plus admissions and
+read-backs in flight) plus less than one slab per image width, and a region freed by a spill, an unload or a
+replaced adapter is the next image's, with no allocation.
 
 A region is a tensor over its own NumPy view of the slab, so it returns to the pool when its last view is gone (the
 module weights vLLM holds are views of an image too), whichever thread drops it. A fill may still be reading a
@@ -22,25 +24,40 @@ which waits for the fills enqueued so far.
 from __future__ import annotations
 
 import collections
+import mmap
 import threading
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 PAGE = 4096
-MIN_SLAB = 1 << 20
-MAX_LEFT_OVER = 0.05  # of a slab
+# A slab's size: few enough slabs that mapping and locking them is a small share of admitting their images, small
+# enough that the part of the last slab no image uses yet is little memory beside a budget of gigabytes.
+SLAB_BYTES = 64 << 20
+CUDA_HOST_REGISTER_PORTABLE = 1  # page-locked for every CUDA context of the process, as pinned tensors are
 
 
-def slab_size(region_bytes: int, min_slab: int = MIN_SLAB, max_left_over: float = MAX_LEFT_OVER) -> int:
-    """The smallest power of two of at least `min_slab` bytes holding whole regions of `region_bytes` with at most
-    `max_left_over` of it left over (a pinned block is a power of two whatever is asked, so anything else wastes the
-    rounding)."""
-    size = max(min_slab, 1 << (region_bytes - 1).bit_length())
-    while (size % region_bytes) > max_left_over * size:
-        size *= 2
-    return size
+def slab_size(region_bytes: int, slab_bytes: int = SLAB_BYTES) -> int:
+    """Bytes of a slab of regions of `region_bytes`: as many whole regions as fit in `slab_bytes`, at least one."""
+    return max(1, slab_bytes // region_bytes) * region_bytes
+
+
+def host_memory(nbytes: int, pinned: bool) -> np.ndarray:
+    """`nbytes` of page-aligned host memory (uint8, zero), page-locked for CUDA copies where `pinned`. Mapped here
+    rather than taken from PyTorch, whose pinned blocks are rounded up to a power of two; the mapping lives as long as
+    the array."""
+    # private, as malloc's large blocks are: a process forked later does not share the adapters' pages
+    array = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    if pinned:
+        error = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+        if error:
+            raise RuntimeError(
+                f"could not page-lock {nbytes} bytes of host memory for adapter images (CUDA error {error}); lower "
+                "the bdlora setting adapter_host_memory or free host memory"
+            )
+    return array
 
 
 class ImageMemory:
@@ -52,7 +69,7 @@ class ImageMemory:
         self.slab_bytes = slab_size(self.region_bytes)
         self.pinned = pinned
         self.before_reuse = before_reuse
-        self._slabs: list = []  # NumPy views of the slab tensors, which they keep alive
+        self._slabs: list = []  # NumPy arrays over the slabs' mappings, which they keep alive
         self._unused: collections.deque = collections.deque()  # (slab, index) never handed out
         self._free: collections.deque = collections.deque()  # handed out, then dropped; appended by finalizers
         self._growing = threading.Lock()
@@ -85,7 +102,7 @@ class ImageMemory:
     def _grow(self) -> tuple[int, int]:
         """A new slab; its first region for the caller, the rest free. Allocated outside any lock the finalizers
         take (they take none): pinning a slab takes tens of milliseconds, other admissions keep taking regions."""
-        memory = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned).numpy()
+        memory = host_memory(self.slab_bytes, self.pinned)
         with self._growing:
             self._slabs.append(memory)
             slab = len(self._slabs) - 1
