@@ -194,7 +194,6 @@ class SlotArena:
         self._groups = _groups(self.layers, self.slot_width)
         self._layouts: dict[int, Layout] = {}
         self.layout = self.layout_at(self.slot_width)
-        self.places = self.layout.places
         self.factors = torch.zeros(max_loras, self.layout.elements, dtype=dtype, device=device)
         self.widths = torch.zeros(sum(len(layer.output_slices) for layer in self.layers), max_loras,
                                   dtype=torch.int32, device=device)  # fmt: skip
@@ -205,7 +204,7 @@ class SlotArena:
         # Images carry factors and widths only: a layer with DoRA scales per slot needs its per-layer fill.
         self.takes_images = all(getattr(layer, "dora_scale", None) is None for layer in self.layers)
         for layer in self.layers:
-            place = self.places[id(layer)]
+            place = self.place_of(layer)
             a = self.factors[:, place.a_at : place.a_at + place.a_shape[0] * place.a_shape[1]]
             b = self.factors[:, place.b_at : place.b_at + place.b_shape[0] * place.b_shape[1]]
             count = len(layer.output_slices)
@@ -217,7 +216,7 @@ class SlotArena:
         return getattr(manager, cls.ATTRIBUTE, None)
 
     def place_of(self, layer) -> LayerPlace:
-        return self.places[id(layer)]
+        return self.layout.places[id(layer)]
 
     def layout_at(self, width: int) -> Layout:
         """One slot's layout at `width`: the slot's own at `slot_width`, an image's at the adapter's."""
