@@ -193,16 +193,11 @@ def median_ms(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def machine() -> dict:
-    import platform
-
     import vllm
 
-    found = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-             "vllm": vllm.__version__, "torch threads": torch.get_num_threads(),
-             "pinned host memory": torch.cuda.is_available()}  # fmt: skip
-    if torch.cuda.is_available():
-        found["gpu"] = torch.cuda.get_device_name(0)
-    return found
+    from bench.slot_images import machine as torch_machine
+
+    return {**torch_machine(), "vllm": vllm.__version__, "pinned host memory": torch.cuda.is_available()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
