@@ -24,6 +24,7 @@ which waits for the fills enqueued so far.
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import threading
 import weakref
@@ -44,14 +45,16 @@ def slab_size(region_bytes: int, slab_bytes: int = SLAB_BYTES) -> int:
     return max(1, slab_bytes // region_bytes) * region_bytes
 
 
-def host_memory(nbytes: int, pinned: bool) -> np.ndarray:
-    """`nbytes` of page-aligned host memory (uint8, zero), page-locked for CUDA copies where `pinned`. Mapped here
-    rather than taken from PyTorch, whose pinned blocks are rounded up to a power of two; the mapping lives as long as
-    the array."""
+def host_memory(nbytes: int, pinned: bool, device: torch.device | None = None) -> np.ndarray:
+    """`nbytes` of page-aligned host memory (uint8, zero), page-locked for CUDA copies where `pinned`, through the
+    context of `device` (the worker's GPU: a thread's current device is the first GPU unless it was set, and
+    registering there would open a context on another worker's GPU). Mapped here rather than taken from PyTorch,
+    whose pinned blocks are rounded up to a power of two; the mapping lives as long as the array."""
     # private, as malloc's large blocks are: a process forked later does not share the adapters' pages
     array = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
     if pinned:
-        error = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+        with contextlib.nullcontext() if device is None else torch.cuda.device(device):
+            error = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, CUDA_HOST_REGISTER_PORTABLE))
         if error:
             raise RuntimeError(
                 f"could not page-lock {nbytes} bytes of host memory for adapter images (CUDA error {error}); lower "
@@ -61,13 +64,16 @@ def host_memory(nbytes: int, pinned: bool) -> np.ndarray:
 
 
 class ImageMemory:
-    """Regions of `region_bytes` (rounded up to a page) of host memory, pinned where `pinned`; `before_reuse()` runs
-    before a region that held an image is handed out again."""
+    """Regions of `region_bytes` (rounded up to a page) of host memory, pinned where `pinned` (through `device`'s
+    context: the GPU the regions are copied to); `before_reuse()` runs before a region that held an image is handed
+    out again."""
 
-    def __init__(self, region_bytes: int, pinned: bool, before_reuse: Callable[[], None] | None = None):
+    def __init__(self, region_bytes: int, pinned: bool, before_reuse: Callable[[], None] | None = None,
+                 device: torch.device | None = None):  # fmt: skip
         self.region_bytes = -(-region_bytes // PAGE) * PAGE
         self.slab_bytes = slab_size(self.region_bytes)
         self.pinned = pinned
+        self.device = device
         self.before_reuse = before_reuse
         self._slabs: list = []  # NumPy arrays over the slabs' mappings, which they keep alive
         self._unused: collections.deque = collections.deque()  # (slab, index) never handed out
@@ -102,7 +108,7 @@ class ImageMemory:
     def _grow(self) -> tuple[int, int]:
         """A new slab; its first region for the caller, the rest free. Allocated outside any lock the finalizers
         take (they take none): pinning a slab takes tens of milliseconds, other admissions keep taking regions."""
-        memory = host_memory(self.slab_bytes, self.pinned)
+        memory = host_memory(self.slab_bytes, self.pinned, self.device)
         with self._growing:
             self._slabs.append(memory)
             slab = len(self._slabs) - 1
