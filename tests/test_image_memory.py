@@ -52,13 +52,17 @@ def test_a_region_is_free_again_only_when_its_last_view_is_gone_and_is_reused_af
     assert memory.held_bytes == 2 * memory.slab_bytes and waits == [1] and fresh.data_ptr() not in starts
 
 
-def test_pinned_slabs_are_page_locked_exactly_and_a_refusal_names_the_setting(monkeypatch):
-    calls, answer = [], [0]
+def test_pinned_slabs_are_page_locked_exactly_unlocked_when_dropped_and_a_refusal_names_the_setting(monkeypatch):
+    calls, unlocked, answer = [], [], [0]
 
-    class Runtime:
-        def cudaHostRegister(self, address, nbytes, flags):  # noqa: N802 (CUDA's name)
+    class Runtime:  # CUDA's names
+        def cudaHostRegister(self, address, nbytes, flags):  # noqa: N802
             calls.append((address, nbytes, flags))
             return answer[0]
+
+        def cudaHostUnregister(self, address):  # noqa: N802
+            unlocked.append(address)
+            return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", Runtime)
     memory = ImageMemory(20 * MIB + 1, pinned=True)
@@ -70,6 +74,14 @@ def test_pinned_slabs_are_page_locked_exactly_and_a_refusal_names_the_setting(mo
     with pytest.raises(RuntimeError, match="adapter_host_memory"):
         [memory.take() for _ in range(3)]
     assert memory.held_bytes == memory.slab_bytes  # a slab CUDA refused is not kept
+    gc.collect()
+    assert unlocked == []  # nothing to unlock where CUDA locked nothing
+    del memory
+    gc.collect()
+    assert unlocked == []  # a region is left: its slab stays locked
+    del region
+    gc.collect()
+    assert unlocked == [address]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked host memory needs a CUDA GPU")
@@ -84,3 +96,10 @@ def test_regions_are_page_locked_and_copy_to_the_gpu_as_written():
     on_gpu.copy_(regions[1].view(torch.float32), non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_gpu.cpu(), values)
+    del memory, regions
+    gc.collect()  # unlocked and unmapped: the next slabs may be mapped at the same addresses and lock again
+    for _ in range(3):
+        again = ImageMemory(3 * MIB + 100, pinned=True, device=torch.device("cuda", torch.cuda.current_device()))
+        assert again.take().is_pinned()
+        del again
+        gc.collect()

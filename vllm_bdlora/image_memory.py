@@ -53,14 +53,27 @@ def host_memory(nbytes: int, pinned: bool, device: torch.device | None = None) -
     # private, as malloc's large blocks are: a process forked later does not share the adapters' pages
     array = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
     if pinned:
-        with contextlib.nullcontext() if device is None else torch.cuda.device(device):
-            error = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+        address = array.ctypes.data
+        with _context_of(device):
+            error = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))
         if error:
             raise RuntimeError(
                 f"could not page-lock {nbytes} bytes of host memory for adapter images (CUDA error {error}); lower "
                 "the bdlora setting adapter_host_memory or free host memory"
             )
+        # Unlocked before the mapping goes: pages unmapped while registered stay locked, and a later mapping at the
+        # same address could not be registered. Not at exit, where the driver releases them with the process.
+        weakref.finalize(array, _unlock, address, device).atexit = False
     return array
+
+
+def _unlock(address: int, device: torch.device | None) -> None:
+    with _context_of(device):
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _context_of(device: torch.device | None):
+    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
 
 
 class ImageMemory:
