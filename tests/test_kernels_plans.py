@@ -378,5 +378,62 @@ def test_the_mixed_batch_search_keeps_the_launch_best_over_every_adapter_count(m
     assert "| 32 | 12 | 22000.0 (2.00) | **15000.0** (1.58) | 0.682 |" in text
 
 
+class _HostGone(Exception):
+    """A host taken back in the middle of a search."""
+
+
+def test_a_cut_mixed_batch_search_keeps_its_finished_points_and_layers_finish_it(monkeypatch, tmp_path):
+    """The search writes each point to its results and the table as it finishes: when the host goes away mid-search
+    the finished points stay, and --layers searches the projections left, adding to the same table."""
+    import json
+    import types
+
+    import torch
+
+    import bench.kernels.harness as harness
+
+    search = _planted_search(monkeypatch, lambda c, adapters: 10.0 + adapters * (0.5 if c.shrink.split_k == 4 else 1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CLI's GPU parts, for a CPU run
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(name="Test GPU"))
+    monkeypatch.setattr(harness, "copy_bandwidth_gbs", lambda: 1.0)
+    timed, real_point = [], search.search_point
+
+    def cut_after(points):
+        def point(*args):
+            if len(timed) == points:
+                raise _HostGone
+            timed.append(args[:2])
+            return real_point(*args)
+
+        return point
+
+    table_file = tmp_path / "table.json"
+    table_file.write_text(PlanTable("Test GPU", 132, {}, {}).to_json())
+    args = ["--tp", "4", "--width", "8", "--tokens", "16,32", "--adapters", "1,12", "--write-table", str(table_file)]
+    monkeypatch.setattr(search, "search_point", cut_after(3))
+    with pytest.raises(_HostGone):
+        search.main([*args, "--out", str(tmp_path / "cut")])
+    rows = json.loads((tmp_path / "cut" / "mixed_batch_plans.json").read_text())["rows"]
+    assert [(r["layer"], r["tokens"]) for r in rows] == [("qkv_proj", 16), ("qkv_proj", 32), ("o_proj", 16)]
+    table = load(str(table_file))
+    qkv, o_proj = "out=1536 hidden=4096 width=8 slices=3", "out=4096 hidden=1024 width=8 slices=1"
+    assert [r.from_tokens for r in table.prefill[qkv]] == [1, 17, 33, 65]
+    assert [r.from_tokens for r in table.prefill[o_proj]] == [1, 17, 65]  # its 32-token bracket was not reached
+    assert table.prefill[qkv][1].shrink.split_k == 4
+
+    timed.clear()
+    monkeypatch.setattr(search, "search_point", cut_after(99))
+    assert search.main([*args, "--layers", "o_proj,down_proj", "--out", str(tmp_path / "rest")]) == 0
+    assert [name for name, _ in timed] == ["o_proj", "o_proj", "down_proj", "down_proj"]
+    table = load(str(table_file))
+    assert [r.from_tokens for r in table.prefill[o_proj]] == [1, 17, 33, 65]
+    assert "out=4096 hidden=3584 width=8 slices=1" in table.prefill  # down_proj searched
+    assert "out=7168 hidden=4096 width=8 slices=2" not in table.prefill  # gate_up_proj not picked
+    assert [r.from_tokens for r in table.prefill[qkv]] == [1, 17, 33, 65]  # the first run's points stay
+    with pytest.raises(SystemExit):
+        search.main([*args, "--layers", "o_proj,lm_head", "--out", str(tmp_path / "bad")])
+
+
 def replace_start(r: PrefillRange, start: int) -> PrefillRange:
     return PrefillRange(start, r.shrink, r.expand, r.delta_first)

@@ -11,7 +11,10 @@ launch with the lowest mean time relative to the table's current launch, provide
 with the current launch by more than --min-gain.
 
     python -m bench.kernels.mixed_batch_plans --tp 4 --width 8 --tokens 16,32,64 --adapters 1,4,12 \\
-        --out DIR [--write-table]
+        --out DIR [--write-table] [--layers gate_up_proj,down_proj]
+
+Each layer-and-bracket point is written to the results and the table as it finishes: a search cut short keeps
+what it finished, and --layers searches the rest.
 
 The search goes a kernel at a time: shrinks under the table's expand, then expands (in place, and delta first in
 packed layers; a tile per adapter's rows, or mixed tiles) after the best shrink, then shrinks again under the best
@@ -43,6 +46,7 @@ from bench.kernels.harness import (
     report_start,
     update_plan_table,
     write_report,
+    write_results,
 )
 from vllm_bdlora.kernels.plans import (
     DECODE_MAX_TOKENS,
@@ -55,6 +59,8 @@ from vllm_bdlora.kernels.plans import (
 # The decode brackets a search writes a range for: batches up to 16, 32 and 64 tokens (the one-launch kernel's
 # row tiles, which CUDA-graph batch sizes fill).
 BRACKET_ENDS = ROW_TILES
+# The projections a search may pick (--layers), in the order it searches them
+LAYER_NAMES = tuple(name for name, _, _ in layers(1))
 
 
 @dataclass(frozen=True)
@@ -272,22 +278,42 @@ def main(argv=None) -> int:
                    "per-decoder-layer ratios' reference)")  # fmt: skip
     p.add_argument("--slots", type=int, help="LoRA slots of every layer, a server's --max-loras (default: the most "
                    "adapters of --adapters)")  # fmt: skip
+    p.add_argument("--layers", default=",".join(LAYER_NAMES),
+                   help="the projections to search, comma-separated (default: all four), e.g. to finish a search "
+                   "that a host's time limit cut short")  # fmt: skip
     add_write_table_arguments(p, "the search", "each searched layer's chosen launch for its decode bracket")
-    started = kernel_bench_cli(p, argv, report, "mixed_batch_plans")
+
+    def checked(args):  # before the GPU is asked for, so that a dry run on CPU catches a bad command line
+        tokens = [int(t) for t in args.tokens.split(",")]
+        if max(tokens) > DECODE_MAX_TOKENS or len({bracket(t) for t in tokens}) < len(tokens):
+            p.error(
+                f"--tokens: at most one batch size per decode bracket ({BRACKET_ENDS}), none over {DECODE_MAX_TOKENS}"
+            )
+        unknown = sorted(set(args.layers.split(",")) - set(LAYER_NAMES))
+        if unknown:
+            p.error(f"--layers: no projection {', '.join(unknown)}; choose from {', '.join(LAYER_NAMES)}")
+        return report, "mixed_batch_plans"
+
+    started = kernel_bench_cli(p, argv, report, "mixed_batch_plans", kind=checked)
     if started is None:
         return 0
     args, copy_gbs, _, _ = started
     counts = [int(a) for a in args.adapters.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
-    if max(tokens) > DECODE_MAX_TOKENS or len({bracket(t) for t in tokens}) < len(tokens):
-        p.error(f"--tokens: at most one batch size per decode bracket ({BRACKET_ENDS}), none over {DECODE_MAX_TOKENS}")
     slots = args.slots or max(counts)
-    rows = [search_point(name, k, heights, t, counts, args.width, slots, args.tp, args.min_gain)
-            for name, k, heights in layers(args.tp) for t in tokens]  # fmt: skip
-    status = finish(args.out, "mixed_batch_plans", rows, copy_gbs, report)
-    if args.write_table is not None:
-        update_plan_table(args.write_table, lambda table: write_decode_ranges(rows, table))
-    return status
+    picked = args.layers.split(",")
+    rows = []
+    for name, k, heights in layers(args.tp):
+        if name not in picked:
+            continue
+        for t in tokens:
+            rows.append(search_point(name, k, heights, t, counts, args.width, slots, args.tp, args.min_gain))
+            # Kept point by point: a search cut short (a host's time limit) keeps what it finished, in its results
+            # and in the table, and --layers can finish the rest
+            write_results(args.out, "mixed_batch_plans", rows, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
+            if args.write_table is not None:
+                update_plan_table(args.write_table, lambda table, row=rows[-1]: write_decode_ranges([row], table))
+    return finish(args.out, "mixed_batch_plans", rows, copy_gbs, report)
 
 
 if __name__ == "__main__":
