@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     if pinned:  # the CUDA context and the host allocator set up before either way is timed
         torch.empty(1, dtype=torch.uint8, pin_memory=True)
     nbytes = image_bytes(SHAPES[args.shape], args.tp, args.width)
-    memory = ImageMemory(nbytes, pinned)
+    memory = ImageMemory(nbytes, torch.device("cuda", torch.cuda.current_device()) if pinned else None)
     ways = {
         "one pinned block per image": time_way(per_image_blocks(nbytes, pinned), args.images),
         "regions of shared slabs": time_way(memory.take, args.images),

@@ -21,7 +21,7 @@ def test_slabs_hold_whole_regions_and_less_than_a_slab_beyond_the_images():
         size = slab_size(region)
         assert size % region == 0 and size >= region
         assert size <= max(SLAB_BYTES, region)  # an image larger than a slab has a slab of its own
-    memory = ImageMemory(20 * MIB + 1, pinned=False)
+    memory = ImageMemory(20 * MIB + 1)
     assert memory.region_bytes == 20 * MIB + PAGE
     for images in range(1, 8):  # what is held beyond the images' regions: less than one slab, never a region
         while memory.held_bytes < images * memory.region_bytes:
@@ -31,7 +31,7 @@ def test_slabs_hold_whole_regions_and_less_than_a_slab_beyond_the_images():
 
 def test_a_region_is_free_again_only_when_its_last_view_is_gone_and_is_reused_after_the_fills():
     waits = []
-    memory = ImageMemory(300_000, pinned=False, before_reuse=lambda: waits.append(1))
+    memory = ImageMemory(300_000, before_reuse=lambda: waits.append(1))
     per_slab = memory.slab_bytes // memory.region_bytes
     regions = [memory.take() for _ in range(per_slab)]
     assert memory.held_bytes == memory.slab_bytes and memory.free_regions == 0 and waits == []
@@ -65,7 +65,7 @@ def test_pinned_slabs_are_page_locked_exactly_unlocked_when_dropped_and_a_refusa
             return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", Runtime)
-    memory = ImageMemory(20 * MIB + 1, pinned=True)
+    memory = ImageMemory(20 * MIB + 1, torch.device("cuda"))
     region = memory.take()
     ((address, nbytes, flags),) = calls
     assert address == region.data_ptr() and address % PAGE == 0  # the slab's start: its first region
@@ -86,7 +86,7 @@ def test_pinned_slabs_are_page_locked_exactly_unlocked_when_dropped_and_a_refusa
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked host memory needs a CUDA GPU")
 def test_regions_are_page_locked_and_copy_to_the_gpu_as_written():
-    memory = ImageMemory(3 * MIB + 100, pinned=True)
+    memory = ImageMemory(3 * MIB + 100, torch.device("cuda"))
     regions = [memory.take() for _ in range(2)]
     assert all(region.is_pinned() for region in regions)  # CUDA knows the slab as page-locked host memory
     assert memory.held_bytes == memory.slab_bytes  # exactly the regions asked for, no power-of-two rounding
@@ -99,7 +99,7 @@ def test_regions_are_page_locked_and_copy_to_the_gpu_as_written():
     del memory, regions
     gc.collect()  # unlocked and unmapped: the next slabs may be mapped at the same addresses and lock again
     for _ in range(3):
-        again = ImageMemory(3 * MIB + 100, pinned=True, device=torch.device("cuda", torch.cuda.current_device()))
+        again = ImageMemory(3 * MIB + 100, torch.device("cuda", torch.cuda.current_device()))
         assert again.take().is_pinned()
         del again
         gc.collect()

@@ -45,14 +45,15 @@ def slab_size(region_bytes: int, slab_bytes: int = SLAB_BYTES) -> int:
     return max(1, slab_bytes // region_bytes) * region_bytes
 
 
-def host_memory(nbytes: int, pinned: bool, device: torch.device | None = None) -> np.ndarray:
-    """`nbytes` of page-aligned host memory (uint8, zero), page-locked for CUDA copies where `pinned`, through the
-    context of `device` (the worker's GPU: a thread's current device is the first GPU unless it was set, and
-    registering there would open a context on another worker's GPU). Mapped here rather than taken from PyTorch,
-    whose pinned blocks are rounded up to a power of two; the mapping lives as long as the array."""
+def host_memory(nbytes: int, device: torch.device | None = None) -> np.ndarray:
+    """`nbytes` of page-aligned host memory (uint8, zero), page-locked for CUDA copies where `device` is a GPU (the
+    one the memory is copied to), through that GPU's context: a thread's current device is the first GPU unless it
+    was set, and registering there would open a context on another worker's GPU (a GPU without an index: the
+    thread's current one). Mapped here rather than taken from PyTorch, whose pinned blocks are rounded up to a power
+    of two; the mapping lives as long as the array."""
     # private, as malloc's large blocks are: a process forked later does not share the adapters' pages
     array = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
-    if pinned:
+    if pins(device):
         address = array.ctypes.data
         with _context_of(device):
             error = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))
@@ -72,20 +73,23 @@ def _unlock(address: int, device: torch.device | None) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
+def pins(device: torch.device | None) -> bool:
+    """Whether memory copied to `device` is page-locked: where the copy is to a GPU, so that it can be asynchronous."""
+    return device is not None and device.type == "cuda"
+
+
 def _context_of(device: torch.device | None):
-    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
+    return contextlib.nullcontext() if device is None or device.index is None else torch.cuda.device(device)
 
 
 class ImageMemory:
-    """Regions of `region_bytes` (rounded up to a page) of host memory, pinned where `pinned` (through `device`'s
-    context: the GPU the regions are copied to); `before_reuse()` runs before a region that held an image is handed
-    out again."""
+    """Regions of `region_bytes` (rounded up to a page) of host memory for copies to `device`: page-locked where it
+    is a GPU (`host_memory`); `before_reuse()` runs before a region that held an image is handed out again."""
 
-    def __init__(self, region_bytes: int, pinned: bool, before_reuse: Callable[[], None] | None = None,
-                 device: torch.device | None = None):  # fmt: skip
+    def __init__(self, region_bytes: int, device: torch.device | None = None,
+                 before_reuse: Callable[[], None] | None = None):  # fmt: skip
         self.region_bytes = -(-region_bytes // PAGE) * PAGE
         self.slab_bytes = slab_size(self.region_bytes)
-        self.pinned = pinned
         self.device = device
         self.before_reuse = before_reuse
         self._slabs: list = []  # NumPy arrays over the slabs' mappings, which they keep alive
@@ -121,7 +125,7 @@ class ImageMemory:
     def _grow(self) -> tuple[int, int]:
         """A new slab; its first region for the caller, the rest free. Allocated outside any lock the finalizers
         take (they take none): pinning a slab takes tens of milliseconds, other admissions keep taking regions."""
-        memory = host_memory(self.slab_bytes, self.pinned, self.device)
+        memory = host_memory(self.slab_bytes, self.device)
         with self._growing:
             self._slabs.append(memory)
             slab = len(self._slabs) - 1

@@ -243,9 +243,8 @@ class SlotArena:
         with self._memories_made:
             memory = self._memories.get(width)
             if memory is None:
-                memory = self._memories[width] = ImageMemory(self.image_bytes(width), pinned=self.factors.is_cuda,
-                                                             before_reuse=self.wait_for_fills,
-                                                             device=self.factors.device)  # fmt: skip
+                memory = self._memories[width] = ImageMemory(self.image_bytes(width), self.factors.device,
+                                                             before_reuse=self.wait_for_fills)  # fmt: skip
             return memory
 
     # -- an admission thread ------------------------------------------------------------------------------------
