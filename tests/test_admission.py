@@ -42,7 +42,7 @@ from vllm_bdlora.adapter_lifecycle.files import (
     open_adapter,
 )
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter
-from vllm_bdlora.adapter_lifecycle.store import AdapterStore, StoreFull
+from vllm_bdlora.adapter_lifecycle.store import ADMISSIONS_READING, AdapterStore, StoreFull
 from vllm_bdlora.adapter_lifecycle.values import (
     ESTIMATE_MARGIN,
     MAX_GAIN,
@@ -425,6 +425,7 @@ def test_a_spilled_adapter_is_read_back_ahead_of_the_step_and_a_load_meanwhile_w
     timings = []
     assert store.restore_ahead([1, 2, 9], timings.append) == [1]  # only the spilled one is read back
     assert reading.wait(10) and store.needs_restore(1)
+    assert ADMISSIONS_READING.any()  # the worker's queue reader leaves the interpreter lock to it, as to admissions
     assert store.restore_ahead([1]) == [1]  # already under way: still not in memory, and not read a second time
     assert store.reading_back([1, 2, 9]) == [1]
     got = []

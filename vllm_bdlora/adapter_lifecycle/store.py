@@ -40,9 +40,10 @@ logger = logging.getLogger("vllm.bdlora")
 
 
 class ReadingThreads:
-    """How many threads of this process are admitting adapters now, every store of the process together. While any
-    is and the engine runs no steps, the process's reader of vLLM's message queue waits for a message rather than
-    spinning for one (`worker.wait_for_engine_message`), so that it does not take the interpreter lock from them."""
+    """How many threads of this process are admitting adapters or reading spilled ones back ahead of their step now,
+    every store of the process together. While any is and the engine runs no steps, the process's reader of vLLM's
+    message queue waits for a message rather than spinning for one (`worker.wait_for_engine_message`), so that it
+    does not take the interpreter lock from them."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -287,7 +288,9 @@ class AdapterStore:
     def _restore_in_background(self, adapter_id: int, done: threading.Event, record) -> None:
         started = time.perf_counter()
         try:
-            if self._restore(adapter_id, wait_for_others=False) is not None:
+            with ADMISSIONS_READING.reading():  # a thread of adapter reads, as an admission's (worker's queue reader)
+                restored = self._restore(adapter_id, wait_for_others=False)
+            if restored is not None:
                 with self._lock:
                     self._awaiting_step[adapter_id] = time.monotonic() + self.named_kept_s
                 self._enforce_budget(keep=adapter_id)

@@ -356,10 +356,11 @@ def wait_for_engine_message(condition, timeout_ms, wait: Callable):
     check again, holding the interpreter lock for each check. On a worker's main thread the engine core's admission
     polls (every `engine.TICK_SECONDS`) kept it spinning for as long as adapters were read, and the admission threads
     then waited for the lock after every tensor operation that released it: each stage of an admission cost 2-3x what
-    it costs alone (`bench/admission_stages.py`). While this process admits adapters, the busy-loop window counts
-    from the last engine step instead of the last message: a serving engine's steps keep the reader spinning, as vLLM
-    means it to (each step's message would otherwise wait for the reader to wake), and an engine that only polls
-    admissions lets it take vLLM's own idle path: wait on the queue's notification socket, without the lock."""
+    it costs alone (`bench/admission_stages.py`). While this process admits adapters (or reads spilled ones back),
+    the busy-loop window counts from the last engine step instead of the last message: a serving engine's steps keep
+    the reader spinning, as vLLM means it to (each step's message would otherwise wait for the reader to wake), and
+    an engine that only polls admissions lets it take vLLM's own idle path: wait on the queue's notification socket,
+    without the lock."""
     if not ADMISSIONS_READING.any() or STEPS.since() <= condition.busy_loop_s:
         return wait(condition, timeout_ms)
     condition.last_read = float("-inf")

@@ -351,9 +351,10 @@ PATCHES: tuple[Patch, ...] = (
         "sched_yield, check), taking the interpreter lock for each check; the engine core's admission polls keep "
         "it spinning while adapters are read, and the worker's admission threads, which need the same lock after "
         "every tensor operation, ran each stage 2-3x slower than alone.",
-        how="While a thread of the process admits an adapter (store.ADMISSIONS_READING) and no engine step ran "
-        "within vLLM's busy-loop window (a serving engine's steps keep it spinning), SpinCondition.wait takes vLLM's "
-        "own idle path (adapter_lifecycle.worker.wait_for_engine_message): it waits on the queue's notification "
+        how="While a thread of the process admits an adapter or reads a spilled one back (store.ADMISSIONS_READING) "
+        "and no engine step ran within vLLM's busy-loop window (a serving engine's steps keep it spinning), "
+        "SpinCondition.wait takes vLLM's own idle path (adapter_lifecycle.worker.wait_for_engine_message): it waits "
+        "on the queue's notification "
         "socket, which the writer pings after every message, without the lock, re-reading the queue every "
         "millisecond.",
         removal="vLLM's reader waiting without the interpreter lock (a C spin loop that releases it, or an option "
