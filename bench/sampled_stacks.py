@@ -35,19 +35,21 @@ def recording(pid: int, prefix: str):
     """py-spy records of process `pid` and its children while the block runs: PREFIX-all.txt, PREFIX-gil.txt."""
     if shutil.which("py-spy") is None:
         raise RuntimeError("py-spy is not installed: pip install py-spy (or leave the profile option off)")
-    samplers = [subprocess.Popen(record_command(pid, f"{prefix}-{view}.txt", args), stdout=subprocess.DEVNULL,
-                                 stderr=open(f"{prefix}-{view}.log", "w"))  # fmt: skip
-                for view, args in VIEWS.items()]  # fmt: skip
-    try:
-        yield
-    finally:
-        for sampler in samplers:
-            sampler.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted
-        for sampler in samplers:
-            try:
-                sampler.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                sampler.kill()
+    with contextlib.ExitStack() as logs:  # py-spy's own messages, one log per sampler, closed once it has exited
+        samplers = [subprocess.Popen(record_command(pid, f"{prefix}-{view}.txt", args), stdout=subprocess.DEVNULL,
+                                     stderr=logs.enter_context(open(f"{prefix}-{view}.log", "w")))  # fmt: skip
+                    for view, args in VIEWS.items()]  # fmt: skip
+        try:
+            yield
+        finally:
+            for sampler in samplers:
+                sampler.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted
+            for sampler in samplers:
+                try:
+                    sampler.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    sampler.kill()
+                    sampler.wait()
 
 
 def owner_of(frames: list[str]) -> tuple[str, int]:

@@ -2,9 +2,11 @@
 small end-to-end sweep on CPU (the same code path the GPU sweeps take)."""
 
 import csv
+import gc
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -192,6 +194,52 @@ def test_profiled_servers_write_their_tables_beside_the_results(tmp_path):
     assert "--profiler-config" not in unprofiled
     with pytest.raises(SystemExit):
         parse_args(["--out", "x", "--profile-concurrency", "64", "--load-generator", "llmperf"])
+
+
+def test_load_profiles_record_each_view_and_close_the_samplers_logs(tmp_path, monkeypatch):
+    """`sampled_stacks.recording` runs one sampler per view around the block, stops each with SIGINT (on which py-spy
+    writes its file) and closes the logs of their messages. A stand-in sampler takes py-spy's place: same command
+    line, same signal."""
+    import subprocess
+    import sys
+    import warnings
+
+    from bench import sampled_stacks
+
+    sampler = tmp_path / "sampler.py"
+    sampler.write_text(
+        "import signal, sys, time\n"
+        "out = sys.argv[sys.argv.index('--output') + 1]\n"
+        "def stop(*_):\n"
+        "    open(out, 'w').write('process 1:\"python\";thread (1): main;f (m.py:1) 3\\n')\n"
+        "    print('stopped', file=sys.stderr)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGINT, stop)\n"
+        "print('sampling', file=sys.stderr, flush=True)\n"
+        "while True: time.sleep(0.01)\n"
+    )
+    monkeypatch.setattr(sampled_stacks.shutil, "which", lambda name: "/stand-in/" + name)
+    monkeypatch.setattr(sampled_stacks, "record_command",
+                        lambda pid, path, args: [sys.executable, str(sampler), "--output", path, *args])  # fmt: skip
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    prefix = str(tmp_path / "load-profile")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with sampled_stacks.recording(target.pid, prefix):
+                logs = [tmp_path / f"load-profile-{view}.log" for view in sampled_stacks.VIEWS]
+                deadline = time.monotonic() + 60  # each sampler has its handler in place once it says so
+                while not all(log.exists() and "sampling" in log.read_text() for log in logs):
+                    assert time.monotonic() < deadline, "the stand-in samplers never started"
+                    time.sleep(0.05)
+            gc.collect()
+    finally:
+        target.kill()
+        target.wait()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]  # every log was closed
+    for view in sampled_stacks.VIEWS:
+        assert sampled_stacks.read_stacks(f"{prefix}-{view}.txt") == {"python / main": {("f (m.py:1)",): 3}}
+        assert (tmp_path / f"load-profile-{view}.log").read_text().split() == ["sampling", "stopped"]
 
 
 @pytest.mark.engine
