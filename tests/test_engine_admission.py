@@ -146,6 +146,29 @@ def test_a_load_is_answered_later_while_the_engine_goes_on():
     assert answer.result() is True and workers.added == [7] and 7 in admissions.ready
 
 
+def test_the_ticker_and_the_stores_starters_end_when_idle_and_start_again(monkeypatch):
+    """Neither the engine's admission ticker nor a store's thread starter outlives its work by long: idle, each ends
+    (so an engine or store that is gone leaves no thread holding it), and the next admission starts them again."""
+    from vllm_bdlora.adapter_lifecycle import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "TICKER_IDLE_S", 1.0)
+    core, workers, admissions = engine()
+    for store in workers.stores:
+        store._threads.idle_s = 1.0
+    for adapter_id in (7, 8):  # the second admission after both had ended
+        answer = admissions.admit(lora(adapter_id))
+        admissions.poll()  # begun on every rank: each store's starter starts the read
+        threads = [admissions._thread, *(store._threads._starter for store in workers.stores)]
+        assert all(thread is not None for thread in threads)
+        poll_until(admissions, answer.done)
+        assert answer.result() is True and adapter_id in admissions.ready
+        for thread in threads:
+            thread.join(10)
+            assert not thread.is_alive()
+        assert admissions._thread is None and all(store._threads._starter is None for store in workers.stores)
+    assert workers.added == [7, 8]
+
+
 def test_one_ranks_refusal_refuses_the_adapter_on_every_rank():
     _, workers, admissions = engine()
     workers.reads[(0, 3)] = AdapterRejected("ad3", ["model.layers.0.mlp.up_proj: lora_B holds NaN or Inf"])

@@ -72,6 +72,9 @@ logger = logging.getLogger("vllm.bdlora")
 
 ADMISSION_TICK = "bdlora-admission-tick"  # an input-queue request type no vLLM request has
 TICK_SECONDS = 0.01
+# The ticker ends after this long with nothing to tick for (the next admission starts another), so that an engine
+# that is gone is not kept alive by it, nor an idle thread per engine a process made.
+TICKER_IDLE_S = 30.0
 GENERATION_ATTRIBUTE = "_bdlora_adapter_generation"  # set on vLLM's engine-side Request when it is first hashed
 
 
@@ -140,6 +143,7 @@ class EngineAdmissions:
         self._wake = threading.Event()
         self._tick_queued = False
         self._thread: threading.Thread | None = None
+        self._ticker_lock = threading.Lock()  # the ticker's start against its end
         self.timeline = AdmissionTimeline()
 
     _creation = threading.Lock()  # the engine core's input thread asks too (`key_blocks_by_admission`)
@@ -436,14 +440,20 @@ class EngineAdmissions:
         return bool(self.pending or self.removals or self.reading_back)
 
     def _start_ticking(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._tick_loop, name="bdlora-admission-ticker", daemon=True)
-            self._thread.start()
-        self._wake.set()
+        with self._ticker_lock:
+            self._wake.set()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._tick_loop, name="bdlora-admission-ticker", daemon=True)
+                self._thread.start()
 
     def _tick_loop(self) -> None:
         while True:
-            self._wake.wait()
+            if not self._wake.wait(TICKER_IDLE_S):
+                with self._ticker_lock:  # a start that set the wake before this takes the lock is seen here
+                    if not self._wake.is_set():
+                        self._thread = None
+                        return
+                continue
             self._wake.clear()
             while self._busy():
                 if not self._tick_queued:

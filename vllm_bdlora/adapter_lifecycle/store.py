@@ -72,10 +72,12 @@ class ThreadStarter:
     each of which can wait up to Python's switch interval while admission threads read. The caller here is the
     worker's main thread answering the engine core (a begin, a read-back ahead of a step), which the engine loop waits
     for: on one H200 a begin took 9.6-12.8 ms while one thread read. So it hands the thread over to a starter thread
-    of the store's, made at the first start, and returns at once."""
+    of the store's, made at the first start, and returns at once. The starter ends after `idle_s` with nothing to
+    start (the next start makes another), so that a store that is gone leaves no idle thread behind."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, idle_s: float = 60.0):
         self.name = name
+        self.idle_s = idle_s
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._starter: threading.Thread | None = None
@@ -89,7 +91,13 @@ class ThreadStarter:
 
     def _start_pending(self) -> None:
         while True:
-            self._pending.get().start()
+            try:
+                self._pending.get(timeout=self.idle_s).start()
+            except queue.Empty:
+                with self._lock:  # a thread put before this check is started here; one put after, by a new starter
+                    if self._pending.empty():
+                        self._starter = None
+                        return
 
 
 class StoreFull(RuntimeError):
