@@ -202,6 +202,16 @@ def run_spec(engine: Engine, spec: dict) -> dict:
                 result["errors"][name] = None
             except Exception as e:  # the message is what the test checks
                 result["errors"][name] = f"{type(e).__name__}: {e}"
+    if spec.get("request_errors"):
+        # a request is the first to name each of these adapters: its generate call must fail with the refusal, and
+        # the requests below still run (the engine must not wait for the refused request)
+        result["request_errors"] = {}
+        for name in spec["request_errors"]:
+            try:
+                generate([{"adapter": name, "prompt_token_ids": [5, 6, 7, 8]}], 2)
+                result["request_errors"][name] = None
+            except Exception as e:  # the message is what the test checks
+                result["request_errors"][name] = f"{type(e).__name__}: {e}"
     if spec.get("load_first"):
         # add_lora for each adapter, as load requests do, before any request names them: which GPU slots they took
         loads = [lora(name) for name in spec["load_first"]]

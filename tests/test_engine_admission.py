@@ -24,7 +24,7 @@ from vllm_bdlora.adapter_lifecycle.calls import (
     RestoreAhead,
     Unknown,
 )
-from vllm_bdlora.adapter_lifecycle.engine import ADMISSION_TICK, EngineAdmissions
+from vllm_bdlora.adapter_lifecycle.engine import ADMISSION_TICK, EngineAdmissions, admit_before_request
 from vllm_bdlora.adapter_lifecycle.read_and_cut import AdmittedAdapter
 from vllm_bdlora.adapter_lifecycle.store import AdapterStore
 from vllm_bdlora.adapters import AdapterLoadFailure, AdapterRejected
@@ -274,6 +274,29 @@ def test_an_in_process_engine_waits_for_its_admissions():
     workers.reads[(1, 15)] = AdapterRejected("ad15", ["x: bad"])
     with pytest.raises(RuntimeError, match="'ad15'"):
         admissions.admit(lora(15))
+
+
+def test_an_in_process_request_admits_its_adapter_before_it_is_registered():
+    """vLLM's in-process client (`client.engine_core`): a request naming an adapter the engine has not admitted
+    admits it first; once admitted, its requests admit nothing more; a refusal raises, naming the adapter, before the
+    request exists anywhere. A multiprocess engine core holds such requests itself instead."""
+    core, workers, admissions = engine(multiprocess=False)
+    client = SimpleNamespace(engine_core=core)
+    admit_before_request(client, lora(16))
+    assert workers.added == [16] and 16 in admissions.ready
+    calls = len(workers.calls)
+    admit_before_request(client, lora(16))
+    admit_before_request(client, None)
+    assert len(workers.calls) == calls
+    core.add_request(SimpleNamespace(request_id="r1", lora_request=lora(16), client_index=0))
+    assert core.scheduled == ["r1"]
+    workers.reads[(1, 17)] = AdapterRejected("ad17", ["adapter_model.safetensors: lora_A of q_proj is 64 wide"])
+    with pytest.raises(RuntimeError, match=r"(?s)'ad17'.*adapter_model.safetensors"):
+        admit_before_request(client, lora(17))
+    assert 17 not in admissions.ready and all(17 not in store.ids() for store in workers.stores)
+    mp_core, mp_workers, _ = engine()
+    admit_before_request(SimpleNamespace(engine_core=mp_core), lora(18))
+    assert mp_workers.calls == []
 
 
 def test_a_burst_of_admissions_logs_where_the_engine_loops_time_went(caplog):

@@ -21,14 +21,20 @@ from tests.conftest import (
 _cache: dict = {}
 
 
+# an adapter of `error_adapters` that only a request names (its generate call must fail, not the engine)
+NAMED_BY_REQUEST = "bd64_bad_shape_named_by_request"
+
+
 def bd_engine_run(tp, assets, prompts, tmp_path_factory, error_adapters=None):
     key = ("bd", tp)
     if key not in _cache:
+        by_request = {NAMED_BY_REQUEST: error_adapters["bd64_bad_shape"]} if error_adapters else {}
         spec = batch_spec(
             engine_kwargs(assets["model"], tp, bdlora=True),
-            {name: assets[name] for name in ADAPTERS} | (error_adapters or {}),
+            {name: assets[name] for name in ADAPTERS} | (error_adapters or {}) | by_request,
             prompts,
             expect_errors=sorted(error_adapters or {}),
+            request_errors=sorted(by_request),
             count_collectives=[None, "bd64"] if tp > 1 else [],
         )
         result = run_engine(spec, tmp_path_factory.mktemp(f"bd_tp{tp}"))
@@ -77,7 +83,10 @@ def test_bd_tp2_matches_peft_and_rejects_bad_adapters(
     assert "nblocks=4" in errors["bd64_wrong_nblocks"]
     for message in errors.values():
         assert "LoRA adapter rejected" in message
-    # The requests ran after the rejected loads: the engine and the other adapters kept serving.
+    # A request that first named a bad adapter failed its own generate call with the refusal.
+    message = result["request_errors"][NAMED_BY_REQUEST]
+    assert f"LoRA adapter rejected: '{NAMED_BY_REQUEST}'" in message and "layers.1.self_attn.q_proj" in message
+    # The requests ran after the rejected loads and request: the engine and the other adapters kept serving.
     assert_matches_reference(result, peft_reference)
 
 

@@ -86,6 +86,10 @@ PATCH_TESTS = {
     "failed_generations_name_their_adapter": [
         "test_isolation.py::test_an_adapter_overflowing_float16_ends_its_request_alone_on_a_server"
     ],
+    "in_process_requests_admit_first": [
+        "test_engine_admission.py::test_an_in_process_request_admits_its_adapter_before_it_is_registered",
+        "test_engine_vs_peft.py::test_bd_tp2_matches_peft_and_rejects_bad_adapters",
+    ],
     "prefix_cache_keyed_by_admission": [
         "test_server_guards.py::test_a_reload_at_the_same_name_and_path_never_answers_from_the_old_weights_kv"
     ],

@@ -15,7 +15,10 @@ returns stops the whole engine. With BD-LoRA on, the engine core instead:
   rank forgets the adapter. The engine keeps stepping meanwhile.
 * `hold`: a request naming an adapter the engine has not admitted (the Python API's `generate(...,
   lora_request=...)`) is held back while its adapter is admitted the same way, then handed to the scheduler; the
-  others run meanwhile. If the adapter is refused the request is aborted and the refusal logged.
+  others run meanwhile. If the adapter is refused the request is aborted and the refusal logged. An engine core in
+  the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) has nothing to tick its polls and no channel to abort
+  through: there the request's adapter is admitted before vLLM registers the request (`admit_before_request`), and
+  a refusal raises from the call that named it.
 * `restore_ahead`: a request naming an admitted adapter none of whose requests the scheduler holds asks every worker
   to read it back into memory, off the step, if the worker spilled it to disk (an adapter with requests in the
   scheduler is in a GPU slot or kept in memory for their step), or, where it is in host memory, to copy it into a
@@ -192,8 +195,8 @@ class EngineAdmissions:
             return False
         if lora.lora_int_id in self.ready:
             return self._held_for_read_back(request, wave)
-        if not self.defers:
-            return False
+        if not self.defers:  # in-process: `admit_before_request` admitted it, unless it did not come through vLLM's
+            return False  # LLMEngine; then its step reads it, as vLLM does
         pending = self.pending.get(lora.lora_int_id) or self._enqueue(lora)
         pending.held.append((request, wave))
         self._start_ticking()
@@ -517,6 +520,21 @@ def preprocess_add_request(core, request, original: Callable):
     if admissions is not None:
         admissions.key_blocks_by_admission()
     return original(request)
+
+
+def admit_before_request(client, lora_request) -> None:
+    """A request for an engine core in this process (vLLM's in-process client, `client.engine_core`): its adapter is
+    admitted first, as a load is, if the engine has not admitted it; a refusal raises here, before vLLM registers
+    the request. vLLM reads such an adapter inside the step that runs the request instead: a refusal raised out of
+    that step with the request still registered, and every later `generate` of the engine waited for it forever.
+    Admitted, the adapter's later requests are read back and filled ahead of their step as any admitted adapter's."""
+    core = getattr(client, "engine_core", None)
+    if lora_request is None or core is None or not hasattr(core, "model_executor"):
+        return
+    admissions = EngineAdmissions.of(core)
+    if admissions is None or admissions.defers or lora_request.lora_int_id in admissions.ready:
+        return
+    admissions.admit(lora_request)
 
 
 def add_lora_on_every_rank(executor, lora_request) -> bool:

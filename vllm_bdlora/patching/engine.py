@@ -67,6 +67,27 @@ def patch_engine_core_admission() -> bool:
     return any(changed)
 
 
+def patch_in_process_requests_admit_first() -> bool:
+    """With BD-LoRA on and the engine core in the caller's process, a request's adapter is admitted before vLLM
+    registers the request, so that a refused adapter fails the call that named it and the engine goes on."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_bdlora.adapter_lifecycle import engine as engine_side
+
+    require_parameters(LLMEngine.add_request, ("request_id", "prompt", "params", "arrival_time", "lora_request"),
+                       "LLMEngine.add_request")  # fmt: skip
+
+    def make_add_request(original):
+        def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None, *args, **kwargs):
+            # a prepared EngineCoreRequest (deprecated by vLLM, still accepted) carries its own adapter
+            engine_side.admit_before_request(self.engine_core, getattr(prompt, "lora_request", lora_request))
+            return original(self, request_id, prompt, params, arrival_time, lora_request, *args, **kwargs)
+
+        return add_request
+
+    return wrap_method(LLMEngine, "add_request", make_add_request)
+
+
 def patch_prefix_cache_keyed_by_admission() -> bool:
     """With BD-LoRA on, an adapter's cached KV blocks are keyed by its admission too, not only its name and path."""
     from vllm.v1.engine.core import EngineCore

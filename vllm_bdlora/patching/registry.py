@@ -9,6 +9,7 @@ from vllm_bdlora.patching.engine import (
     patch_engine_core_adapter_stats,
     patch_engine_core_admission,
     patch_engine_core_answers_pings,
+    patch_in_process_requests_admit_first,
     patch_prefix_cache_keyed_by_admission,
     patch_scheduler_ends_non_finite_requests,
     patch_scheduler_lora_holds,
@@ -200,6 +201,22 @@ PATCHES: tuple[Patch, ...] = (
         "(aborted if it is refused); remove_lora waits until no request of the adapter is left.",
         removal="vLLM loading adapters off the engine's step (vLLM #31941, #41785) and unloading them in the engine.",
         apply=patch_engine_core_admission,
+    ),
+    Patch(
+        name="in_process_requests_admit_first",
+        targets=("vllm.v1.engine.llm_engine.LLMEngine.add_request",),
+        stage="plugin",
+        versions="0.26-0.33 (the caller's process, engine core in it: VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+        why="An engine core in the caller's process reads an adapter first named by a request inside the step that "
+        "runs it: a refused adapter raised out of that step with the request still registered, and every later "
+        "generate() of the engine waited for that request forever. Its adapters never joined the admitted ones, "
+        "so their later requests were not read back or filled ahead of their step.",
+        how="With BD-LoRA on, LLMEngine.add_request first admits the request's adapter as a load does, if the "
+        "engine has not (vllm_bdlora.adapter_lifecycle.engine.admit_before_request); a refusal raises, naming the "
+        "adapter, its file and the fix, before vLLM registers the request. A multiprocess engine core holds such "
+        "requests itself (engine_core_admission).",
+        removal="vLLM admitting adapters off the step and failing a request whose adapter is refused.",
+        apply=patch_in_process_requests_admit_first,
     ),
     Patch(
         name="prefix_cache_keyed_by_admission",
