@@ -586,8 +586,8 @@ def test_dead_engine_turns_health_to_503_and_exits_non_zero(server, roots):
     worker = next(p for p in processes if "Worker_TP1" in " ".join(p.cmdline()))
     worker.kill()
     killed = time.monotonic()
-    # Sent while the engine core still waits on the dead worker (9 s on CPU): the load reaches the engine
-    # core, which dies without answering it.
+    # Sent while the engine core notices the dead worker: it reaches the engine core just before or after the
+    # executor's failure notice (see the end).
     load = {"lora_name": "std16-late", "lora_path": str(inside / "std16")}
     loader = threading.Thread(target=post, args=("load", "/v1/load_lora_adapter", load))
     loader.start()
@@ -601,5 +601,11 @@ def test_dead_engine_turns_health_to_503_and_exits_non_zero(server, roots):
     assert isinstance(answers["load"], requests.Response) and answers["load"].status_code >= 500, answers["load"]
     assert proc.wait(timeout=60) == 1
     log = log_path.read_text()[log_start:]
-    assert "the engine died" in log and "call(s) waiting on the dead engine" in log
+    assert "the engine died" in log
+    # The load is answered one of two ways, by the order in which the engine core's input queue got it and the
+    # executor's failure notice (the executor marks itself failed, shuts its workers down, then posts the notice):
+    # a load taken before the notice fails in the engine core (its call to the workers finds the executor failed);
+    # one behind it is left waiting when the engine core dies, and the server answers it.
+    if "Invocation of add_lora method failed" not in log:
+        assert "call(s) waiting on the dead engine" in log
     assert "did not stop within" not in log  # the orderly stop, not the deadline, ended it
