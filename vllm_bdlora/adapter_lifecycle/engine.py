@@ -529,7 +529,7 @@ def admit_before_request(client, lora_request) -> None:
     that step with the request still registered, and every later `generate` of the engine waited for it forever.
     Admitted, the adapter's later requests are read back and filled ahead of their step as any admitted adapter's."""
     core = getattr(client, "engine_core", None)
-    if lora_request is None or core is None or not hasattr(core, "model_executor"):
+    if lora_request is None or core is None:
         return
     admissions = EngineAdmissions.of(core)
     if admissions is None or admissions.defers or lora_request.lora_int_id in admissions.ready:
