@@ -106,11 +106,14 @@ def main(argv=None) -> None:
     parser.add_argument("--images", type=int, default=24)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    pinned = torch.cuda.is_available()
+    # The GPU the images are copied to, as a worker's: ImageMemory page-locks its slabs for a GPU only, and the
+    # per-image blocks follow the same rule
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    pinned = device is not None
     if pinned:  # the CUDA context and the host allocator set up before either way is timed
         torch.empty(1, dtype=torch.uint8, pin_memory=True)
     nbytes = image_bytes(SHAPES[args.shape], args.tp, args.width)
-    memory = ImageMemory(nbytes, torch.device("cuda", torch.cuda.current_device()) if pinned else None)
+    memory = ImageMemory(nbytes, device)
     ways = {
         "one pinned block per image": time_way(per_image_blocks(nbytes, pinned), args.images),
         "regions of shared slabs": time_way(memory.take, args.images),
