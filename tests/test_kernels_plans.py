@@ -311,6 +311,41 @@ def test_the_prefill_search_replaces_the_range_holding_the_timed_batch():
     assert ranges[0] == default_prefill_ranges(6144, 4096, 128, 3)[0] and "0.8 -> 0.5 ms" in said[0]
 
 
+def test_the_prefill_search_takes_one_pair_good_at_every_count_of_a_range():
+    """Rows at 1,024 and 4,096 tokens fall in one range: the pair of lowest mean time over the default's wins, not
+    the last count's best, and a pair slower than the default at either count by more than --min-gain is never
+    chosen; with no pair saving more than --min-gain on the mean, the range stays."""
+    from bench.kernels.fused_lora import write_prefill_table
+    from vllm_bdlora.kernels.plans import prefill_key
+
+    def pair(shrink_k, expand_n, ms):
+        return {"ms": ms, "shrink": {"block_m": 64, "block_n": 16, "block_k": shrink_k, "split_k": 1, "num_warps": 4,
+                                     "num_stages": 3},
+                "expand": {"block_m": 64, "block_n": expand_n, "block_k": 16, "split_k": 1, "num_warps": 4,
+                           "num_stages": 2}}  # fmt: skip
+
+    def row(tokens, default, times):  # times: (shrink_k, expand_n) -> ms, every pair timed at this count
+        timed = sorted((pair(*launch, ms) for launch, ms in times.items()), key=lambda p: p["ms"])
+        return {"N": 4096, "K": 4096, "width": 16, "slices": 1, "tokens": tokens, "pairs_default_ms": default,
+                "pairs_top5": timed[:5], "pairs_all": timed}  # fmt: skip
+
+    fast_at_4096_only = (64, 256)  # 0.8x at 4,096 tokens, 1.05x at 1,024
+    good_at_both = (128, 128)  # 0.92x at both
+    rows = [row(1024, 1.0, {fast_at_4096_only: 1.05, good_at_both: 0.92, (32, 64): 0.99}),
+            row(4096, 4.0, {fast_at_4096_only: 3.2, good_at_both: 3.68, (32, 64): 3.9})]  # fmt: skip
+    table = PlanTable("Test GPU", 132, {}, {})
+    said = write_prefill_table(rows, table, 0.02)
+    chosen = table.prefill[prefill_key(4096, 4096, 16, 1)][-1]
+    assert (chosen.shrink.block_k, chosen.expand.block_n) == good_at_both
+    assert len(said) == 1 and "1024 tokens 1.0 -> 0.92 ms, 4096 tokens 4.0 -> 3.68 ms" in said[0]
+
+    table = PlanTable("Test GPU", 132, {}, {})
+    no_pair_saves = [row(1024, 1.0, {fast_at_4096_only: 1.05, (32, 64): 0.99}),
+                     row(4096, 4.0, {fast_at_4096_only: 3.2, (32, 64): 3.96})]  # fmt: skip
+    write_prefill_table(no_pair_saves, table, 0.02)
+    assert table.prefill[prefill_key(4096, 4096, 16, 1)] == default_prefill_ranges(4096, 4096, 16, 1)
+
+
 def _planted_search(monkeypatch, ms_of):
     """bench.kernels.mixed_batch_plans' search with its GPU parts replaced: layers are labels, each candidate's time
     at an adapter count is ms_of(candidate, adapters), the current launch is the structural default's."""

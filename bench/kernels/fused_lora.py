@@ -624,31 +624,61 @@ def main(argv=None) -> int:
 
 
 def write_prefill_table(rows, table, min_gain: float) -> list[str]:
-    """Update a plan table's prefill ranges from --pairs rows: where a layer's fastest pair beats the table's
-    launches (the default pair) at a token count by more than `min_gain`, it replaces the shrink and expand of the
-    range holding that count (the range's delta-first choice kept). A layer the table lacks gets the structural
-    default's ranges first. Returns a line per row saying what happened."""
+    """Update a plan table's prefill ranges from --pairs rows. The rows of a layer whose token counts fall in one
+    range choose one pair for it together: of the pairs timed at every such count, the one of lowest mean time
+    relative to the table's launches (the default pair), none of its counts slower than those by more than
+    `min_gain`; it replaces the range's shrink and expand (its delta-first choice kept) where that mean saves more
+    than `min_gain`. So a range searched at 1,024 and 4,096 tokens takes a pair good at both, not the last count's
+    best. Other ranges stay; a layer the table lacks gets the structural default's ranges first. Returns a line per
+    range saying what happened."""
     from dataclasses import replace
 
     from vllm_bdlora.kernels.plans import LaunchConfig, default_prefill_ranges, prefill_key
 
-    said = []
+    groups: dict = {}
     for r in rows:
         if "pairs_top5" not in r:
             continue
         key = prefill_key(r["N"], r["K"], r["width"], r["slices"])
-        ranges = list(table.prefill.get(key) or default_prefill_ranges(r["N"], r["K"], r["width"], r["slices"]))
-        best, default = r["pairs_top5"][0], r["pairs_default_ms"]
-        if best["ms"] >= default * (1 - min_gain):
-            said.append(f"{key}, {r['tokens']} tokens: kept ({default} ms; best {best['ms']} ms)")
-            table.prefill[key] = tuple(ranges)
+        if key not in table.prefill:
+            table.prefill[key] = tuple(default_prefill_ranges(r["N"], r["K"], r["width"], r["slices"]))
+        index = max(i for i, rng in enumerate(table.prefill[key]) if rng.from_tokens <= r["tokens"])
+        groups.setdefault((key, index), []).append(r)
+    said = []
+    for (key, index), group in groups.items():
+        relative = shared_pair_times(group)
+        allowed = {pair: sum(times) / len(times) for pair, times in relative.items() if max(times) <= 1 + min_gain}
+        best = min(allowed, key=allowed.get, default=None)
+        ranges = list(table.prefill[key])
+        counts = ", ".join(f"{r['tokens']} tokens" for r in group)
+        if best is None or allowed[best] >= 1 - min_gain:
+            defaults = ", ".join(f"{r['pairs_default_ms']} ms" for r in group)
+            said.append(f"{key}, range from {ranges[index].from_tokens} tokens: kept at {counts} ({defaults})")
             continue
-        index = max(i for i, rng in enumerate(ranges) if rng.from_tokens <= r["tokens"])
-        ranges[index] = replace(ranges[index], shrink=LaunchConfig(**best["shrink"]),
-                                expand=LaunchConfig(**best["expand"]))  # fmt: skip
+        shrink, expand = (dict(items) for items in best)
+        ranges[index] = replace(ranges[index], shrink=LaunchConfig(**shrink), expand=LaunchConfig(**expand))
         table.prefill[key] = tuple(ranges)
-        said.append(f"{key}, range from {ranges[index].from_tokens} tokens: {default} -> {best['ms']} ms")
+        times = ", ".join(f"{r['tokens']} tokens {r['pairs_default_ms']} -> {pair_ms(r, best)} ms" for r in group)
+        said.append(f"{key}, range from {ranges[index].from_tokens} tokens: {times}")
     return said
+
+
+def pair_key(pair: dict) -> tuple:
+    """A timed pair's launches as a hashable key: (shrink items, expand items)."""
+    return tuple(sorted(pair["shrink"].items())), tuple(sorted(pair["expand"].items()))
+
+
+def pair_ms(row: dict, key: tuple) -> float:
+    """The time of the pair `key` in a --pairs row."""
+    return next(p["ms"] for p in row.get("pairs_all") or row["pairs_top5"] if pair_key(p) == key)
+
+
+def shared_pair_times(group: list) -> dict:
+    """Per pair timed in every row of `group` (all pairs where rows keep them, else the five best), its times over
+    each row's default pair's, in row order."""
+    timed = [{pair_key(p): p["ms"] for p in r.get("pairs_all") or r["pairs_top5"]} for r in group]
+    shared = [pair for pair in timed[0] if all(pair in t for t in timed[1:])]  # the first row's order: ties repeatable
+    return {pair: [t[pair] / r["pairs_default_ms"] for t, r in zip(timed, group, strict=True)] for pair in shared}
 
 
 if __name__ == "__main__":
