@@ -156,9 +156,10 @@ def shrink_step(columns: int) -> int:
     return max(16, min(128, 8192 // next_power_of_2(columns)))
 
 
-# The largest row tile of layers with several LoRA slots. Measured when the finish took a turn per adapter (mixing
-# 12 adapters in 16 tokens, 1.40x the three kernels' time per decoder layer on an H100); `bench.kernels.decode_lora
-# --multi-slot-tile` times larger ones.
+# The largest row tile of layers with several LoRA slots. With each row gathering its adapter's B, tiles of 32 and 64
+# rows still lose to the three kernels at every adapter count (0.70-0.93x their speed per decoder layer on an H100:
+# the kernel's GEMV alone takes most of their time; bench/results/kernels/multi-slot-tiles-tp4-h100);
+# `bench.kernels.decode_lora --multi-slot-tile` times larger ones.
 MULTI_SLOT_MAX_TILE = ROW_TILES[0]
 
 
