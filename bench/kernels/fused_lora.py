@@ -587,7 +587,12 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", action="store_true",
                    help="also time GEMM-first prefill (over 64 tokens) at every pairing of a few shrink and expand "
                    "configurations (pairs_* columns)")  # fmt: skip
-    add_write_table_arguments(p, "--pairs", "each layer's fastest pair, in the token range holding the batch size,")
+    add_write_table_arguments(
+        p,
+        "--pairs",
+        "per layer and token range, the pair of lowest mean time over the range's "
+        "timed batch sizes (none finding it slower by more than --min-gain),",
+    )
 
     def kind(args):
         if args.write_table is not None and not args.pairs:
