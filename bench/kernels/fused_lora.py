@@ -28,6 +28,7 @@ import triton
 
 from bench.kernels.harness import (
     add_write_table_arguments,
+    choose,
     finish,
     kernel_bench_cli,
     report_start,
@@ -651,39 +652,39 @@ def write_prefill_table(rows, table, min_gain: float) -> list[str]:
         groups.setdefault((key, index), []).append(r)
     said = []
     for (key, index), group in groups.items():
-        relative = shared_pair_times(group)
-        allowed = {pair: sum(times) / len(times) for pair, times in relative.items() if max(times) <= 1 + min_gain}
-        best = min(allowed, key=allowed.get, default=None)
+        timed = range_pair_times(group)
+        best = choose(timed, CURRENT_LAUNCHES, min_gain)
         ranges = list(table.prefill[key])
-        counts = ", ".join(f"{r['tokens']} tokens" for r in group)
-        if best is None or allowed[best] >= 1 - min_gain:
-            defaults = ", ".join(f"{r['pairs_default_ms']} ms" for r in group)
-            said.append(f"{key}, range from {ranges[index].from_tokens} tokens: kept at {counts} ({defaults})")
+        if best == CURRENT_LAUNCHES:
+            kept = ", ".join(f"{r['tokens']} tokens {r['pairs_default_ms']} ms" for r in group)
+            said.append(f"{key}, range from {ranges[index].from_tokens} tokens: kept ({kept})")
             continue
         shrink, expand = (dict(items) for items in best)
         ranges[index] = replace(ranges[index], shrink=LaunchConfig(**shrink), expand=LaunchConfig(**expand))
         table.prefill[key] = tuple(ranges)
-        times = ", ".join(f"{r['tokens']} tokens {r['pairs_default_ms']} -> {pair_ms(r, best)} ms" for r in group)
+        times = ", ".join(f"{t} tokens {timed[CURRENT_LAUNCHES][t]} -> {ms} ms" for t, ms in timed[best].items())
         said.append(f"{key}, range from {ranges[index].from_tokens} tokens: {times}")
     return said
+
+
+# The key of the table's launches (the default pair) among a range's timed pairs.
+CURRENT_LAUNCHES = "current"
+
+
+def range_pair_times(group: list) -> dict:
+    """The pairs of a range's --pairs rows as `harness.choose` takes them: pair -> {token count: ms, None where that
+    row did not keep it} (every pair where rows keep them all, else the five best), the table's launches first, then
+    the pairs in the first row's order, so ties break the same way every run."""
+    kept = [{pair_key(p): p["ms"] for p in r.get("pairs_all") or r["pairs_top5"]} for r in group]
+    timed = {CURRENT_LAUNCHES: {r["tokens"]: r["pairs_default_ms"] for r in group}}
+    for pair in kept[0]:
+        timed[pair] = {r["tokens"]: times.get(pair) for r, times in zip(group, kept, strict=True)}
+    return timed
 
 
 def pair_key(pair: dict) -> tuple:
     """A timed pair's launches as a hashable key: (shrink items, expand items)."""
     return tuple(sorted(pair["shrink"].items())), tuple(sorted(pair["expand"].items()))
-
-
-def pair_ms(row: dict, key: tuple) -> float:
-    """The time of the pair `key` in a --pairs row."""
-    return next(p["ms"] for p in row.get("pairs_all") or row["pairs_top5"] if pair_key(p) == key)
-
-
-def shared_pair_times(group: list) -> dict:
-    """Per pair timed in every row of `group` (all pairs where rows keep them, else the five best), its times over
-    each row's default pair's, in row order."""
-    timed = [{pair_key(p): p["ms"] for p in r.get("pairs_all") or r["pairs_top5"]} for r in group]
-    shared = [pair for pair in timed[0] if all(pair in t for t in timed[1:])]  # the first row's order: ties repeatable
-    return {pair: [t[pair] / r["pairs_default_ms"] for t, r in zip(timed, group, strict=True)] for pair in shared}
 
 
 if __name__ == "__main__":

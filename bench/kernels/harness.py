@@ -156,6 +156,24 @@ def add_write_table_arguments(parser, search_flag: str, what: str) -> None:
                              "(default 0.02)")  # fmt: skip
 
 
+def relative_times(timed: dict, current) -> dict:
+    """candidate -> {point: its time over the current launch's}, for candidates timed at every point (an adapter
+    count, a token count): what the plan searches rank candidates by."""
+    base = timed[current]
+    return {c: {a: ms / base[a] for a, ms in times.items()} for c, times in timed.items()
+            if all(ms is not None for ms in times.values())}  # fmt: skip
+
+
+def choose(timed: dict, current, min_gain: float):
+    """The candidate of lowest mean relative time among those no point of which is slower than the current launch
+    by more than `min_gain` (the current launch where none saves more than `min_gain` on the mean). `timed`:
+    candidate -> {point: ms, None where not timed}, the current launch's entry included."""
+    relative = relative_times(timed, current)
+    allowed = {c: statistics.mean(r.values()) for c, r in relative.items() if max(r.values()) <= 1 + min_gain}
+    best = min(allowed, key=allowed.get)
+    return best if allowed[best] < 1 - min_gain else current
+
+
 def update_plan_table(path: str | None, update) -> None:
     """Read the plan table at `path` (by default this GPU's in vllm_bdlora/kernels/configs; a new, empty one where
     none exists), let `update(table)` change it and return a line per key it looked at, print those, write it back."""

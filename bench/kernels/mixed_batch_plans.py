@@ -41,8 +41,10 @@ from bench.kernels.fused_lora import (
 )
 from bench.kernels.harness import (
     add_write_table_arguments,
+    choose,
     finish,
     kernel_bench_cli,
+    relative_times,
     report_start,
     update_plan_table,
     write_report,
@@ -132,22 +134,6 @@ def time_candidates(layers_by_adapters: dict, wants: dict, candidates: list[Cand
     for c in fresh:
         timed[c] = {adapters: checked_ms(candidate_path(layer, c), wants[adapters], f"{c.label()}, {adapters} adapters")
                     for adapters, layer in layers_by_adapters.items()}  # fmt: skip
-
-
-def relative_times(timed: dict, current: Candidate) -> dict:
-    """candidate -> {adapters: its time over the current launch's}, for candidates timed at every adapter count."""
-    base = timed[current]
-    return {c: {a: ms / base[a] for a, ms in times.items()} for c, times in timed.items()
-            if all(ms is not None for ms in times.values())}  # fmt: skip
-
-
-def choose(timed: dict, current: Candidate, min_gain: float) -> Candidate:
-    """The candidate of lowest mean relative time among those no adapter count of which is slower than the current
-    launch by more than `min_gain` (the current launch where none saves more than `min_gain` on the mean)."""
-    relative = relative_times(timed, current)
-    allowed = {c: statistics.mean(r.values()) for c, r in relative.items() if max(r.values()) <= 1 + min_gain}
-    best = min(allowed, key=allowed.get)
-    return best if allowed[best] < 1 - min_gain else current
 
 
 def search_point(name, k, heights, tokens, adapter_counts, width, slots, tp, min_gain) -> dict:
