@@ -254,14 +254,19 @@ def report(json_path: str) -> str:
     return write_report(json_path, "mixed_batch_plans", lines)
 
 
+def comma_ints(text: str) -> list[int]:
+    """A comma-separated list of integers (argparse's `type`: a malformed one is a usage error)."""
+    return [int(part) for part in text.split(",")]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=4, help="Llama-3.1-8B per-GPU layer shapes at this TP")
     p.add_argument("--width", type=int, default=8, help="per-GPU LoRA width (BD r' / TP; 8 = r'=32 at TP=4)")
-    p.add_argument("--tokens", default="16,32,64", help=f"batch sizes, one per decode bracket (up to "
-                   f"{DECODE_MAX_TOKENS})")  # fmt: skip
-    p.add_argument("--adapters", default="1,4,12", help="adapters per batch the launch must serve (the first is the "
-                   "per-decoder-layer ratios' reference)")  # fmt: skip
+    p.add_argument("--tokens", type=comma_ints, default="16,32,64",
+                   help=f"batch sizes, one per decode bracket (up to {DECODE_MAX_TOKENS})")  # fmt: skip
+    p.add_argument("--adapters", type=comma_ints, default="1,4,12", help="adapters per batch the launch must serve "
+                   "(the first is the per-decoder-layer ratios' reference)")  # fmt: skip
     p.add_argument("--slots", type=int, help="LoRA slots of every layer, a server's --max-loras (default: the most "
                    "adapters of --adapters)")  # fmt: skip
     p.add_argument("--layers", default=",".join(LAYER_NAMES),
@@ -270,7 +275,7 @@ def main(argv=None) -> int:
     add_write_table_arguments(p, "the search", "each searched layer's chosen launch for its decode bracket")
 
     def checked(args):  # before the GPU is asked for, so that a dry run on CPU catches a bad command line
-        tokens = [int(t) for t in args.tokens.split(",")]
+        tokens = args.tokens
         if max(tokens) > DECODE_MAX_TOKENS or len({bracket(t) for t in tokens}) < len(tokens):
             p.error(
                 f"--tokens: at most one batch size per decode bracket ({BRACKET_ENDS}), none over {DECODE_MAX_TOKENS}"
@@ -284,8 +289,7 @@ def main(argv=None) -> int:
     if started is None:
         return 0
     args, copy_gbs, _, _ = started
-    counts = [int(a) for a in args.adapters.split(",")]
-    tokens = [int(t) for t in args.tokens.split(",")]
+    counts, tokens = args.adapters, args.tokens
     slots = args.slots or max(counts)
     picked = args.layers.split(",")
     rows = []
