@@ -371,9 +371,8 @@ PATCHES: tuple[Patch, ...] = (
         how="While a thread of the process admits an adapter or reads a spilled one back (store.ADMISSIONS_READING) "
         "and no engine step ran within vLLM's busy-loop window (a serving engine's steps keep it spinning), "
         "SpinCondition.wait takes vLLM's own idle path (adapter_lifecycle.worker.wait_for_engine_message): it waits "
-        "on the queue's notification "
-        "socket, which the writer pings after every message, without the lock, re-reading the queue every "
-        "millisecond.",
+        "on the queue's notification socket, which the writer pings after every message, without the lock, "
+        "re-reading the queue every millisecond.",
         removal="vLLM's reader waiting without the interpreter lock (a C spin loop that releases it, or an option "
         "to shorten the busy loop), or admission leaving the worker process.",
         apply=patch_message_queue_waits_while_admitting,
