@@ -346,6 +346,61 @@ def test_the_prefill_search_takes_one_pair_good_at_every_count_of_a_range():
     assert table.prefill[prefill_key(4096, 4096, 16, 1)] == default_prefill_ranges(4096, 4096, 16, 1)
 
 
+def test_the_prefill_search_decides_on_its_confirming_rounds_not_the_sweep():
+    """A pair the sweep timed 11% faster than the table's launches, which the confirming rounds time the same, leaves
+    the range as it was; a pair the confirming rounds time faster at both counts replaces it, and a pair confirmed at
+    one count only never competes."""
+    from bench.kernels.fused_lora import write_prefill_table
+    from vllm_bdlora.kernels.plans import prefill_key
+
+    def pair(shrink_k, ms):
+        return {"ms": ms, "shrink": {"block_m": 64, "block_n": 16, "block_k": shrink_k, "split_k": 1, "num_warps": 4,
+                                     "num_stages": 3},
+                "expand": {"block_m": 64, "block_n": 128, "block_k": 16, "split_k": 1, "num_warps": 4,
+                           "num_stages": 2}}  # fmt: skip
+
+    def row(tokens, sweep, confirmed):  # shrink block_k -> ms, the table's launches as "current"
+        return {"N": 4096, "K": 4096, "width": 16, "slices": 1, "tokens": tokens,
+                "pairs_default_ms": sweep.pop("current"), "pairs_all": [pair(k, ms) for k, ms in sweep.items()],
+                "pairs_top5": [], "pairs_default_confirmed_ms": confirmed.pop("current"),
+                "pairs_confirmed": [pair(k, ms) for k, ms in confirmed.items()]}  # fmt: skip
+
+    lucky, real, once = 32, 128, 256  # shrink block_k of three pairs
+    rows = [row(1024, {"current": 1.0, lucky: 0.89, real: 0.97}, {"current": 0.97, lucky: 0.97, real: 0.97}),
+            row(4096, {"current": 4.0, lucky: 3.56, real: 3.9}, {"current": 3.9, lucky: 3.9, real: 3.9})]  # fmt: skip
+    table = PlanTable("Test GPU", 132, {}, {})
+    said = write_prefill_table(rows, table, 0.02)
+    assert table.prefill[prefill_key(4096, 4096, 16, 1)] == default_prefill_ranges(4096, 4096, 16, 1)
+    assert "kept (1024 tokens 0.97 ms, 4096 tokens 3.9 ms)" in said[0]
+
+    rows = [row(1024, {"current": 1.0, lucky: 0.89, real: 0.97}, {"current": 1.0, real: 0.95, once: 0.5}),
+            row(4096, {"current": 4.0, lucky: 3.56, real: 3.9}, {"current": 4.0, real: 3.8, lucky: 3.9})]  # fmt: skip
+    said = write_prefill_table(rows, table, 0.02)
+    chosen = table.prefill[prefill_key(4096, 4096, 16, 1)][-1]
+    assert chosen.shrink.block_k == real and "1024 tokens 1.0 -> 0.95 ms, 4096 tokens 4.0 -> 3.8 ms" in said[0]
+
+
+def test_confirming_rounds_alternate_their_order_and_take_each_pairs_median(monkeypatch):
+    """`confirm_pairs` times every pair once a round, every other round in reverse order, and reports the median of
+    a pair's rounds: a pair timed first in a drifting run is not charged the drift alone."""
+    import bench.kernels.fused_lora as fused_lora
+
+    calls = []
+
+    def time_cuda(fn, **_):
+        calls.append(fn())
+        return {"median_ms": {"a": 1.0, "b": 2.0, "c": 3.0}[fn()] + 0.1 * len(calls)}  # drifting upwards
+
+    monkeypatch.setattr(fused_lora, "time_cuda", time_cuda)
+    pairs = [{"shrink": {"block_k": n}, "expand": {}} for n in (1, 2, 3)]
+    names = {1: "a", 2: "b", 3: "c"}
+    confirmed = fused_lora.confirm_pairs(lambda p: lambda: names[p["shrink"]["block_k"]], pairs, rounds=3)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert [c["ms_rounds"] for c in confirmed] == [[1.1, 1.6, 1.7], [2.2, 2.5, 2.8], [3.3, 3.4, 3.9]]
+    assert [c["ms"] for c in confirmed] == [1.6, 2.5, 3.4]
+    assert [c["shrink"] for c in confirmed] == [p["shrink"] for p in pairs]
+
+
 def _planted_search(monkeypatch, ms_of):
     """bench.kernels.mixed_batch_plans' search with its GPU parts replaced: layers are labels, each candidate's time
     at an adapter count is ms_of(candidate, adapters), the current launch is the structural default's."""
@@ -472,3 +527,36 @@ def test_a_cut_mixed_batch_search_keeps_its_finished_points_and_layers_finish_it
 
 def replace_start(r: PrefillRange, start: int) -> PrefillRange:
     return PrefillRange(start, r.shrink, r.expand, r.delta_first)
+
+
+def test_the_pairs_sweep_confirms_the_tables_pair_and_its_fastest_challengers(monkeypatch):
+    """`pairs_point`: every pairing is swept, then the table's pair (first in the sweep, whatever its time) and the
+    CONFIRM_PAIRS fastest others are timed again; the row reports the table's pair's confirming time apart."""
+    import torch
+
+    import bench.kernels.fused_lora as fused_lora
+    import vllm_bdlora.kernels.plans as plans
+
+    monkeypatch.setattr(plans, "cuda_table", lambda device: None)  # no GPU here: the interpreter's table
+    layer = {"widths": torch.zeros(1), "weight": torch.zeros(4096, 1)}
+    shrinks, expands = fused_lora.pair_candidates(1024, 4096, 16, 1, 4096)
+
+    def sweep_ms(shrink, expand):  # the table's pair (both defaults) sweeps slowest, the others in sweep order
+        if (shrink, expand) == (shrinks[0], expands[0]):
+            return 2.0
+        return 1.0 + 0.01 * (shrinks.index(shrink) + len(shrinks) * expands.index(expand))
+
+    monkeypatch.setattr(fused_lora, "fused_paths", lambda layer, shrink, expand: [(shrink, expand)])
+    monkeypatch.setattr(fused_lora, "checked_ms", lambda path, want, label: sweep_ms(*path))
+    again = []
+
+    def confirm(path_of, pairs, rounds=fused_lora.CONFIRM_ROUNDS):
+        again.extend(path_of(p) for p in pairs)
+        return [{**p, "ms": 1.5 if i == 0 else 1.4, "ms_rounds": []} for i, p in enumerate(pairs)]
+
+    monkeypatch.setattr(fused_lora, "confirm_pairs", confirm)
+    row = fused_lora.pairs_point(layer, None, 1024, 4096, 16)
+    assert len(row["pairs_all"]) == len(shrinks) * len(expands) and row["pairs_default_ms"] == 2.0
+    fastest = sorted((sweep_ms(s, e), (s, e)) for s in shrinks for e in expands if (s, e) != (shrinks[0], expands[0]))
+    assert again == [(shrinks[0], expands[0])] + [pair for _, pair in fastest[: fused_lora.CONFIRM_PAIRS]]
+    assert row["pairs_default_confirmed_ms"] == 1.5 and len(row["pairs_confirmed"]) == fused_lora.CONFIRM_PAIRS + 1
