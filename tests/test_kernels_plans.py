@@ -380,25 +380,24 @@ def test_the_prefill_search_decides_on_its_confirming_rounds_not_the_sweep():
     assert chosen.shrink.block_k == real and "1024 tokens 1.0 -> 0.95 ms, 4096 tokens 4.0 -> 3.8 ms" in said[0]
 
 
-def test_confirming_rounds_alternate_their_order_and_take_each_pairs_median(monkeypatch):
-    """`confirm_pairs` times every pair once a round, every other round in reverse order, and reports the median of
-    a pair's rounds: a pair timed first in a drifting run is not charged the drift alone."""
-    import bench.kernels.fused_lora as fused_lora
+def test_confirming_rounds_alternate_their_order_and_take_each_candidates_median():
+    """`harness.confirm` times every candidate at every point once a round, every other round in reverse order, and
+    `medians` takes each one's median: a candidate timed first in a drifting run is not charged the drift alone."""
+    from bench.kernels.harness import confirm, medians
 
     calls = []
 
-    def time_cuda(fn, **_):
-        calls.append(fn())
-        return {"median_ms": {"a": 1.0, "b": 2.0, "c": 3.0}[fn()] + 0.1 * len(calls)}  # drifting upwards
+    def time_at(candidate, point):
+        calls.append((candidate, point))
+        return {"a": 1.0, "b": 2.0, "c": 3.0}[candidate] * point + 0.1 * len(calls)  # drifting upwards
 
-    monkeypatch.setattr(fused_lora, "time_cuda", time_cuda)
-    pairs = [{"shrink": {"block_k": n}, "expand": {}} for n in (1, 2, 3)]
-    names = {1: "a", 2: "b", 3: "c"}
-    confirmed = fused_lora.confirm_pairs(lambda p: lambda: names[p["shrink"]["block_k"]], pairs, rounds=3)
-    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
-    assert [c["ms_rounds"] for c in confirmed] == [[1.1, 1.6, 1.7], [2.2, 2.5, 2.8], [3.3, 3.4, 3.9]]
-    assert [c["ms"] for c in confirmed] == [1.6, 2.5, 3.4]
-    assert [c["shrink"] for c in confirmed] == [p["shrink"] for p in pairs]
+    rounds = confirm(["a", "b", "c"], time_at, [1], rounds=3)
+    assert [c for c, _ in calls] == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert rounds == {"a": {1: [1.1, 1.6, 1.7]}, "b": {1: [2.2, 2.5, 2.8]}, "c": {1: [3.3, 3.4, 3.9]}}
+    assert medians(rounds) == {"a": {1: 1.6}, "b": {1: 2.5}, "c": {1: 3.4}}
+    calls.clear()
+    confirm(["a", "b"], time_at, [1, 4], rounds=2)
+    assert calls == [("a", 1), ("a", 4), ("b", 1), ("b", 4), ("b", 1), ("b", 4), ("a", 1), ("a", 4)]
 
 
 def _planted_search(monkeypatch, ms_of):
@@ -531,11 +530,14 @@ def replace_start(r: PrefillRange, start: int) -> PrefillRange:
 
 def test_the_pairs_sweep_confirms_the_tables_pair_and_its_fastest_challengers(monkeypatch):
     """`pairs_point`: every pairing is swept, then the table's pair (first in the sweep, whatever its time) and the
-    CONFIRM_PAIRS fastest others are timed again; the row reports the table's pair's confirming time apart."""
+    CONFIRM_TOP fastest others are timed again; the row reports the table's pair's confirming time apart."""
+    from dataclasses import asdict
+
     import torch
 
     import bench.kernels.fused_lora as fused_lora
     import vllm_bdlora.kernels.plans as plans
+    from bench.kernels.harness import CONFIRM_TOP, confirm
 
     monkeypatch.setattr(plans, "cuda_table", lambda device: None)  # no GPU here: the interpreter's table
     layer = {"widths": torch.zeros(1), "weight": torch.zeros(4096, 1)}
@@ -548,15 +550,14 @@ def test_the_pairs_sweep_confirms_the_tables_pair_and_its_fastest_challengers(mo
 
     monkeypatch.setattr(fused_lora, "fused_paths", lambda layer, shrink, expand: [(shrink, expand)])
     monkeypatch.setattr(fused_lora, "checked_ms", lambda path, want, label: sweep_ms(*path))
+    monkeypatch.setattr(fused_lora, "graph_ms", lambda path: 1.5 if path == (shrinks[0], expands[0]) else 1.4)
     again = []
-
-    def confirm(path_of, pairs, rounds=fused_lora.CONFIRM_ROUNDS):
-        again.extend(path_of(p) for p in pairs)
-        return [{**p, "ms": 1.5 if i == 0 else 1.4, "ms_rounds": []} for i, p in enumerate(pairs)]
-
-    monkeypatch.setattr(fused_lora, "confirm_pairs", confirm)
+    monkeypatch.setattr(fused_lora, "confirm", lambda keys, time_at, points: again.extend(keys) or
+                        confirm(keys, time_at, points))  # fmt: skip
     row = fused_lora.pairs_point(layer, None, 1024, 4096, 16)
     assert len(row["pairs_all"]) == len(shrinks) * len(expands) and row["pairs_default_ms"] == 2.0
     fastest = sorted((sweep_ms(s, e), (s, e)) for s in shrinks for e in expands if (s, e) != (shrinks[0], expands[0]))
-    assert again == [(shrinks[0], expands[0])] + [pair for _, pair in fastest[: fused_lora.CONFIRM_PAIRS]]
-    assert row["pairs_default_confirmed_ms"] == 1.5 and len(row["pairs_confirmed"]) == fused_lora.CONFIRM_PAIRS + 1
+    expected = [(shrinks[0], expands[0])] + [pair for _, pair in fastest[:CONFIRM_TOP]]
+    assert again == [(tuple(sorted(asdict(s).items())), tuple(sorted(asdict(e).items()))) for s, e in expected]
+    assert row["pairs_default_confirmed_ms"] == 1.5 and len(row["pairs_confirmed"]) == CONFIRM_TOP + 1
+    assert all(p["ms"] == 1.4 and p["ms_rounds"] == [1.4] * 3 for p in row["pairs_confirmed"][:CONFIRM_TOP])

@@ -22,14 +22,18 @@ alternating rounds, the times --write-table decides on. One-adapter batches also
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import asdict
 
 import torch
 import triton
 
 from bench.kernels.harness import (
+    CONFIRM_ROUNDS,
+    CONFIRM_TOP,
     add_write_table_arguments,
     choose,
+    confirm,
     finish,
     kernel_bench_cli,
     report_start,
@@ -261,7 +265,7 @@ def checked_ms(fn, want, label: str) -> float | None:
     except Exception as e:
         print(f"{label}: not timed: {str(e).splitlines()[0][:200]}")
         return None
-    return time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"]
+    return graph_ms(fn)
 
 
 def tune_point(layer, want, tokens, k, width, paths=PATHS) -> dict:
@@ -306,18 +310,10 @@ def pair_candidates(tokens, k, width, slices, out_features):
     return list(dict.fromkeys(shrinks)), list(dict.fromkeys(expands))
 
 
-# A sweep times each of its 36 pairs once, and its fastest time is partly the fastest noise: on an H100 a pair the
-# sweep found 11% faster than the table's launches took the same time in a run of their own. So the table's launches
-# and the sweep's CONFIRM_PAIRS fastest are timed again, CONFIRM_ROUNDS rounds in alternating order, and the table
-# writer decides on those times alone.
-CONFIRM_PAIRS = 8
-CONFIRM_ROUNDS = 3
-
-
 def pairs_point(layer, want, tokens, k, width) -> dict:
     """The in-place (GEMM first) path at every (shrink, expand) pairing of `pair_candidates`, each checked against
     the reference: the default pair's time, the best pair's, the best five, and all; then the default pair and the
-    best CONFIRM_PAIRS timed again (`confirm_pairs`)."""
+    best CONFIRM_TOP others timed again (`harness.confirm`), the times the table writer decides on."""
     shrinks, expands = pair_candidates(tokens, k, width, layer["widths"].shape[0], layer["weight"].shape[0])
     timed = []
     for shrink_cfg in shrinks:
@@ -328,27 +324,21 @@ def pairs_point(layer, want, tokens, k, width) -> dict:
     current = {"shrink": asdict(shrinks[0]), "expand": asdict(expands[0])}
     default = next(t["ms"] for t in timed if pair_key(t) == pair_key(current))
     timed.sort(key=lambda t: t["ms"])
-    challengers = [t for t in timed if pair_key(t) != pair_key(current)][:CONFIRM_PAIRS]
-    confirmed = confirm_pairs(lambda pair: fused_paths(layer, *launches(pair))[0], [current, *challengers])
+    challengers = [t for t in timed if pair_key(t) != pair_key(current)][:CONFIRM_TOP]
+    pairs = {pair_key(t): t for t in [current, *challengers]}  # the table's pair first
+    paths = {key: fused_paths(layer, *launches(pair))[0] for key, pair in pairs.items()}
+    confirmed = confirm(list(pairs), lambda key, _: graph_ms(paths[key]), [tokens])
+    again = [{"ms": round(statistics.median(rounds[tokens]), 5), "ms_rounds": rounds[tokens],
+              "shrink": pairs[key]["shrink"], "expand": pairs[key]["expand"]}
+             for key, rounds in confirmed.items()]  # fmt: skip
     return {"pairs_default_ms": default, "pairs_best_ms": timed[0]["ms"], "pairs_top5": timed[:5],
-            "pairs_all": timed, "pairs_default_confirmed_ms": confirmed[0]["ms"],
-            "pairs_confirmed": sorted(confirmed, key=lambda t: t["ms"])}  # fmt: skip
+            "pairs_all": timed, "pairs_default_confirmed_ms": again[0]["ms"],
+            "pairs_confirmed": sorted(again, key=lambda t: t["ms"])}  # fmt: skip
 
 
-def confirm_pairs(path_of, pairs: list[dict], rounds: int = CONFIRM_ROUNDS) -> list[dict]:
-    """`pairs` (shrink and expand dicts) timed again on `path_of(pair)`, `rounds` rounds, every other round in
-    reverse order, so that drift and position weigh on every pair alike: each pair with "ms", the median of its
-    rounds, and "ms_rounds", in the order given."""
-    import statistics
-
-    paths = [path_of(pair) for pair in pairs]
-    times: list[list[float]] = [[] for _ in pairs]
-    for round_index in range(rounds):
-        order = range(len(pairs)) if round_index % 2 == 0 else reversed(range(len(pairs)))
-        for i in order:
-            times[i].append(round(time_cuda(paths[i], trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"], 5))
-    return [{"ms": round(statistics.median(t), 5), "ms_rounds": t, "shrink": pair["shrink"], "expand": pair["expand"]}
-            for pair, t in zip(pairs, times, strict=True)]  # fmt: skip
+def graph_ms(fn) -> float:
+    """fn's median milliseconds as the searches time their candidates (graph replays)."""
+    return time_cuda(fn, trials=50, graph_repeats=GRAPH_REPEATS)["median_ms"]
 
 
 def launches(pair: dict) -> tuple:
@@ -624,7 +614,7 @@ def main(argv=None) -> int:
     p.add_argument("--paths", help="time only these paths (comma-separated, e.g. layer_op) and the base GEMM")
     p.add_argument("--pairs", action="store_true",
                    help="also time GEMM-first prefill (over 64 tokens) at every pairing of a few shrink and expand "
-                   f"configurations (pairs_* columns), then the table's pair and the {CONFIRM_PAIRS} fastest again, "
+                   f"configurations (pairs_* columns), then the table's pair and the {CONFIRM_TOP} fastest again, "
                    f"{CONFIRM_ROUNDS} rounds in alternating order (pairs_confirmed)")  # fmt: skip
     add_write_table_arguments(
         p,
@@ -712,7 +702,7 @@ CURRENT_LAUNCHES = "current"
 def range_pair_times(group: list) -> dict:
     """The pairs of a range's --pairs rows as `harness.choose` takes them: pair -> {token count: ms, None where that
     row did not keep it}, the table's launches first, then the pairs in the first row's order, so ties break the
-    same way every run. Where every row was confirmed (`confirm_pairs`), the confirming times alone, so a pair
+    same way every run. Where every row was confirmed (`harness.confirm`), the confirming times alone, so a pair
     competes only where it was timed again at every count; else (rows of a search without that pass) every pair's
     sweep time where rows keep them all, or the five best."""
     if all("pairs_confirmed" in r for r in group):
