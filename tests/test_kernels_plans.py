@@ -417,7 +417,28 @@ def _planted_search(monkeypatch, ms_of):
     monkeypatch.setattr(search, "precompile", lambda layers, candidates: None)
     monkeypatch.setattr(search, "candidate_path", lambda layer, c: (c, layer["adapters"]))
     monkeypatch.setattr(search, "checked_ms", lambda path, want, label: ms_of(*path))
+    monkeypatch.setattr(search, "graph_ms", lambda path: ms_of(*path))  # the confirming rounds' timings
     return search
+
+
+def test_the_mixed_batch_search_chooses_on_its_confirming_rounds(monkeypatch):
+    """A launch the search's rounds time 20% faster at every adapter count, but its confirming rounds as fast as the
+    current launch, is not chosen; one the confirming rounds find faster is, with those rounds' times."""
+
+    def lucky_in_rounds(c, adapters):
+        return (10.0 + adapters) * (0.8 if c.expand.block_n == 256 else 1)
+
+    search = _planted_search(monkeypatch, lucky_in_rounds)
+    monkeypatch.setattr(search, "graph_ms", lambda path: 10.0 + path[1])
+    row = search.search_point("o_proj", 1024, (4096,), 16, (1, 12), 8, 12, 4, 0.02)
+    assert row["chosen"] == row["current"] and row["chosen_ms"] == {"1": 11.0, "12": 22.0}
+    assert row["best"][0]["expand"]["block_n"] == 256 and len(row["confirmed"]) == 9
+
+    monkeypatch.setattr(search, "graph_ms", lambda path: lucky_in_rounds(*path))
+    row = search.search_point("o_proj", 1024, (4096,), 16, (1, 12), 8, 12, 4, 0.02)
+    assert row["chosen"]["expand"]["block_n"] == 256 and row["chosen_ms"] == {"1": 8.8, "12": 17.6}
+    assert row["confirmed"][0] == {**row["current"], "ms": {"1": 11.0, "12": 22.0},
+                                   "rounds": {"1": [11.0] * 3, "12": [22.0] * 3}}  # fmt: skip
 
 
 def test_the_mixed_batch_search_keeps_the_launch_best_over_every_adapter_count(monkeypatch, tmp_path):

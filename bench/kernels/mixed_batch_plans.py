@@ -18,10 +18,11 @@ what it finished, and --layers searches the rest.
 
 The search goes a kernel at a time: shrinks under the table's expand, then expands (in place, and delta first in
 packed layers; a tile per adapter's rows, or mixed tiles) after the best shrink, then shrinks again under the best
-expand. Each round's variants compile on
-threads before any is timed, and every candidate is checked against the torch reference before it is timed.
-`mixed_batch_plans.md` gives per layer and per decoder layer the current and the chosen launch's times at each
-adapter count, and the chosen launches.
+expand. Each round's variants compile on threads before any is timed, and every candidate is checked against the
+torch reference before it is timed. The rounds time each candidate once, so they steer the search; the choice is
+made on the current launch and the eight best others timed again, three rounds in alternating order (each one's
+median: `harness.confirm`). `mixed_batch_plans.md` gives per layer and per decoder layer the current and the chosen
+launch's times in those rounds at each adapter count, and the chosen launches.
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ from bench.kernels.fused_lora import (
     checked_ms,
     column_sums,
     fused_paths,
+    graph_ms,
     layers,
     make_layer,
     reference,
     table_launch,
 )
 from bench.kernels.harness import (
+    CONFIRM_TOP,
     add_write_table_arguments,
     choose,
+    confirm,
     finish,
     kernel_bench_cli,
+    medians,
     relative_times,
     report_start,
     update_plan_table,
@@ -157,22 +162,33 @@ def search_point(name, k, heights, tokens, adapter_counts, width, slots, tp, min
             trials = [replace(best, expand=e, delta_first=d) for e in expands for d in orders]
         time_candidates(layers_by_adapters, wants, trials, timed)
         best = choose(timed, current, min_gain)
-    chosen = best  # the last round's choice, over every candidate timed
+    # The rounds steer the search; the choice is made on the current launch and the best others timed again
+    finalists = [current, *[c for c in ranked(timed, current) if c != current][:CONFIRM_TOP]]
+    rounds = confirm(finalists, lambda c, adapters: graph_ms(candidate_path(layers_by_adapters[adapters], c)),
+                     list(adapter_counts))  # fmt: skip
+    again = medians(rounds)
+    chosen = choose(again, current, min_gain)
     row = {"tp": tp, "layer": name, "tokens": tokens, "K": k, "N": sum(heights), "slices": len(heights),
            "width": width, "slots": slots, "adapters": list(adapter_counts),
            "current": _candidate_json(current), "chosen": _candidate_json(chosen),
-           "current_ms": _by_adapters(timed[current]), "chosen_ms": _by_adapters(timed[chosen]),
-           "candidates": len(timed), "best": best_candidates(timed, current)}  # fmt: skip
+           "current_ms": _by_adapters(again[current]), "chosen_ms": _by_adapters(again[chosen]),
+           "candidates": len(timed), "best": best_candidates(timed, current),
+           "confirmed": [{**_candidate_json(c), "ms": _by_adapters(again[c]),
+                          "rounds": {str(a): t for a, t in rounds[c].items()}} for c in finalists]}  # fmt: skip
     print({key: value for key, value in row.items() if key != "best"}, flush=True)
     return row
 
 
-def best_candidates(timed: dict, current: Candidate, keep: int = 5) -> list[dict]:
-    """The `keep` candidates of lowest mean time relative to the current launch, with their times: what the
-    results keep of the search (every candidate's count is in the row's `candidates`)."""
+def ranked(timed: dict, current: Candidate) -> list[Candidate]:
+    """The candidates timed at every adapter count, by mean time relative to the current launch, lowest first."""
     relative = relative_times(timed, current)
-    ranked = sorted(relative, key=lambda c: statistics.mean(relative[c].values()))[:keep]
-    return [{**_candidate_json(c), "ms": _by_adapters(timed[c])} for c in ranked]
+    return sorted(relative, key=lambda c: statistics.mean(relative[c].values()))
+
+
+def best_candidates(timed: dict, current: Candidate, keep: int = 5) -> list[dict]:
+    """The `keep` candidates of lowest mean time relative to the current launch in the search's rounds, with their
+    times: what the results keep of the search (every candidate's count is in the row's `candidates`)."""
+    return [{**_candidate_json(c), "ms": _by_adapters(timed[c])} for c in ranked(timed, current)[:keep]]
 
 
 def _by_adapters(times: dict) -> dict:
