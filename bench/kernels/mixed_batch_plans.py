@@ -242,7 +242,8 @@ def report(json_path: str) -> str:
         f"- layers of {rows[0]['slots'] if rows else '-'} LoRA slots, per-GPU LoRA width "
         f"{rows[0]['width'] if rows else '-'}, Llama-3.1-8B TP={rows[0]['tp'] if rows else '-'} per-GPU shapes, bf16; "
         "tokens dealt round robin over the batch's adapters",
-        "- ms: median of 50 CUDA-event-timed replays of a CUDA graph of 10 calls, per call: the whole layer (cuBLAS "
+        f"- ms: {'the median of three alternated rounds, each the ' if rows and 'confirmed' in rows[0] else ''}"
+        "median of 50 CUDA-event-timed replays of a CUDA graph of 10 calls, per call: the whole layer (cuBLAS "
         "GEMM + routed shrink + fused expand in place, or the expand writing the delta and cuBLAS accumulating onto "
         "it); current = the plan table's launch when the run began, chosen = what the search keeps",
         "",
