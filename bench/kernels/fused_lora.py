@@ -22,7 +22,6 @@ alternating rounds, the times --write-table decides on. One-adapter batches also
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import asdict
 
 import torch
@@ -36,6 +35,7 @@ from bench.kernels.harness import (
     confirm,
     finish,
     kernel_bench_cli,
+    medians,
     report_start,
     time_cuda,
     update_plan_table,
@@ -328,7 +328,8 @@ def pairs_point(layer, want, tokens, k, width) -> dict:
     pairs = {pair_key(t): t for t in [current, *challengers]}  # the table's pair first
     paths = {key: fused_paths(layer, *launches(pair))[0] for key, pair in pairs.items()}
     confirmed = confirm(list(pairs), lambda key, _: graph_ms(paths[key]), [tokens])
-    again = [{"ms": round(statistics.median(rounds[tokens]), 5), "ms_rounds": rounds[tokens],
+    median = medians(confirmed)
+    again = [{"ms": median[key][tokens], "ms_rounds": rounds[tokens],
               "shrink": pairs[key]["shrink"], "expand": pairs[key]["expand"]}
              for key, rounds in confirmed.items()]  # fmt: skip
     return {"pairs_default_ms": default, "pairs_best_ms": timed[0]["ms"], "pairs_top5": timed[:5],
