@@ -212,6 +212,62 @@ def test_the_candidate_search_writes_a_faster_plan_and_keeps_the_entry_within_no
     assert load(path).decode[key.replace("1536", "4096")] == both
 
 
+def test_the_one_launch_plan_search_decides_on_its_confirming_rounds(tmp_path, capsys):
+    """`decode_lora --configs`: the table's plan and the CONFIRM_TOP fastest others are timed again in rounds; a plan
+    lucky in the sweep but no faster in the rounds keeps no place, one confirmed faster takes it, and a plan
+    confirmed at only one of a key's token counts does not compete."""
+    from dataclasses import asdict
+
+    from bench.kernels.decode_lora import confirm_rows, write_table
+    from bench.kernels.harness import CONFIRM_ROUNDS, CONFIRM_TOP, update_plan_table
+    from vllm_bdlora.kernels.plans import make_plan
+
+    path = str(tmp_path / "gpu.json")
+    key = "out=1536 hidden=4096 total_width=96 slots=1 tile=16 adapters=1"
+    plans = [make_plan(1536, 4096, 96, 4, block_n=bn, block_k=bk, stream_k=True, gemv_programs=128)
+             for bn in (32, 64, 128) for bk in (64, 128, 256, 512)]  # fmt: skip
+    table_plan, faster = plans[0], plans[2]  # plans[1]: fastest in the sweep alone
+    with open(path, "w") as f:
+        f.write(PlanTable("Test GPU", 132, {key: table_plan}, {}).to_json())
+
+    def swept(tokens, sweep_us):  # one batch's candidate rows, the table's plan slowest in the sweep
+        return [{"N": 1536, "K": 4096, "width": 32, "slices": 3, "slots": 1, "tile": 16, "adapters": 1,
+                 "tokens": tokens, "default": plan == table_plan, "plan": f"plan {i}", "plan_fields": asdict(plan),
+                 "us": us} for i, (plan, us) in enumerate(zip(plans, sweep_us, strict=True))]  # fmt: skip
+
+    def rounds_time(faster_us):  # the rounds: every plan 10 µs but `faster`
+        calls = []
+
+        def time_us(i):
+            calls.append(i)
+            return faster_us if i == 2 else 10.0
+
+        return time_us, calls
+
+    sweep = [12.0, 8.0, 9.5] + [9.6 + i / 100 for i in range(len(plans) - 3)]  # lucky fastest, 9 under the table's
+    time_us, calls = rounds_time(10.0)
+    rows = confirm_rows(swept(1, sweep), time_us)
+    confirmed = [i for i, r in enumerate(rows) if "confirmed_us" in r]
+    assert confirmed == list(range(1 + CONFIRM_TOP)) and len(calls) == CONFIRM_ROUNDS * (1 + CONFIRM_TOP)
+    assert calls[0] == 0  # the table's plan first, however slow its single timing
+    assert rows[1]["us"] == 8.0 and rows[1]["confirmed_us"] == 10.0 and rows[1]["us_rounds"] == [10.0] * 3
+    update_plan_table(path, lambda table: write_table(rows, table, 0.02))
+    assert "kept (10.0 µs; best other 10.0 µs)" in capsys.readouterr().out and load(path).decode[key] == table_plan
+
+    # confirmed faster at both token counts of the key: written
+    both = confirm_rows(swept(1, sweep), rounds_time(9.0)[0]) + confirm_rows(swept(4, sweep), rounds_time(9.0)[0])
+    update_plan_table(path, lambda table: write_table(both, table, 0.02))
+    assert "(20.0 µs -> 18.0 µs)" in capsys.readouterr().out and load(path).decode[key] == faster
+    # confirmed faster at one count only (at the other it fell out of the sweep's eight fastest): no candidate
+    with open(path, "w") as f:
+        f.write(PlanTable("Test GPU", 132, {key: table_plan}, {}).to_json())
+    slow_at_four = sweep[:2] + [99.0] + sweep[3:]
+    one_count = confirm_rows(swept(1, sweep), rounds_time(9.0)[0]) + confirm_rows(swept(4, slow_at_four),
+                                                                                    rounds_time(9.0)[0])  # fmt: skip
+    update_plan_table(path, lambda table: write_table(one_count, table, 0.02))
+    assert "kept (20.0 µs" in capsys.readouterr().out and load(path).decode[key] == table_plan
+
+
 MIXED_ROWS_KEY = re.compile(r"out=(\d+) hidden=(\d+) total_width=(\d+) slots=many$")
 
 

@@ -16,9 +16,11 @@ time, against the host's measured copy bandwidth. `over_base`: the path's time o
 
 times, instead, every candidate launch plan of each layer (whole column blocks of each width that fits,
 stream-K at several block shapes, warps, pipeline depth, the shrink's share of SMs) against the one the GPU's
-plan table holds; `--write-table` puts the fastest into the table (vllm_bdlora/kernels/configs/<GPU>.json) where it
-beats the entry by more than `--min-gain`. The tables were written this way, per GPU model, e.g. for every decode
-plan the 8B and 70B shapes launch at TP=1-8 with one LoRA slot:
+plan table holds, then the table's plan and the eight fastest others again, three rounds in alternating order
+(`harness.confirm`); `--write-table` puts the fastest of those rounds' medians into the table
+(vllm_bdlora/kernels/configs/<GPU>.json) where it beats the entry by more than `--min-gain`. The tables' decode
+plans were written by this search, per GPU model (most of them before the rounds, on the single timings alone),
+e.g. for every decode plan the 8B and 70B shapes launch at TP=1-8 with one LoRA slot:
 
     python -m bench.kernels.decode_lora --configs --write-table --tp 1,2,4,8 --tokens 1,16,32,64 --adapters 1 \
         --out DIR
@@ -53,9 +55,12 @@ from bench.kernels.fused_lora import (
     run_bd_rank,
 )
 from bench.kernels.harness import (
+    CONFIRM_TOP,
     add_write_table_arguments,
+    confirm,
     finish,
     kernel_bench_cli,
+    medians,
     report_start,
     time_cuda,
     update_plan_table,
@@ -248,7 +253,7 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
     plans = list(dict.fromkeys(replace(p, **finish) for p in candidate_plans(n, k, total_width, slots, adapters,
                                                                               table, tile)))  # fmt: skip
     precompile(layer, plans)
-    rows = []
+    rows, runs = [], []
     for plan in plans:
         run = kernel_call(layer, plan)
         try:
@@ -257,6 +262,7 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
         except Exception as e:  # e.g. out of shared memory on this GPU: not a candidate here
             print(f"{describe(plan)}: not timed: {str(e).splitlines()[0][:200]}", flush=True)
             continue
+        runs.append(run)
         us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
         rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots,
                      "width": width, "slices": len(heights), "N": n, "K": k, "tile": tile,
@@ -265,6 +271,18 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
                      "us": round(us, 2), "base_gemm_us": round(base_us, 2),
                      "over_base": round(us / base_us, 3)})  # fmt: skip
         print({k: v for k, v in rows[-1].items() if k != "plan_fields"}, flush=True)
+    return confirm_rows(rows, lambda i: time_cuda(runs[i], graph_repeats=10)["median_ms"] * 1e3)
+
+
+def confirm_rows(rows: list[dict], time_us) -> list[dict]:
+    """One batch's candidate rows with the table's plan (where it was timed) and the CONFIRM_TOP fastest others
+    timed again by `time_us(index of the row)`, in `harness.confirm`'s alternating rounds: each such row gains its
+    rounds (`us_rounds`) and their median (`confirmed_us`), the times `write_table` decides on."""
+    ranked = sorted(range(len(rows)), key=lambda i: rows[i]["us"])
+    finalists = [i for i in ranked if rows[i]["default"]] + [i for i in ranked if not rows[i]["default"]][:CONFIRM_TOP]
+    rounds = confirm(finalists, lambda i, _: time_us(i), ["us"])
+    for i, median in medians(rounds).items():
+        rows[i] = {**rows[i], "confirmed_us": round(median["us"], 2), "us_rounds": rounds[i]["us"]}
     return rows
 
 
@@ -273,8 +291,9 @@ def write_table(rows, table, min_gain: float) -> list[str]:
     where it beats it by more than `min_gain` (a fraction; the incumbent keeps its place within noise). Where the
     table had no entry, the fastest is written, or the structural default where that kept its place. Batches of
     several token counts that share a key (one row tile) share its plan, so a candidate's time is its sum over the
-    token counts timed (a candidate not timed at every one is left out). Returns a line per key saying what
-    happened."""
+    token counts timed (a candidate not timed at every one is left out). Where the rows were confirmed
+    (`confirm_rows`), only the confirming rounds' medians count, so only the candidates confirmed at every token
+    count compete. Returns a line per key saying what happened."""
     from vllm_bdlora.kernels.plans import DecodePlan, decode_key
 
     said = []
@@ -284,6 +303,8 @@ def write_table(rows, table, min_gain: float) -> list[str]:
         by_key.setdefault(key, []).append(r)
     for key, timed in by_key.items():
         counts = {r.get("tokens") for r in timed}
+        if any("confirmed_us" in r for r in timed):  # searched with confirming rounds: decide on those alone
+            timed = [{**r, "us": r["confirmed_us"]} for r in timed if "confirmed_us" in r]
         by_plan = {}
         for r in timed:
             by_plan.setdefault(repr(sorted(r["plan_fields"].items())), []).append(r)
@@ -348,20 +369,29 @@ def configs_report(json_path: str) -> str:
         f"{shapes_title(rows)} per-GPU shapes; ×base = over cuBLAS X·Wᵀ alone. Plans: GEMV kind, column block × "
         "hidden step, GEMV + shrink programs. **Bold**: the fastest; (table): the plan the GPU's plan table "
         "holds for the layer and batch; (structural default): what a layer with no table entry runs; (4 slots, "
-        "sized for a): a 4-slot layer's plan where a batch may mix at most a adapters.",
+        "sized for a): a 4-slot layer's plan where a batch may mix at most a adapters."
+        + (
+            f" Rounds' median: the table's plan and the {CONFIRM_TOP} fastest others timed again, the median of "
+            "three alternated rounds, what --write-table decides on."
+            if any("confirmed_us" in r for r in rows)
+            else ""
+        ),
         "",
     ]
     shapes = dict.fromkeys((r["tp"], r["layer"], r["tokens"], r["adapters"]) for r in rows)
     for tp, layer, tokens, adapters in shapes:
         picked = [r for r in rows if (r["tp"], r["layer"], r["tokens"], r["adapters"]) == (tp, layer, tokens, adapters)]
         best = min(r["us"] for r in picked)
+        confirmed = any("confirmed_us" in r for r in picked)
         lines += [f"## TP={tp} {layer}, {tokens} token(s), {adapters} adapter(s): base {picked[0]['base_gemm_us']} µs",
-                  "", "| plan | µs | ×base |", "|---|---|---|"]  # fmt: skip
+                  "", "| plan | µs | ×base |" + (" rounds' median µs |" if confirmed else ""),
+                  "|---|---|---|" + ("---|" if confirmed else "")]  # fmt: skip
         for r in sorted(picked, key=lambda r: r["us"]):
             label = r["plan"] + (" (table)" if r["default"] else "") + sized_label(r)
             label += " (structural default)" if r.get("structural_default") else ""
             mark = "**" if r["us"] == best else ""
-            lines.append(f"| {mark}{label}{mark} | {r['us']} | {r['over_base']} |")
+            again = f" {r.get('confirmed_us', '')} |" if confirmed else ""
+            lines.append(f"| {mark}{label}{mark} | {r['us']} | {r['over_base']} |{again}")
         lines.append("")
     return write_report(json_path, "decode_configs", lines)
 
