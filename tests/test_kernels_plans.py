@@ -3,6 +3,7 @@ is a launch the kernels can run (all programs resident, shared memory, coverage,
 as documented; a table written by the benchmark's candidate search reads back as it was written."""
 
 import glob
+import json
 import logging
 import os
 import re
@@ -218,7 +219,7 @@ def test_the_one_launch_plan_search_decides_on_its_confirming_rounds(tmp_path, c
     confirmed at only one of a key's token counts does not compete."""
     from dataclasses import asdict
 
-    from bench.kernels.decode_lora import confirm_rows, write_table
+    from bench.kernels.decode_lora import configs_report, confirm_rows, write_table
     from bench.kernels.harness import CONFIRM_ROUNDS, CONFIRM_TOP, update_plan_table
     from vllm_bdlora.kernels.plans import make_plan
 
@@ -253,6 +254,14 @@ def test_the_one_launch_plan_search_decides_on_its_confirming_rounds(tmp_path, c
     assert rows[1]["us"] == 8.0 and rows[1]["confirmed_us"] == 10.0 and rows[1]["us_rounds"] == [10.0] * 3
     update_plan_table(path, lambda table: write_table(rows, table, 0.02))
     assert "kept (10.0 µs; best other 10.0 µs)" in capsys.readouterr().out and load(path).decode[key] == table_plan
+    results = tmp_path / "decode_configs.json"
+    env = {"gpu": "Test GPU", "torch": "t", "triton": "t", "time": "now", "command": "c"}
+    results.write_text(json.dumps({"environment": env, "rows": [{**r, "tp": 1, "layer": "qkv_proj",
+                                                                  "base_gemm_us": 5.0, "over_base": 2.0}
+                                                                 for r in rows]}))  # fmt: skip
+    text = open(configs_report(str(results))).read()
+    assert "| plan | µs | ×base | rounds' median µs |" in text and "| **plan 1** | 8.0 | 2.0 | 10.0 |" in text
+    assert "| plan 10 | 9.67 | 2.0 | - |" in text  # not among the eight fastest: not timed again
 
     # confirmed faster at both token counts of the key: written
     both = confirm_rows(swept(1, sweep), rounds_time(9.0)[0]) + confirm_rows(swept(4, sweep), rounds_time(9.0)[0])

@@ -390,7 +390,7 @@ def configs_report(json_path: str) -> str:
             label = r["plan"] + (" (table)" if r["default"] else "") + sized_label(r)
             label += " (structural default)" if r.get("structural_default") else ""
             mark = "**" if r["us"] == best else ""
-            again = f" {r.get('confirmed_us', '')} |" if confirmed else ""
+            again = f" {r.get('confirmed_us', '-')} |" if confirmed else ""  # -: not timed again
             lines.append(f"| {mark}{label}{mark} | {r['us']} | {r['over_base']} |{again}")
         lines.append("")
     return write_report(json_path, "decode_configs", lines)
