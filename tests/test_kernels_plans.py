@@ -277,6 +277,38 @@ def test_the_one_launch_plan_search_decides_on_its_confirming_rounds(tmp_path, c
     assert "kept (20.0 µs" in capsys.readouterr().out and load(path).decode[key] == table_plan
 
 
+def test_the_one_launch_plan_search_writes_no_plan_slower_than_the_three_kernels(tmp_path, capsys):
+    """Where the table holds no plan for a batch, the layer runs the three kernels (on an H100 at TP=1, gate_up_proj
+    in 64-row tiles): the search times them as the incumbent, so a one-launch plan is written only where it beats
+    them, and where none does the key stays without an entry. Candidates are plans of the batch's own row tile."""
+    from dataclasses import asdict
+
+    from bench.kernels.decode_lora import candidate_plans, write_table
+    from bench.kernels.harness import update_plan_table
+    from vllm_bdlora.kernels.plans import default_decode_plan
+
+    path = str(tmp_path / "gpu.json")
+    with open(path, "w") as f:
+        f.write(PlanTable("Test GPU", 132, {}, {}).to_json())
+    assert default_decode_plan(28672, 4096, 16, 1, 132, 64, 1) is None  # the structural rule: three kernels
+    plans = candidate_plans(28672, 4096, 16, 1, 1, load(path), block_m=64)
+    assert plans and {p.block_m for p in plans} == {64}
+    key = "out=28672 hidden=4096 total_width=16 slots=1 tile=64 adapters=1"
+
+    def rows(plan_us):
+        three = {"plan": "none: three kernels", "plan_fields": None, "default": True, "us": 93.0}
+        return [{"N": 28672, "K": 4096, "width": 8, "slices": 2, "slots": 1, "tile": 64, "adapters": 1, "tokens": 64,
+                 **r} for r in [three, {"plan": "p", "plan_fields": asdict(plans[0]), "default": False,
+                                        "us": plan_us}]]  # fmt: skip
+
+    update_plan_table(path, lambda table: write_table(rows(108.0), table, 0.02))
+    assert "kept (93.0 µs; best other 93.0 µs)" in capsys.readouterr().out and key not in load(path).decode
+    update_plan_table(path, lambda table: write_table(rows(92.0), table, 0.02))  # within --min-gain
+    assert key not in load(path).decode
+    update_plan_table(path, lambda table: write_table(rows(88.0), table, 0.02))
+    assert "(93.0 µs -> 88.0 µs)" in capsys.readouterr().out and load(path).decode[key] == plans[0]
+
+
 MIXED_ROWS_KEY = re.compile(r"out=(\d+) hidden=(\d+) total_width=(\d+) slots=many$")
 
 

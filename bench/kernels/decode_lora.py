@@ -221,7 +221,8 @@ def candidate_plans(n, k, total_width, slots, adapters, table, block_m=16):
                                    gemv_programs=sms - shrink_programs, block_m=block_m,
                                    num_stages=anchor.num_stages, num_warps=anchor.num_warps))  # fmt: skip
         plans.append(replace(anchor, spread_shrink=not anchor.spread_shrink))
-    return [p for p in dict.fromkeys(plans) if not plan_problems(p, n, k, total_width, sms)]
+    # a plan of another row tile (the fallback anchor is a 16-row plan) cannot run this tile's batches
+    return [p for p in dict.fromkeys(plans) if p.block_m == block_m and not plan_problems(p, n, k, total_width, sms)]
 
 
 def precompile(layer, plans) -> None:
@@ -236,7 +237,9 @@ def precompile(layer, plans) -> None:
 
 
 def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=None):
-    """Every candidate plan of one layer, each checked against the reference, then timed like the layer op."""
+    """Every candidate plan of one layer, each checked against the reference, then timed like the layer op; where
+    the table holds no plan for the batch (the layer runs the three kernels), the three kernels too, as the
+    incumbent: a plan is written only where it beats them."""
     from vllm_bdlora.kernels.plans import cuda_table, row_tile
 
     width, slots = bd_rank // tp, slots or adapters
@@ -254,8 +257,10 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
                                                                               table, tile)))  # fmt: skip
     precompile(layer, plans)
     rows, runs = [], []
-    for plan in plans:
-        run = kernel_call(layer, plan)
+    # where the table holds no plan, the layer runs the three kernels: the time a plan must beat to be written
+    three_kernels = [None] if incumbent is None else []
+    for plan in three_kernels + plans:
+        run = kernel_call(layer, plan) if plan is not None else layer_op_path(layer)
         try:
             for _ in range(3):
                 torch.testing.assert_close(run(), want, atol=5e-2, rtol=5e-2)
@@ -267,7 +272,8 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
         rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots,
                      "width": width, "slices": len(heights), "N": n, "K": k, "tile": tile,
                      "default": plan == incumbent,
-                     "structural_default": plan == default, "plan": describe(plan), "plan_fields": asdict(plan),
+                     "structural_default": plan == default, "plan": describe(plan),
+                     "plan_fields": asdict(plan) if plan is not None else None,
                      "us": round(us, 2), "base_gemm_us": round(base_us, 2),
                      "over_base": round(us / base_us, 3)})  # fmt: skip
         print({k: v for k, v in rows[-1].items() if k != "plan_fields"}, flush=True)
@@ -307,16 +313,16 @@ def write_table(rows, table, min_gain: float) -> list[str]:
             timed = [{**r, "us": r["confirmed_us"]} for r in timed if "confirmed_us" in r]
         by_plan = {}
         for r in timed:
-            by_plan.setdefault(repr(sorted(r["plan_fields"].items())), []).append(r)
+            by_plan.setdefault(repr(sorted((r["plan_fields"] or {}).items())), []).append(r)
         summed = [{**runs[0], "us": round(sum(r["us"] for r in runs), 2)}
                   for runs in by_plan.values() if {r.get("tokens") for r in runs} == counts]  # fmt: skip
         best = min(summed, key=lambda r: r["us"])
         incumbent = next((r for r in summed if r["default"]), None)
         if incumbent is not None and best["us"] >= incumbent["us"] * (1 - min_gain):
             said.append(f"{key}: kept ({incumbent['us']} µs; best other {best['us']} µs)")
-            if key not in table.decode:
+            if key not in table.decode and incumbent["plan_fields"] is not None:
                 # The incumbent was the structural default: written, so that an entry for fewer adapters (which
-                # a key without one falls back to) does not take its place
+                # a key without one falls back to) does not take its place. (Three kernels have no entry to write.)
                 table.decode[key] = DecodePlan(**{**incumbent["plan_fields"], "row_gather": False})
             continue
         table.decode[key] = DecodePlan(**{**best["plan_fields"], "row_gather": False})  # not a table choice
