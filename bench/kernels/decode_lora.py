@@ -58,6 +58,7 @@ from bench.kernels.harness import (
     CONFIRM_TOP,
     add_write_table_arguments,
     confirm,
+    finalists,
     finish,
     kernel_bench_cli,
     medians,
@@ -285,8 +286,8 @@ def confirm_rows(rows: list[dict], time_us) -> list[dict]:
     timed again by `time_us(index of the row)`, in `harness.confirm`'s alternating rounds: each such row gains its
     rounds (`us_rounds`) and their median (`confirmed_us`), the times `write_table` decides on."""
     ranked = sorted(range(len(rows)), key=lambda i: rows[i]["us"])
-    finalists = [i for i in ranked if rows[i]["default"]] + [i for i in ranked if not rows[i]["default"]][:CONFIRM_TOP]
-    rounds = confirm(finalists, lambda i, _: time_us(i), ["us"])
+    current = next((i for i in ranked if rows[i]["default"]), None)
+    rounds = confirm(finalists(ranked, current), lambda i, _: time_us(i), ["us"])
     for i, median in medians(rounds).items():
         rows[i] = {**rows[i], "confirmed_us": round(median["us"], 2), "us_rounds": rounds[i]["us"]}
     return rows

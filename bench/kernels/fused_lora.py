@@ -33,6 +33,7 @@ from bench.kernels.harness import (
     add_write_table_arguments,
     choose,
     confirm,
+    finalists,
     finish,
     kernel_bench_cli,
     medians,
@@ -324,8 +325,8 @@ def pairs_point(layer, want, tokens, k, width) -> dict:
     current = {"shrink": asdict(shrinks[0]), "expand": asdict(expands[0])}
     default = next(t["ms"] for t in timed if pair_key(t) == pair_key(current))
     timed.sort(key=lambda t: t["ms"])
-    challengers = [t for t in timed if pair_key(t) != pair_key(current)][:CONFIRM_TOP]
-    pairs = {pair_key(t): t for t in [current, *challengers]}  # the table's pair first
+    by_key = {pair_key(t): t for t in timed}
+    pairs = {key: by_key[key] for key in finalists(list(by_key), pair_key(current))}  # the table's pair first
     paths = {key: fused_paths(layer, *launches(pair))[0] for key, pair in pairs.items()}
     confirmed = confirm(list(pairs), lambda key, _: graph_ms(paths[key]), [tokens])
     median = medians(confirmed)

@@ -172,6 +172,12 @@ CONFIRM_TOP = 8
 CONFIRM_ROUNDS = 3
 
 
+def finalists(ranked: list, current) -> list:
+    """What `confirm` times: the current launch (None where it was not timed) and the CONFIRM_TOP first others of
+    `ranked` (the candidates, fastest in the sweep first)."""
+    return ([current] if current is not None else []) + [c for c in ranked if c != current][:CONFIRM_TOP]
+
+
 def confirm(candidates: list, time_at, points: list, rounds: int = CONFIRM_ROUNDS) -> dict:
     """`candidates` (hashable; the current launch among them) timed again: `time_at(candidate, point)` ms for every
     candidate at every point once a round, every other round in reverse order, so that drift and position weigh on

@@ -42,10 +42,10 @@ from bench.kernels.fused_lora import (
     table_launch,
 )
 from bench.kernels.harness import (
-    CONFIRM_TOP,
     add_write_table_arguments,
     choose,
     confirm,
+    finalists,
     finish,
     kernel_bench_cli,
     medians,
@@ -163,8 +163,8 @@ def search_point(name, k, heights, tokens, adapter_counts, width, slots, tp, min
         time_candidates(layers_by_adapters, wants, trials, timed)
         best = choose(timed, current, min_gain)
     # The rounds steer the search; the choice is made on the current launch and the best others timed again
-    finalists = [current, *[c for c in ranked(timed, current) if c != current][:CONFIRM_TOP]]
-    rounds = confirm(finalists, lambda c, adapters: graph_ms(candidate_path(layers_by_adapters[adapters], c)),
+    timed_again = finalists(ranked(timed, current), current)
+    rounds = confirm(timed_again, lambda c, adapters: graph_ms(candidate_path(layers_by_adapters[adapters], c)),
                      list(adapter_counts))  # fmt: skip
     again = medians(rounds)
     chosen = choose(again, current, min_gain)
@@ -174,7 +174,7 @@ def search_point(name, k, heights, tokens, adapter_counts, width, slots, tp, min
            "current_ms": _by_adapters(again[current]), "chosen_ms": _by_adapters(again[chosen]),
            "candidates": len(timed), "best": best_candidates(timed, current),
            "confirmed": [{**_candidate_json(c), "ms": _by_adapters(again[c]),
-                          "rounds": {str(a): t for a, t in rounds[c].items()}} for c in finalists]}  # fmt: skip
+                          "rounds": {str(a): t for a, t in rounds[c].items()}} for c in timed_again]}  # fmt: skip
     print({key: value for key, value in row.items() if key != "best"}, flush=True)
     return row
 
