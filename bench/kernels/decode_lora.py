@@ -55,6 +55,7 @@ from bench.kernels.fused_lora import (
     run_bd_rank,
 )
 from bench.kernels.harness import (
+    CONFIRM_ROUNDS,
     CONFIRM_TOP,
     add_write_table_arguments,
     confirm,
@@ -379,7 +380,7 @@ def configs_report(json_path: str) -> str:
         "sized for a): a 4-slot layer's plan where a batch may mix at most a adapters."
         + (
             f" Rounds' median: the table's plan and the {CONFIRM_TOP} fastest others timed again, the median of "
-            "three alternated rounds, what --write-table decides on."
+            f"{CONFIRM_ROUNDS} alternated rounds, what --write-table decides on."
             if any("confirmed_us" in r for r in rows)
             else ""
         ),

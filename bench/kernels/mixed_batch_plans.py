@@ -42,6 +42,7 @@ from bench.kernels.fused_lora import (
     table_launch,
 )
 from bench.kernels.harness import (
+    CONFIRM_ROUNDS,
     add_write_table_arguments,
     choose,
     confirm,
@@ -238,11 +239,13 @@ def report(json_path: str) -> str:
         json_path, "Routed kernels' launches for decode-sized batches, chosen over the adapters a batch mixes"
     )
     counts = rows[0]["adapters"] if rows else []
+    confirmed = bool(rows) and "confirmed" in rows[0]
+    rounds_said = f"the median of {CONFIRM_ROUNDS} alternated rounds, each the " if confirmed else ""
     lines += [
         f"- layers of {rows[0]['slots'] if rows else '-'} LoRA slots, per-GPU LoRA width "
         f"{rows[0]['width'] if rows else '-'}, Llama-3.1-8B TP={rows[0]['tp'] if rows else '-'} per-GPU shapes, bf16; "
         "tokens dealt round robin over the batch's adapters",
-        f"- ms: {'the median of three alternated rounds, each the ' if rows and 'confirmed' in rows[0] else ''}"
+        f"- ms: {rounds_said}"
         "median of 50 CUDA-event-timed replays of a CUDA graph of 10 calls, per call: the whole layer (cuBLAS "
         "GEMM + routed shrink + fused expand in place, or the expand writing the delta and cuBLAS accumulating onto "
         "it); current = the plan table's launch when the run began, chosen = what the search keeps",
