@@ -309,6 +309,60 @@ def test_the_one_launch_plan_search_writes_no_plan_slower_than_the_three_kernels
     assert "(93.0 µs -> 88.0 µs)" in capsys.readouterr().out and load(path).decode[key] == plans[0]
 
 
+def test_the_one_launch_plan_search_times_each_batch_with_the_plan_that_serves_it(tmp_path, capsys):
+    """A layer of 12 slots serves a decode batch from the plan sized for the adapters a batch of its size may mix
+    (its plan is chosen from its size alone), so a 16-token batch holding one adapter runs the 12-adapter key's plan,
+    gathering each row's B. The search times each batch with that plan and its candidates, and decides that key on
+    all the batches it serves: a plan fast at one adapter but slow at twelve does not win."""
+    from dataclasses import asdict
+
+    from bench.kernels.decode_lora import LIFTED_WIDTH, served_candidates, write_table
+    from bench.kernels.harness import update_plan_table
+    from vllm_bdlora.kernels.plans import batch_plan, make_plan, plan_adapters
+
+    shape, width = (4096, 4096, 16), 16  # TP=1 o_proj, rank 16
+    assert [plan_adapters(12, width, t, LIFTED_WIDTH) for t in (1, 4, 16)] == [1, 4, 12]
+    assert plan_adapters(1, width, 16, LIFTED_WIDTH) == 1
+    key = "out=4096 hidden=4096 total_width=16 slots=many tile=16 adapters=12"
+    one = "out=4096 hidden=4096 total_width=16 slots=many tile=16 adapters=1"
+    plans = [make_plan(*shape, 16, block_n=bn, block_k=128, stream_k=True, gemv_programs=100) for bn in (32, 64, 128)]
+    table = PlanTable("Test GPU", 132, {key: plans[0], one: plans[1]}, {})
+    sized, incumbent, _, candidates = served_candidates(table, *shape, 12, 16, width)
+    assert sized == 12 and incumbent == batch_plan(table, *shape, 12, 16, 1, LIFTED_WIDTH)
+    assert incumbent.block_n == 32 and incumbent.row_gather  # not the 1-adapter key's plan, and rows gather B
+    assert candidates and all(p.row_gather for p in candidates)
+
+    path = str(tmp_path / "gpu.json")
+    with open(path, "w") as f:
+        f.write(table.to_json())
+
+    def rows(us_by_adapters):  # a 16-token batch holding 1, 4 or 12 adapters: the table's plan, then plans[2]
+        return [{"N": 4096, "K": 4096, "width": width, "slices": 1, "slots": 12, "tile": 16, "tokens": 16,
+                 "adapters": a, "plan_adapters": 12, "default": plan == plans[0], "plan": f"bn {plan.block_n}",
+                 "plan_fields": asdict(plan), "us": us}
+                for a, pair in us_by_adapters.items()
+                for plan, us in zip((plans[0], plans[2]), pair, strict=True)]  # fmt: skip
+
+    update_plan_table(path, lambda t: write_table(rows({1: (20.0, 15.0), 4: (20.0, 21.0), 12: (25.0, 31.0)}), t, 0.02))
+    out = capsys.readouterr().out
+    assert f"{key}: kept (65.0 µs; best other 65.0 µs)" in out and f"{one}:" not in out
+    assert load(path).decode[key] == plans[0] and load(path).decode[one] == plans[1]
+    update_plan_table(path, lambda t: write_table(rows({1: (20.0, 18.0), 4: (20.0, 18.0), 12: (25.0, 23.0)}), t, 0.02))
+    assert "(65.0 µs -> 59.0 µs)" in capsys.readouterr().out and load(path).decode[key] == plans[2]
+    # a plan timed at only some of the batches the key serves does not compete
+    with open(path, "w") as f:
+        f.write(table.to_json())
+    partial = [
+        r for r in rows({1: (20.0, 10.0), 4: (20.0, 10.0), 12: (25.0, 10.0)}) if r["adapters"] != 12 or r["default"]
+    ]
+    update_plan_table(path, lambda t: write_table(partial, t, 0.02))
+    assert "kept (65.0 µs; best other 65.0 µs)" in capsys.readouterr().out and load(path).decode[key] == plans[0]
+    # rows of searches that keyed each batch by the adapters it held are read as before
+    legacy = [{k: v for k, v in r.items() if k != "plan_adapters"} for r in rows({1: (20.0, 10.0)})]
+    update_plan_table(path, lambda t: write_table(legacy, t, 0.02))
+    assert f"{one}: bn 128 (20.0 µs -> 10.0 µs)" in capsys.readouterr().out
+
+
 MIXED_ROWS_KEY = re.compile(r"out=(\d+) hidden=(\d+) total_width=(\d+) slots=many$")
 
 

@@ -18,14 +18,17 @@ times, instead, every candidate launch plan of each layer (whole column blocks o
 stream-K at several block shapes, warps, pipeline depth, the shrink's share of SMs) against the one the GPU's
 plan table holds, then the table's plan and the eight fastest others again, three rounds in alternating order
 (`harness.confirm`); `--write-table` puts the fastest of those rounds' medians into the table
-(vllm_bdlora/kernels/configs/<GPU>.json) where it beats the entry by more than `--min-gain`. The tables' decode
-plans were written by this search, per GPU model (most of them before the rounds, on the single timings alone),
-e.g. for every decode plan the 8B and 70B shapes launch at TP=1-8 with one LoRA slot:
+(vllm_bdlora/kernels/configs/<GPU>.json) where it beats the entry by more than `--min-gain`. Each batch is timed
+with the plan that serves it, the plan of the adapters a batch of its size may mix (`plans.plan_adapters`: a
+16-token batch of a 12-slot layer runs the 12-adapter plan whether it holds 1 adapter or 12), and a plan is
+decided on every batch timed that it serves. The tables' decode plans were written by this search, per GPU model
+(most of them before the rounds, on the single timings alone), e.g. for every decode plan the 8B and 70B shapes
+launch at TP=1-8 with one LoRA slot:
 
     python -m bench.kernels.decode_lora --configs --write-table --tp 1,2,4,8 --tokens 1,16,32,64 --adapters 1 \
         --out DIR
     python -m bench.kernels.decode_lora --configs --write-table --model-shape llama-3.1-70b --tp 8,4 ... --out DIR
-    python -m bench.kernels.decode_lora --configs --write-table --tokens 16 --adapters 2,4 --slots 4 --out DIR
+    python -m bench.kernels.decode_lora --configs --write-table --tokens 2,4,16 --adapters 1,2,4 --slots 4 --out DIR
 
 Without --configs, `--write-table` writes what the timed rows say of layers with several LoRA slots: per
 projection, the most tokens a decode batch may have to run the one-launch kernel (where it took no more time than
@@ -241,7 +244,9 @@ def precompile(layer, plans) -> None:
 def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=None):
     """Every candidate plan of one layer, each checked against the reference, then timed like the layer op; where
     the table holds no plan for the batch (the layer runs the three kernels), the three kernels too, as the
-    incumbent: a plan is written only where it beats them."""
+    incumbent: a plan is written only where it beats them. Plans are those of the table key the batch is served
+    from (`plans.plan_adapters`: sized for the adapters a batch of its size may mix), whatever the batch holds, so
+    that batches of one size mixing 1 or 12 adapters are timed for the one plan that serves them all."""
     from vllm_bdlora.kernels.plans import cuda_table, row_tile
 
     width, slots = bd_rank // tp, slots or adapters
@@ -250,13 +255,7 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
     base_us = time_cuda(lambda: layer["x"] @ layer["weight"].T, graph_repeats=10)["median_ms"] * 1e3
     table = cuda_table("cuda")
     tile = row_tile(tokens)
-    incumbent = table.decode_plan(n, k, total_width, slots, tile, adapters)
-    # every candidate finishes as the table's plan would serve this batch (PlanTable.decode_plan sets row_gather)
-    finish = {"row_gather": incumbent.row_gather} if incumbent else {"row_gather": slots > 1 and adapters > 1}
-    default = default_decode_plan(n, k, total_width, slots, table.sms, tile, adapters)
-    default = replace(default, **finish) if default else None
-    plans = list(dict.fromkeys(replace(p, **finish) for p in candidate_plans(n, k, total_width, slots, adapters,
-                                                                              table, tile)))  # fmt: skip
+    sized, incumbent, default, plans = served_candidates(table, n, k, total_width, slots, tokens, width)
     precompile(layer, plans)
     rows, runs = [], []
     # where the table holds no plan, the layer runs the three kernels: the time a plan must beat to be written
@@ -271,8 +270,8 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
             continue
         runs.append(run)
         us = time_cuda(run, graph_repeats=10)["median_ms"] * 1e3
-        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots,
-                     "width": width, "slices": len(heights), "N": n, "K": k, "tile": tile,
+        rows.append({"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "plan_adapters": sized,
+                     "slots": slots, "width": width, "slices": len(heights), "N": n, "K": k, "tile": tile,
                      "default": plan == incumbent,
                      "structural_default": plan == default, "plan": describe(plan),
                      "plan_fields": asdict(plan) if plan is not None else None,
@@ -280,6 +279,22 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
                      "over_base": round(us / base_us, 3)})  # fmt: skip
         print({k: v for k, v in rows[-1].items() if k != "plan_fields"}, flush=True)
     return confirm_rows(rows, lambda i: time_cuda(runs[i], graph_repeats=10)["median_ms"] * 1e3)
+
+
+def served_candidates(table, n, k, total_width, slots, tokens, width):
+    """A decode batch's plan key size (`plans.plan_adapters`), the table's plan that serves it (None: the three
+    kernels), the structural default and the candidates, each finishing as the served plan does (`row_gather`
+    where the batch may mix adapters, whichever it holds)."""
+    from vllm_bdlora.kernels.plans import plan_adapters, row_tile
+
+    tile, sized = row_tile(tokens), plan_adapters(slots, width, tokens, LIFTED_WIDTH)
+    incumbent = table.decode_plan(n, k, total_width, slots, tile, sized)
+    finish = {"row_gather": incumbent.row_gather} if incumbent else {"row_gather": slots > 1 and sized > 1}
+    default = default_decode_plan(n, k, total_width, slots, table.sms, tile, sized)
+    default = replace(default, **finish) if default else None
+    plans = list(dict.fromkeys(replace(p, **finish) for p in candidate_plans(n, k, total_width, slots, sized,
+                                                                              table, tile)))  # fmt: skip
+    return sized, incumbent, default, plans
 
 
 def confirm_rows(rows: list[dict], time_us) -> list[dict]:
@@ -299,25 +314,28 @@ def write_table(rows, table, min_gain: float) -> list[str]:
     where it beats it by more than `min_gain` (a fraction; the incumbent keeps its place within noise). Where the
     table had no entry, the fastest is written, or the structural default where that kept its place. Batches of
     several token counts that share a key (one row tile) share its plan, so a candidate's time is its sum over the
-    token counts timed (a candidate not timed at every one is left out). Where the rows were confirmed
-    (`confirm_rows`), only the confirming rounds' medians count, so only the candidates confirmed at every token
-    count compete. Returns a line per key saying what happened."""
+    token counts timed (a candidate not timed at every one is left out); so do batches of one size mixing different
+    numbers of adapters, which are served from one key (the rows' `plan_adapters`; rows without it, of searches
+    that keyed each batch by the adapters it held, by `adapters`). Where the rows were confirmed (`confirm_rows`),
+    only the confirming rounds' medians count, so only the candidates confirmed at every batch compete. Returns a
+    line per key saying what happened."""
     from vllm_bdlora.kernels.plans import DecodePlan, decode_key
 
     said = []
     by_key = {}
     for r in rows:
-        key = decode_key(r["N"], r["K"], r["slices"] * r["width"], r["slots"], r["tile"], r["adapters"])
+        sized = r.get("plan_adapters", r["adapters"])
+        key = decode_key(r["N"], r["K"], r["slices"] * r["width"], r["slots"], r["tile"], sized)
         by_key.setdefault(key, []).append(r)
     for key, timed in by_key.items():
-        counts = {r.get("tokens") for r in timed}
+        batches = {(r.get("tokens"), r["adapters"]) for r in timed}
         if any("confirmed_us" in r for r in timed):  # searched with confirming rounds: decide on those alone
             timed = [{**r, "us": r["confirmed_us"]} for r in timed if "confirmed_us" in r]
         by_plan = {}
         for r in timed:
             by_plan.setdefault(repr(sorted((r["plan_fields"] or {}).items())), []).append(r)
-        summed = [{**runs[0], "us": round(sum(r["us"] for r in runs), 2)}
-                  for runs in by_plan.values() if {r.get("tokens") for r in runs} == counts]  # fmt: skip
+        summed = [{**runs[0], "us": round(sum(r["us"] for r in runs), 2)} for runs in by_plan.values()
+                  if {(r.get("tokens"), r["adapters"]) for r in runs} == batches]  # fmt: skip
         best = min(summed, key=lambda r: r["us"])
         incumbent = next((r for r in summed if r["default"]), None)
         if incumbent is not None and best["us"] >= incumbent["us"] * (1 - min_gain):
@@ -391,7 +409,10 @@ def configs_report(json_path: str) -> str:
         picked = [r for r in rows if (r["tp"], r["layer"], r["tokens"], r["adapters"]) == (tp, layer, tokens, adapters)]
         best = min(r["us"] for r in picked)
         confirmed = any("confirmed_us" in r for r in picked)
-        lines += [f"## TP={tp} {layer}, {tokens} token(s), {adapters} adapter(s): base {picked[0]['base_gemm_us']} µs",
+        sized = picked[0].get("plan_adapters", adapters)
+        served = f" (served by the plan sized for {sized})" if sized != adapters else ""
+        lines += [f"## TP={tp} {layer}, {tokens} token(s), {adapters} adapter(s){served}: base "
+                  f"{picked[0]['base_gemm_us']} µs",
                   "", "| plan | µs | ×base |" + (" rounds' median µs |" if confirmed else ""),
                   "|---|---|---|" + ("---|" if confirmed else "")]  # fmt: skip
         for r in sorted(picked, key=lambda r: r["us"]):

@@ -484,9 +484,16 @@ def launch_for(device, tokens: int, out_features: int, hidden: int, width: int, 
 def batch_plan(table: PlanTable, out_features: int, hidden: int, total_width: int, slots: int, tokens: int,
                slices: int, max_mixed_width: int) -> DecodePlan | None:  # fmt: skip
     """The plan for a decode batch of `tokens` in a layer of `slices` slices: its row tile's, sized for the adapters
-    the batch may mix (one per token, at most `batch_adapters`)."""
-    adapters = min(tokens, batch_adapters(slots, total_width // slices, max_mixed_width))
+    the batch may mix (`plan_adapters`)."""
+    adapters = plan_adapters(slots, total_width // slices, tokens, max_mixed_width)
     return table.decode_plan(out_features, hidden, total_width, slots, row_tile(tokens), adapters)
+
+
+def plan_adapters(slots: int, width: int, tokens: int, max_mixed_width: int) -> int:
+    """The adapter count a decode batch's plan is sized for (its table key's `adapters`): as many as the batch may
+    mix, one per token, at most `batch_adapters`. A batch's plan is chosen from its size alone (a CUDA graph is
+    captured per size), so a batch of 16 tokens holding one adapter runs the plan of one holding twelve."""
+    return min(tokens, batch_adapters(slots, width, max_mixed_width))
 
 
 def layer_plans(table: PlanTable, out_features: int, hidden: int, total_width: int, slots: int, slices: int,
