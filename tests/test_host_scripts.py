@@ -159,6 +159,33 @@ def test_stopping_a_server_that_ignores_sigterm_ends_its_whole_process_group(tmp
         time.sleep(0.05)
 
 
+def test_the_table_search_step_searches_then_times_the_table_before_against_after(run_script, tmp_path):
+    """`gpu_host.sh search-rounds`: the search lines first (each through its benchmark's parser), then the timing
+    lines on the tree as it was before the searches and on the checkout, rounds alternated, all in one archive;
+    without timing lines it says what it needs and exits 2."""
+    import tarfile
+
+    search = (
+        "bench.kernels.decode_lora --configs --write-table --tp 1 --bd-rank 16 --slots 12 --tokens 1,16 --adapters 1"
+    )
+    timing = "bench.kernels.decode_lora --tp 1 --bd-rank 16 --slots 12 --tokens 1,16 --adapters 1"
+    env = {"HOST_ROOT": str(tmp_path / "host"), "OUT": str(tmp_path / "out")}
+    proc = run_script(tmp_path, "bench/hosts/gpu_host.sh", "search-rounds", "1-2", search, "--", timing, **env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [line.split(" ", 2)[2] for line in proc.stdout.splitlines() if line.startswith("== ")]
+    assert steps == [f"search {search}", "exit 0", f"round 1 old {timing}", f"round 1 new {timing}",
+                     f"round 2 new {timing}", f"round 2 old {timing}"], proc.stdout  # fmt: skip
+    checked = [line for line in proc.stdout.splitlines() if line.startswith("dry-run: python3 -m bench.kernels")]
+    assert len(checked) == 5 and "--write-table" in checked[0], checked
+    work = tmp_path / "host" / "search-rounds"
+    assert (work / "old" / "vllm_bdlora" / "kernels" / "configs").is_dir()  # the old side: the tree before
+    with tarfile.open(tmp_path / "out" / "search-rounds.tgz") as archive:
+        names = archive.getnames()
+    assert any(n.startswith("search-rounds/tables/") for n in names) and not any("before.tgz" in n for n in names)
+    alone = run_script(tmp_path, "bench/hosts/gpu_host.sh", "search-rounds", "1-2", search, **env)
+    assert alone.returncode == 2 and "then --, then timing lines" in alone.stdout, alone.stdout
+
+
 @pytest.mark.parametrize("load_only", [False, True], ids=["serving", "load-only"])
 def test_the_old_against_new_serving_script_alternates_sides_with_servers_vllm_accepts(run_script, tmp_path, load_only):
     out = tmp_path / "ab"

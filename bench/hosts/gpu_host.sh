@@ -11,6 +11,11 @@
 #   bash bench/hosts/gpu_host.sh rounds OLD.tgz FIRST-LAST "MODULE ARGS" ...  # old code (a `git archive` of
 #     vllm_bdlora and bench) vs this checkout, any kernel benchmark, rounds alternated -> $OUT/rounds.tgz
 #     (tables: python -m bench.kernels.switch_table rounds/ --sides old,new; ab_table for bench.kernels.fused_lora)
+#   bash bench/hosts/gpu_host.sh search-rounds FIRST-LAST "SEARCH" ... -- "TIMING" ...  # a plan-table search
+#     and the table after it against the table before, as a table change is measured before it is committed:
+#     each SEARCH line (a bench module that --write-table's into this checkout's table), then each TIMING line on
+#     the tree as it was before the searches ("old") and after them ("new"), rounds alternated
+#     -> $OUT/search-rounds.tgz (the searches' reports and writer's lines, the tables they wrote, the rounds)
 #   bash bench/hosts/gpu_host.sh sweep TP RANKS MODES MINUTES [SWEEP ARGS]  # serving sweep (resumable)
 #     -> $OUT/tp$TP-8b.tgz or -70b.tgz (profiler traces left out, their per-rank tables kept), e.g. for the TP=4 BS=64 question:
 #     sweep 4 64 bdlora,bdfused 5 --concurrency 64 --prompts-per-concurrency 16 --profile-concurrency 64
@@ -220,6 +225,31 @@ rounds)  # rounds OLD.tgz FIRST-LAST "MODULE ARGS" ...: every line (a bench modu
     done
   done
   mkdir -p "$OUT" && tar czf "$OUT/rounds.tgz" -C $HOST_ROOT rounds ;;
+search-rounds)
+  ROUNDS=${2:?rounds, e.g. 1-2}; shift 2; searches=(); timings=(); after_separator=0
+  for line in "$@"; do
+    if [ "$line" = -- ]; then after_separator=1
+    elif (( after_separator )); then timings+=("$line")
+    else searches+=("$line"); fi
+  done
+  if (( ! ${#searches[@]} || ! ${#timings[@]} )); then
+    echo "search-rounds FIRST-LAST \"SEARCH\" ... -- \"TIMING\" ...: give search lines, then --, then timing lines"
+    exit 2
+  fi
+  work=$HOST_ROOT/search-rounds; rm -rf "$work"; mkdir -p "$work/searches" "$work/tables"
+  tar czf "$work/before.tgz" vllm_bdlora bench  # the tree before the searches write its table: the old side
+  for line in "${searches[@]}"; do
+    read -r module args <<< "$line"
+    name=$(line_dir "${module##*.} $args")
+    echo "== $(date +%T) search $line"
+    # shellcheck disable=SC2086  # args: the line's own words
+    python3 -m "$module" $args --out "$work/searches/$name" > "$work/searches/$name.log" 2>&1
+    echo "== $(date +%T) exit $?"; grep -v "^{" "$work/searches/$name.log" | tail -40  # the writer's lines
+  done
+  cp vllm_bdlora/kernels/configs/*.json "$work/tables/"
+  HOST_ROOT=$work OUT=$work bash "$0" rounds "$work/before.tgz" "$ROUNDS" "${timings[@]}"
+  mkdir -p "$OUT" && tar czf "$OUT/search-rounds.tgz" --exclude=before.tgz --exclude=old --exclude=rounds.tgz \
+    -C "$HOST_ROOT" search-rounds ;;
 sweep)
   TP=${2:-4}; RANKS=${3:-64}; MODES=${4:-base,bdlora,slora,nfs,bddora}; MINUTES=${5:-6}
   RESULTS=tp$TP-${SHAPE##*-}${QUANTIZATION:+-$QUANTIZATION}${CAPTURE_SIZE:+-graphs$CAPTURE_SIZE}${RESULTS_TAG:+-$RESULTS_TAG}${VLLM_RELEASE:+-vllm$VLLM_RELEASE}
