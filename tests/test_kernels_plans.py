@@ -327,8 +327,8 @@ def test_the_one_launch_plan_search_times_each_batch_with_the_plan_that_serves_i
     one = "out=4096 hidden=4096 total_width=16 slots=many tile=16 adapters=1"
     plans = [make_plan(*shape, 16, block_n=bn, block_k=128, stream_k=True, gemv_programs=100) for bn in (32, 64, 128)]
     table = PlanTable("Test GPU", 132, {key: plans[0], one: plans[1]}, {})
-    sized, incumbent, _, candidates = served_candidates(table, *shape, 12, 16, width)
-    assert sized == 12 and incumbent == batch_plan(table, *shape, 12, 16, 1, LIFTED_WIDTH)
+    tile, sized, incumbent, _, candidates = served_candidates(table, *shape, 12, 16, width)
+    assert (tile, sized) == (16, 12) and incumbent == batch_plan(table, *shape, 12, 16, 1, LIFTED_WIDTH)
     assert incumbent.block_n == 32 and incumbent.row_gather  # not the 1-adapter key's plan, and rows gather B
     assert candidates and all(p.row_gather for p in candidates)
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, replace
+from typing import NamedTuple
 
 import torch
 
@@ -75,9 +76,13 @@ from vllm_bdlora.kernels.plans import (
     DEFAULT_MAX_MIXED_ADAPTERS,
     DEFAULT_MAX_MIXED_WIDTH,
     MAX_SHRINK_PROGRAMS,
+    DecodePlan,
+    batch_plan,
     default_decode_plan,
     make_plan,
+    plan_adapters,
     plan_problems,
+    row_tile,
     whole_block_step,
 )
 
@@ -133,7 +138,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
                 mixed_width=DEFAULT_MAX_MIXED_WIDTH):  # fmt: skip
     from vllm_bdlora.kernels.fused_lora import group_tokens
     from vllm_bdlora.kernels.lora_op import layer_decode_state
-    from vllm_bdlora.kernels.plans import batch_plan, cuda_table, one_launch_tokens
+    from vllm_bdlora.kernels.plans import cuda_table, one_launch_tokens
 
     width, slots = bd_rank // tp, slots or adapters  # main() has checked that --slots holds every adapter
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
@@ -247,15 +252,14 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
     incumbent: a plan is written only where it beats them. Plans are those of the table key the batch is served
     from (`plans.plan_adapters`: sized for the adapters a batch of its size may mix), whatever the batch holds, so
     that batches of one size mixing 1 or 12 adapters are timed for the one plan that serves them all."""
-    from vllm_bdlora.kernels.plans import cuda_table, row_tile
+    from vllm_bdlora.kernels.plans import cuda_table
 
     width, slots = bd_rank // tp, slots or adapters
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
     want, n, total_width = reference(layer), sum(heights), len(heights) * width
     base_us = time_cuda(lambda: layer["x"] @ layer["weight"].T, graph_repeats=10)["median_ms"] * 1e3
     table = cuda_table("cuda")
-    tile = row_tile(tokens)
-    sized, incumbent, default, plans = served_candidates(table, n, k, total_width, slots, tokens, width)
+    tile, sized, incumbent, default, plans = served_candidates(table, n, k, total_width, slots, tokens, width)
     precompile(layer, plans)
     rows, runs = [], []
     # where the table holds no plan, the layer runs the three kernels: the time a plan must beat to be written
@@ -281,20 +285,29 @@ def configs_point(tp, name, k, heights, tokens, adapters, bd_rank=128, slots=Non
     return confirm_rows(rows, lambda i: time_cuda(runs[i], graph_repeats=10)["median_ms"] * 1e3)
 
 
-def served_candidates(table, n, k, total_width, slots, tokens, width):
-    """A decode batch's plan key size (`plans.plan_adapters`), the table's plan that serves it (None: the three
-    kernels), the structural default and the candidates, each finishing as the served plan does (`row_gather`
-    where the batch may mix adapters, whichever it holds)."""
-    from vllm_bdlora.kernels.plans import plan_adapters, row_tile
+class ServedCandidates(NamedTuple):
+    """What the search times a decode batch with: its row tile, its plan key's size (`plans.plan_adapters`), the
+    table's plan that serves it (None: the three kernels), the structural default and the candidates."""
 
+    tile: int
+    plan_adapters: int
+    incumbent: DecodePlan | None
+    default: DecodePlan | None
+    candidates: list[DecodePlan]
+
+
+def served_candidates(table, n, k, total_width, slots, tokens, width) -> ServedCandidates:
+    """A decode batch's incumbent as a server looks it up (`plans.batch_plan`), and the default and candidates of
+    the key it is served from, each finishing as the served plan does (`row_gather` where the batch may mix
+    adapters, whichever it holds)."""
     tile, sized = row_tile(tokens), plan_adapters(slots, width, tokens, LIFTED_WIDTH)
-    incumbent = table.decode_plan(n, k, total_width, slots, tile, sized)
+    incumbent = batch_plan(table, n, k, total_width, slots, tokens, total_width // width, LIFTED_WIDTH)
     finish = {"row_gather": incumbent.row_gather} if incumbent else {"row_gather": slots > 1 and sized > 1}
     default = default_decode_plan(n, k, total_width, slots, table.sms, tile, sized)
     default = replace(default, **finish) if default else None
     plans = list(dict.fromkeys(replace(p, **finish) for p in candidate_plans(n, k, total_width, slots, sized,
                                                                               table, tile)))  # fmt: skip
-    return sized, incumbent, default, plans
+    return ServedCandidates(tile, sized, incumbent, default, plans)
 
 
 def confirm_rows(rows: list[dict], time_us) -> list[dict]:
@@ -319,7 +332,7 @@ def write_table(rows, table, min_gain: float) -> list[str]:
     that keyed each batch by the adapters it held, by `adapters`). Where the rows were confirmed (`confirm_rows`),
     only the confirming rounds' medians count, so only the candidates confirmed at every batch compete. Returns a
     line per key saying what happened."""
-    from vllm_bdlora.kernels.plans import DecodePlan, decode_key
+    from vllm_bdlora.kernels.plans import decode_key
 
     said = []
     by_key = {}
