@@ -739,6 +739,48 @@ def test_switch_table_pairs_rounds_and_names_changed_plans(tmp_path):
         main([str(tmp_path), "--sides", "0,2"])
 
 
+def test_switch_table_judges_each_table_change_on_the_batches_it_serves(tmp_path):
+    """A searched table against the table before it: each decoder layer as served, and each change (a key's plan,
+    a row limit) held or not by the search's rule on the batches it touches, summed."""
+    from bench.kernels.switch_table import main
+
+    def row(layer, n, tokens, adapters, us, plan, picks="one launch", three=50.0):
+        return {"shape": "llama-3.1-8b", "tp": 1, "layer": layer, "tokens": tokens, "adapters": adapters,
+                "slots": 12, "K": 4096, "N": n, "width": 16, "slices": 1, "mixed_width": 1 << 30, "plan": plan,
+                "layer_op_picks": picks, "one_launch_us": us, "three_kernels_us": three,
+                "base_gemm_us": 10.0}  # fmt: skip
+
+    for round_ in (1, 2):
+        sides = {
+            # o_proj's 4-token key: 10% less on both of its batches; gate_up_proj's: 1% less, within the gain
+            "old": [row("o_proj", 4096, 4, 1, 20.0, "a"), row("o_proj", 4096, 4, 4, 20.0, "a"),
+                    row("gate_up_proj", 28672, 4, 4, 100.0, "c"),
+                    # down_proj's row limit: 8 tokens ran the three kernels before, the one kernel after
+                    row("down_proj", 4096, 8, 8, 45.0, "d", picks="three kernels"),
+                    row("down_proj", 4096, 4, 4, 40.0, "d")],
+            "new": [row("o_proj", 4096, 4, 1, 18.0, "b"), row("o_proj", 4096, 4, 4, 18.0, "b"),
+                    row("gate_up_proj", 28672, 4, 4, 99.0, "e"),
+                    row("down_proj", 4096, 8, 8, 45.0, "d"), row("down_proj", 4096, 4, 4, 40.0, "d")],
+        }  # fmt: skip
+        for side, rows in sides.items():
+            folder = tmp_path / f"{side}-r{round_}" / "tp1-w16"
+            folder.mkdir(parents=True)
+            (folder / "decode_lora.json").write_text(json.dumps({"rows": rows}))
+    main([str(tmp_path), "--sides", "old,new", "--out", str(tmp_path / "t.md")])
+    text = (tmp_path / "t.md").read_text()
+    # as served: 8 tokens ran the three kernels' 50 µs before, the one kernel's 45 after
+    assert "| tp1-w16 | llama-3.1-8b | 1 | 12 | 8 | 8 | 50.00 | 45.00 | -10.0% | 2/2 | down_proj: three kernels → " \
+           "one launch |" in text  # fmt: skip
+    assert "| 12 | 4 | 4 | 160.00 | 157.00 | -1.9% | 2/2 |  |" in text
+    o_key = "out=4096 hidden=4096 total_width=16 slots=many tile=16 adapters=4"
+    assert f"| o_proj | {o_key} | 4x1, 4x4 | 40.00 | 36.00 | -10.0% | 2/2 | **new** |" in text
+    assert "total_width=16 slots=many tile=16 adapters=4 | 4x4 | 100.00 | 99.00 | -1.0% | 2/2 | **old** |" in text
+    # the limit is judged on the batch between the two limits alone, not on the 4-token batch both served alike
+    assert "| down_proj | out=4096 hidden=4096 total_width=16 slots=many | 8x8 | 50.00 | 45.00 | -10.0% | 2/2 | " \
+           "**new** |" in text  # fmt: skip
+    assert "4x4, 8x8" not in text
+
+
 def _stand_in_host(tmp_path, python_source: str, **env):
     """bench/hosts/gpu_host.sh with its /root moved under tmp_path (HOST_ROOT) and a stand-in `python3` (running
     python_source) first on PATH; returns a runner of one step (its completed process) and the stand-in /root."""

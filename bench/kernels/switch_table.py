@@ -6,7 +6,13 @@ rest of the path names the benchmark line): `0-r3/tp4_8/decode_lora.json` is sid
 `8b-new-r1/decode_lora.json` is side new, round 1, line 8b. Rounds pair the sides, so a host that drifts during the
 call moves both (the switch runs them in alternating order), and "rounds" counts the pairs where B was faster.
 
-    python -m bench.kernels.switch_table RUNS --sides 0,1 [--out RUNS/switch.md]
+    python -m bench.kernels.switch_table RUNS --sides 0,1 [--out RUNS/switch.md] [--min-gain 0.02]
+
+Where the rows say how the layer op serves each batch (the one kernel up to the table's row limit, the three
+kernels past it), the tables add each decoder layer as served, and where they name their layer's LoRA width, each
+plan-table change the sides differ by, judged on every timed batch it serves by the search's own rule (more than
+--min-gain less time summed): a table key's plan on the batches served from that key (`plans.plan_adapters`), a
+row limit on the batches between the two limits. That is how a searched table is checked before it is committed.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def _order(key) -> tuple:
     return line, shape, tp, slots, adapters, tokens, PROJECTIONS.index(layer) if layer in PROJECTIONS else 9
 
 
-def tables(found: dict, side_a: str, side_b: str) -> str:
+def tables(found: dict, side_a: str, side_b: str, min_gain: float = 0.02) -> str:
     keys = sorted((k for k in found if found[k].get(side_a) and found[k].get(side_b)), key=_order)
     if not keys:
         raise SystemExit(f"no layer was timed on both sides {side_a!r} and {side_b!r}: check --sides against the "
@@ -90,7 +96,104 @@ def tables(found: dict, side_a: str, side_b: str) -> str:
         won = sum(sum(deltas[r] for deltas in total["rounds"]) < 0 for r in common)
         lines.append(f"| {line} | {shape} | {tp} | {slots} | {adapters} | {tokens} | {base:.1f} | "
                      f"{a:.2f} ({a / base:.3f}x) | {b:.2f} ({b / base:.3f}x) | {won}/{len(common)} |")  # fmt: skip
+    lines += served_tables(found, keys, side_a, side_b)
+    lines += change_verdicts(found, keys, side_a, side_b, min_gain)
     return "\n".join(lines) + "\n"
+
+
+def served_us(row: dict) -> float:
+    """A decode_lora row's time as the layer op serves the batch: the one kernel where it picks it (up to the
+    table's row limit), else the three kernels."""
+    return row["one_launch_us"] if row["layer_op_picks"] == "one launch" else row["three_kernels_us"]
+
+
+def _median(rows: dict, time) -> float:
+    return statistics.median(time(row) for row in rows.values())
+
+
+def _rounds_won(found: dict, keys: list, side_a: str, side_b: str, time) -> str:
+    """Rounds (those every key has on both sides) in which `time` summed over the keys was less on side B."""
+    common = set.intersection(*(set(found[k][side_a]) & set(found[k][side_b]) for k in keys))
+    won = sum(sum(time(found[k][side_b][r]) - time(found[k][side_a][r]) for k in keys) < 0 for r in common)
+    return f"{won}/{len(common)}"
+
+
+def _change(a: float, b: float) -> str:
+    return f"{a:.2f} | {b:.2f} | {(b - a) / a:+.1%}"
+
+
+def served_tables(found: dict, keys: list, side_a: str, side_b: str) -> list[str]:
+    """Each decoder layer as the layer op serves it on each side, and the projections whose path changed."""
+    keys = [k for k in keys if all("layer_op_picks" in row for side in (side_a, side_b)
+                                   for row in found[k][side].values())]  # fmt: skip
+    if not keys:
+        return []
+    by_layer = defaultdict(list)
+    for key in keys:
+        by_layer[key[:3] + key[4:]].append(key)  # the point without the projection
+    lines = ["", "Per decoder layer as served (the one kernel up to each projection's row limit, the three kernels "
+             f"past it; medians summed; rounds: those faster on {side_b}):", "",
+             f"| line | shape | TP | slots | adapters | tokens | {side_a} | {side_b} | change | rounds | "
+             "paths changed |",
+             "|---" * 11 + "|"]  # fmt: skip
+    for (line, shape, tp, tokens, adapters, slots), projections in by_layer.items():
+        a = sum(_median(found[k][side_a], served_us) for k in projections)
+        b = sum(_median(found[k][side_b], served_us) for k in projections)
+        changed = []
+        for k in projections:
+            pick_a = next(iter(found[k][side_a].values()))["layer_op_picks"]
+            pick_b = next(iter(found[k][side_b].values()))["layer_op_picks"]
+            if pick_a != pick_b:
+                changed.append(f"{k[3]}: {pick_a} → {pick_b}")
+        rounds = _rounds_won(found, projections, side_a, side_b, served_us)
+        lines.append(f"| {line} | {shape} | {tp} | {slots} | {adapters} | {tokens} | {_change(a, b)} | {rounds} | "
+                     f"{'; '.join(changed)} |")  # fmt: skip
+    return lines
+
+
+def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain: float) -> list[str]:
+    """The plan-table changes between the sides, each judged on every timed batch it serves by the search's rule:
+    side B's change holds where it takes more than `min_gain` less time summed over those batches. A table key's
+    plan serves the batches of its row tile sized for its adapters (`plans.plan_adapters`; the one kernel's times);
+    a projection's row limit, the batches between the two limits (times as served)."""
+    from vllm_bdlora.kernels.plans import decode_key, mixed_rows_key, plan_adapters, row_tile
+
+    keys = [k for k in keys if all("width" in row for side in (side_a, side_b) for row in found[k][side].values())]
+    plan_keys, limit_keys = defaultdict(list), defaultdict(list)
+    for key in keys:
+        row = next(iter(found[key][side_a].values()))
+        total_width = row["width"] * row["slices"]
+        sized = plan_adapters(row["slots"], row["width"], row["tokens"], row["mixed_width"])
+        table_key = decode_key(row["N"], row["K"], total_width, row["slots"], row_tile(row["tokens"]), sized)
+        plan_keys[(key[0], key[1], key[2], key[3], table_key)].append(key)
+        if "layer_op_picks" in row and row["slots"] > 1:
+            limit_keys[(key[0], key[1], key[2], key[3], mixed_rows_key(row["N"], row["K"], total_width))].append(key)
+    lines = []
+    for title, groups, time, differs in (
+        ("table key (its plan's one-kernel time over the batches it serves)", plan_keys,
+         lambda row: row["one_launch_us"], lambda row: row["plan"]),
+        ("row limit (the batches between the two limits, as served)", limit_keys, served_us,
+         lambda row: row["layer_op_picks"]),
+    ):  # fmt: skip
+        rows = []
+        for (line, shape, tp, layer, table_key), served in groups.items():
+            # the batches the change touches: all of a key's (they share its plan), a limit's between the two
+            points = [k for k in served if {differs(r) for r in found[k][side_a].values()}
+                      != {differs(r) for r in found[k][side_b].values()}]  # fmt: skip
+            if not points:
+                continue
+            a = sum(_median(found[k][side_a], time) for k in points)
+            b = sum(_median(found[k][side_b], time) for k in points)
+            verdict = side_b if b < a * (1 - min_gain) else side_a
+            batches = ", ".join(f"{k[4]}x{k[5]}" for k in points)
+            rows.append(f"| {line} | {shape} | {tp} | {layer} | {table_key} | {batches} | {_change(a, b)} | "
+                        f"{_rounds_won(found, points, side_a, side_b, time)} | **{verdict}** |")  # fmt: skip
+        if rows:
+            lines += ["", f"Changes per {title}: **{side_b}** where it takes more than {min_gain:.0%} less time "
+                      "summed, else **" + side_a + "**:", "",
+                      f"| line | shape | TP | layer | key | batches (tokens x adapters) | {side_a} | {side_b} | change "
+                      "| rounds | holds |", "|---" * 11 + "|", *rows]  # fmt: skip
+    return lines
 
 
 def main(argv=None) -> int:
@@ -98,9 +201,15 @@ def main(argv=None) -> int:
     p.add_argument("runs", help="folder holding the runs (e.g. the unpacked switch.tgz's switch/)")
     p.add_argument("--sides", default="0,1", help="side A (before), side B (after), as the folders name them")
     p.add_argument("--out", help="write the markdown here too")
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.02,
+        help="a table change holds where it takes more than this fraction less time (the searches' rule)",
+    )
     args = p.parse_args(argv)
     side_a, side_b = args.sides.split(",")
-    text = tables(read_runs(args.runs), side_a, side_b)
+    text = tables(read_runs(args.runs), side_a, side_b, args.min_gain)
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:
