@@ -781,6 +781,47 @@ def test_switch_table_judges_each_table_change_on_the_batches_it_serves(tmp_path
     assert "4x4, 8x8" not in text
 
 
+def test_switch_table_derives_each_layer_under_the_table_assembled_from_the_changes(tmp_path):
+    """--table: each projection's batch takes the times of the side it runs as under the assembled table (looked up
+    as a server does); a table under which a batch runs as on neither side is refused."""
+    from bench.kernels.decode_lora import describe
+    from bench.kernels.switch_table import main
+    from vllm_bdlora.kernels.plans import PlanTable, batch_plan, decode_key, make_plan, mixed_rows_key
+
+    shape = (4096, 4096, 16)  # TP=1 o_proj, rank 16, 12 slots
+    old_plan, new_plan, other = (make_plan(*shape, 12, block_n=bn, block_k=128, stream_k=True, gemv_programs=100)
+                                 for bn in (32, 64, 128))  # fmt: skip
+
+    def table_with(plan):
+        return PlanTable("Test GPU", 132, {decode_key(*shape, 12, 16, 4): plan},
+                         {}, {mixed_rows_key(*shape): 16})  # fmt: skip
+
+    def row(layer, plan, us):
+        served = describe(batch_plan(table_with(plan), *shape, 12, 4, 1, 1 << 30))
+        return {"shape": "llama-3.1-8b", "tp": 1, "layer": layer, "tokens": 4, "adapters": 4, "slots": 12,
+                "K": 4096, "N": 4096, "width": 16, "slices": 1, "mixed_width": 1 << 30, "plan": served,
+                "layer_op_picks": "one launch", "one_launch_us": us, "three_kernels_us": 50.0,
+                "base_gemm_us": 10.0}  # fmt: skip
+
+    for round_ in (1, 2):
+        for side, plan, us in (("old", old_plan, 20.0), ("new", new_plan, 17.0)):
+            folder = tmp_path / "runs" / f"{side}-r{round_}" / "tp1-w16"
+            folder.mkdir(parents=True)
+            (folder / "decode_lora.json").write_text(json.dumps({"rows": [row("o_proj", plan, us)]}))
+    for name, plan in (("kept.json", new_plan), ("reverted.json", old_plan), ("other.json", other)):
+        (tmp_path / name).write_text(table_with(plan).to_json())
+    runs = str(tmp_path / "runs")
+    main([runs, "--sides", "old,new", "--table", str(tmp_path / "kept.json"), "--out", str(tmp_path / "t.md")])
+    assert (
+        "| tp1-w16 | llama-3.1-8b | 1 | 12 | 4 | 4 | 20.00 | 17.00 | -15.0% | o_proj |"
+        in (tmp_path / "t.md").read_text()
+    )
+    main([runs, "--sides", "old,new", "--table", str(tmp_path / "reverted.json"), "--out", str(tmp_path / "t.md")])
+    assert "| tp1-w16 | llama-3.1-8b | 1 | 12 | 4 | 4 | 20.00 | 20.00 | +0.0% |  |" in (tmp_path / "t.md").read_text()
+    with pytest.raises(SystemExit, match="o_proj at 4 tokens, 4 adapters .* as on neither side"):
+        main([runs, "--sides", "old,new", "--table", str(tmp_path / "other.json")])
+
+
 def _stand_in_host(tmp_path, python_source: str, **env):
     """bench/hosts/gpu_host.sh with its /root moved under tmp_path (HOST_ROOT) and a stand-in `python3` (running
     python_source) first on PATH; returns a runner of one step (its completed process) and the stand-in /root."""

@@ -13,6 +13,12 @@ kernels past it), the tables add each decoder layer as served, and where they na
 plan-table change the sides differ by, judged on every timed batch it serves by the search's own rule (more than
 --min-gain less time summed): a table key's plan on the batches served from that key (`plans.plan_adapters`), a
 row limit on the batches between the two limits. That is how a searched table is checked before it is committed.
+
+    python -m bench.kernels.switch_table RUNS --sides old,new --table vllm_bdlora/kernels/configs/GPU.json
+
+adds each decoder layer under TABLE, a table assembled from the changes that held: every timed batch of a projection
+must run under it as on one of the sides (the same plan and path, looked up as a server does), whose times it then
+takes; a batch that runs as on neither is an error. Unchanged projections take side A's times.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def _order(key) -> tuple:
     return line, shape, tp, slots, adapters, tokens, PROJECTIONS.index(layer) if layer in PROJECTIONS else 9
 
 
-def tables(found: dict, side_a: str, side_b: str, min_gain: float = 0.02) -> str:
+def tables(found: dict, side_a: str, side_b: str, min_gain: float = 0.02, table_path: str | None = None) -> str:
     keys = sorted((k for k in found if found[k].get(side_a) and found[k].get(side_b)), key=_order)
     if not keys:
         raise SystemExit(f"no layer was timed on both sides {side_a!r} and {side_b!r}: check --sides against the "
@@ -98,6 +104,8 @@ def tables(found: dict, side_a: str, side_b: str, min_gain: float = 0.02) -> str
                      f"{a:.2f} ({a / base:.3f}x) | {b:.2f} ({b / base:.3f}x) | {won}/{len(common)} |")  # fmt: skip
     lines += served_tables(found, keys, side_a, side_b)
     lines += change_verdicts(found, keys, side_a, side_b, min_gain)
+    if table_path:
+        lines += table_tables(found, keys, side_a, side_b, table_path)
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +204,46 @@ def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain:
     return lines
 
 
+def as_table_runs(row: dict, table) -> tuple[str, str]:
+    """(plan, path) of a timed batch's projection under `table`, as the layer op picks them (main() of
+    bench.kernels.decode_lora records the same for the table it ran with)."""
+    from bench.kernels.decode_lora import describe
+    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_ADAPTERS, batch_plan, one_launch_tokens
+
+    shape = (row["N"], row["K"], row["width"] * row["slices"], row["slots"])
+    plan = batch_plan(table, *shape, row["tokens"], row["slices"], row["mixed_width"])
+    served = one_launch_tokens(table.measured_rows(*shape[:3]), None, DEFAULT_MAX_MIXED_ADAPTERS, row["width"],
+                               row["slots"])  # fmt: skip
+    return describe(plan), "one launch" if plan is not None and row["tokens"] <= served else "three kernels"
+
+
+def table_tables(found: dict, keys: list, side_a: str, side_b: str, table_path: str) -> list[str]:
+    """Each decoder layer under the table at `table_path`, from the side each projection's batch runs as under it."""
+    from vllm_bdlora.kernels.plans import PlanTable
+
+    with open(table_path) as f:
+        table = PlanTable.from_json(f.read(), table_path)
+    by_layer = defaultdict(list)
+    for key in keys:
+        runs = as_table_runs(next(iter(found[key][side_a].values())), table)
+        sides = [side for side in (side_a, side_b)
+                 if all((row["plan"], row["layer_op_picks"]) == runs for row in found[key][side].values())]  # fmt: skip
+        if not sides:
+            raise SystemExit(f"{table_path}: {key[3]} at {key[4]} tokens, {key[5]} adapters ({key[0]}) runs "
+                             f"{runs[1]} with {runs[0]}, as on neither side")  # fmt: skip
+        by_layer[key[:3] + key[4:]].append((key, sides[0]))
+    lines = ["", f"Per decoder layer under `{os.path.basename(table_path)}` (as served; each projection's times from "
+             f"the side it runs as under that table, {side_a} where both do):", "",
+             f"| line | shape | TP | slots | adapters | tokens | {side_a} | table | change | from {side_b} |",
+             "|---" * 10 + "|"]  # fmt: skip
+    for (line, shape, tp, tokens, adapters, slots), projections in by_layer.items():
+        a = sum(_median(found[k][side_a], served_us) for k, _ in projections)
+        b = sum(_median(found[k][side], served_us) for k, side in projections)
+        taken = ", ".join(k[3] for k, side in projections if side == side_b)
+        lines.append(f"| {line} | {shape} | {tp} | {slots} | {adapters} | {tokens} | {_change(a, b)} | {taken} |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", help="folder holding the runs (e.g. the unpacked switch.tgz's switch/)")
@@ -207,9 +255,10 @@ def main(argv=None) -> int:
         default=0.02,
         help="a table change holds where it takes more than this fraction less time (the searches' rule)",
     )
+    p.add_argument("--table", help="a plan table assembled from the changes that held: each decoder layer under it")
     args = p.parse_args(argv)
     side_a, side_b = args.sides.split(",")
-    text = tables(read_runs(args.runs), side_a, side_b, args.min_gain)
+    text = tables(read_runs(args.runs), side_a, side_b, args.min_gain, args.table)
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:
