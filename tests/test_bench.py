@@ -783,7 +783,8 @@ def test_switch_table_judges_each_table_change_on_the_batches_it_serves(tmp_path
 
 def test_switch_table_derives_each_layer_under_the_table_assembled_from_the_changes(tmp_path):
     """--table: each projection's batch takes the times of the side it runs as under the assembled table (looked up
-    as a server does); a table under which a batch runs as on neither side is refused."""
+    as a server does); a table under which a batch runs as on neither side is refused. --assemble writes the
+    changes that held into the table before."""
     from bench.kernels.decode_lora import describe
     from bench.kernels.switch_table import main
     from vllm_bdlora.kernels.plans import PlanTable, batch_plan, decode_key, make_plan, mixed_rows_key
@@ -820,6 +821,20 @@ def test_switch_table_derives_each_layer_under_the_table_assembled_from_the_chan
     assert "| tp1-w16 | llama-3.1-8b | 1 | 12 | 4 | 4 | 20.00 | 20.00 | +0.0% |  |" in (tmp_path / "t.md").read_text()
     with pytest.raises(SystemExit, match="o_proj at 4 tokens, 4 adapters .* as on neither side"):
         main([runs, "--sides", "old,new", "--table", str(tmp_path / "other.json")])
+
+    # --assemble: the held change written into the table before, under the key it was judged at, even where the new
+    # side's table served it from another entry (4-token batches falling back to a 2-adapter entry)
+    one, two, four = (decode_key(*shape, 12, 16, adapters) for adapters in (1, 2, 4))
+    limit = {mixed_rows_key(*shape): 16}
+    (tmp_path / "before.json").write_text(PlanTable("Test GPU", 132, {one: old_plan}, {}, dict(limit)).to_json())
+    after = PlanTable("Test GPU", 132, {one: old_plan, two: new_plan}, {}, dict(limit))
+    (tmp_path / "after.json").write_text(after.to_json())
+    main([runs, "--sides", "old,new", "--table", str(tmp_path / "before.json"), "--assemble",
+          str(tmp_path / "after.json"), "--out", str(tmp_path / "t.md")])  # fmt: skip
+    written = PlanTable.from_json((tmp_path / "before.json").read_text())
+    assert written.decode == {one: old_plan, four: new_plan}  # 2- and 3-token batches keep the plan they ran
+    text = (tmp_path / "t.md").read_text()
+    assert "the changes that held (1)" in text and "| 4 | 4 | 20.00 | 17.00 | -15.0% | o_proj |" in text
 
 
 def _stand_in_host(tmp_path, python_source: str, **env):

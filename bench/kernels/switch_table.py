@@ -14,11 +14,15 @@ plan-table change the sides differ by, judged on every timed batch it serves by 
 --min-gain less time summed): a table key's plan on the batches served from that key (`plans.plan_adapters`), a
 row limit on the batches between the two limits. That is how a searched table is checked before it is committed.
 
-    python -m bench.kernels.switch_table RUNS --sides old,new --table vllm_bdlora/kernels/configs/GPU.json
+    python -m bench.kernels.switch_table RUNS --sides old,new --table vllm_bdlora/kernels/configs/GPU.json \
+        [--assemble search-rounds/tables/GPU.json]
 
 adds each decoder layer under TABLE, a table assembled from the changes that held: every timed batch of a projection
 must run under it as on one of the sides (the same plan and path, looked up as a server does), whose times it then
-takes; a batch that runs as on neither is an error. Unchanged projections take side A's times.
+takes; a batch that runs as on neither is an error. Unchanged projections take side A's times. With --assemble,
+TABLE is the table before (the checkout's, as the old side ran it) and first receives the changes that held, each
+as AFTER (the table the new side ran) serves it, and nothing else: entries a search wrote as the plan a batch
+already ran would become the fallback of batch sizes nobody timed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import re
 import statistics
 from collections import defaultdict
+from dataclasses import replace
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _SIDE_ROUND = re.compile(r"(?:^|[-/])(?P<side>[^-/]+)-r(?P<round>\d+)(?=[-/]|$)")
@@ -67,7 +72,8 @@ def _order(key) -> tuple:
     return line, shape, tp, slots, adapters, tokens, PROJECTIONS.index(layer) if layer in PROJECTIONS else 9
 
 
-def tables(found: dict, side_a: str, side_b: str, min_gain: float = 0.02, table_path: str | None = None) -> str:
+def tables(found: dict, side_a: str, side_b: str, min_gain: float = 0.02, table_path: str | None = None,
+           after_path: str | None = None) -> str:  # fmt: skip
     keys = sorted((k for k in found if found[k].get(side_a) and found[k].get(side_b)), key=_order)
     if not keys:
         raise SystemExit(f"no layer was timed on both sides {side_a!r} and {side_b!r}: check --sides against the "
@@ -103,7 +109,12 @@ def tables(found: dict, side_a: str, side_b: str, min_gain: float = 0.02, table_
         lines.append(f"| {line} | {shape} | {tp} | {slots} | {adapters} | {tokens} | {base:.1f} | "
                      f"{a:.2f} ({a / base:.3f}x) | {b:.2f} ({b / base:.3f}x) | {won}/{len(common)} |")  # fmt: skip
     lines += served_tables(found, keys, side_a, side_b)
-    lines += change_verdicts(found, keys, side_a, side_b, min_gain)
+    verdicts, held = change_verdicts(found, keys, side_a, side_b, min_gain)
+    lines += verdicts
+    if after_path:
+        said = assemble(held, after_path, table_path)
+        lines += ["", f"Written into `{os.path.basename(table_path)}` from `{os.path.basename(after_path)}`, the "
+                  f"changes that held ({len(said)}):", "", *(f"- {line}" for line in said)]  # fmt: skip
     if table_path:
         lines += table_tables(found, keys, side_a, side_b, table_path)
     return "\n".join(lines) + "\n"
@@ -159,11 +170,12 @@ def served_tables(found: dict, keys: list, side_a: str, side_b: str) -> list[str
     return lines
 
 
-def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain: float) -> list[str]:
+def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain: float) -> tuple[list[str], list]:
     """The plan-table changes between the sides, each judged on every timed batch it serves by the search's rule:
     side B's change holds where it takes more than `min_gain` less time summed over those batches. A table key's
     plan serves the batches of its row tile sized for its adapters (`plans.plan_adapters`; the one kernel's times);
-    a projection's row limit, the batches between the two limits (times as served)."""
+    a projection's row limit, the batches between the two limits (times as served). Returns the tables' lines and
+    the changes that held, as (section, table key, the key's `decode_plan` arguments or None)."""
     from vllm_bdlora.kernels.plans import decode_key, mixed_rows_key, plan_adapters, row_tile
 
     keys = [k for k in keys if all("width" in row for side in (side_a, side_b) for row in found[k][side].values())]
@@ -173,10 +185,12 @@ def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain:
         total_width = row["width"] * row["slices"]
         sized = plan_adapters(row["slots"], row["width"], row["tokens"], row["mixed_width"])
         table_key = decode_key(row["N"], row["K"], total_width, row["slots"], row_tile(row["tokens"]), sized)
-        plan_keys[(key[0], key[1], key[2], key[3], table_key)].append(key)
+        lookup = (row["N"], row["K"], total_width, row["slots"], row_tile(row["tokens"]), sized)
+        plan_keys[(key[0], key[1], key[2], key[3], ("decode", table_key, lookup))].append(key)
         if "layer_op_picks" in row and row["slots"] > 1:
-            limit_keys[(key[0], key[1], key[2], key[3], mixed_rows_key(row["N"], row["K"], total_width))].append(key)
-    lines = []
+            rows_key = ("mixed_rows", mixed_rows_key(row["N"], row["K"], total_width), None)
+            limit_keys[(key[0], key[1], key[2], key[3], rows_key)].append(key)
+    lines, held = [], []
     for title, groups, time, differs in (
         ("table key (its plan's one-kernel time over the batches it serves)", plan_keys,
          lambda row: row["one_launch_us"], lambda row: row["plan"]),
@@ -184,7 +198,8 @@ def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain:
          lambda row: row["layer_op_picks"]),
     ):  # fmt: skip
         rows = []
-        for (line, shape, tp, layer, table_key), served in groups.items():
+        for (line, shape, tp, layer, change), served in groups.items():
+            table_key = change[1]
             # the batches the change touches: all of a key's (they share its plan), a limit's between the two
             points = [k for k in served if {differs(r) for r in found[k][side_a].values()}
                       != {differs(r) for r in found[k][side_b].values()}]  # fmt: skip
@@ -193,6 +208,8 @@ def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain:
             a = sum(_median(found[k][side_a], time) for k in points)
             b = sum(_median(found[k][side_b], time) for k in points)
             verdict = side_b if b < a * (1 - min_gain) else side_a
+            if verdict == side_b:
+                held.append(change)
             batches = ", ".join(f"{k[4]}x{k[5]}" for k in points)
             rows.append(f"| {line} | {shape} | {tp} | {layer} | {table_key} | {batches} | {_change(a, b)} | "
                         f"{_rounds_won(found, points, side_a, side_b, time)} | **{verdict}** |")  # fmt: skip
@@ -201,7 +218,34 @@ def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain:
                       "summed, else **" + side_a + "**:", "",
                       f"| line | shape | TP | layer | key | batches (tokens x adapters) | {side_a} | {side_b} | change "
                       "| rounds | holds |", "|---" * 11 + "|", *rows]  # fmt: skip
-    return lines
+    return lines, held
+
+
+def assemble(held: list, after_path: str, into_path: str) -> list[str]:
+    """Write into the table at `into_path` (the table before, as the old side ran it) the changes that held, each
+    as the table at `after_path` (the new side's) serves it: a key's plan as that table looks it up (where it came
+    from another entry, a key falling back to it, it is written under the key itself, so that no other batch size
+    changes), a row limit as it is. Returns a line per change."""
+    from bench.kernels.decode_lora import describe
+    from vllm_bdlora.kernels.plans import PlanTable
+
+    with open(after_path) as f:
+        after = PlanTable.from_json(f.read(), after_path)
+    with open(into_path) as f:
+        into = PlanTable.from_json(f.read(), into_path)
+    said = []
+    for section, key, lookup in dict.fromkeys(held):
+        if section == "decode":
+            plan = after.decode_plan(*lookup)
+            into.decode[key] = replace(plan, row_gather=False) if plan is not None else None  # not a table choice
+        elif key in after.mixed_rows:
+            into.mixed_rows[key] = after.mixed_rows[key]
+        else:
+            raise SystemExit(f"{after_path} has no row limit {key}: --assemble takes the table the new side ran")
+        said.append(f"{key}: {describe(into.decode[key]) if section == 'decode' else into.mixed_rows[key]}")
+    with open(into_path, "w") as f:
+        f.write(into.to_json())
+    return said
 
 
 def as_table_runs(row: dict, table) -> tuple[str, str]:
@@ -256,9 +300,13 @@ def main(argv=None) -> int:
         help="a table change holds where it takes more than this fraction less time (the searches' rule)",
     )
     p.add_argument("--table", help="a plan table assembled from the changes that held: each decoder layer under it")
+    p.add_argument("--assemble", metavar="AFTER", help="first write into --table (the table before) the changes that "
+                   "held, from AFTER (the table the new side ran, e.g. search-rounds' tables/)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.assemble and not args.table:
+        p.error("--assemble AFTER writes into --table: give the table before (e.g. the checkout's configs/ table)")
     side_a, side_b = args.sides.split(",")
-    text = tables(read_runs(args.runs), side_a, side_b, args.min_gain, args.table)
+    text = tables(read_runs(args.runs), side_a, side_b, args.min_gain, args.table, args.assemble)
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:
