@@ -80,6 +80,7 @@ from vllm_bdlora.kernels.plans import (
     batch_plan,
     default_decode_plan,
     make_plan,
+    one_launch_tokens,
     plan_adapters,
     plan_problems,
     row_tile,
@@ -138,7 +139,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
                 mixed_width=DEFAULT_MAX_MIXED_WIDTH):  # fmt: skip
     from vllm_bdlora.kernels.fused_lora import group_tokens
     from vllm_bdlora.kernels.lora_op import layer_decode_state
-    from vllm_bdlora.kernels.plans import cuda_table, one_launch_tokens
+    from vllm_bdlora.kernels.plans import cuda_table
 
     width, slots = bd_rank // tp, slots or adapters  # main() has checked that --slots holds every adapter
     layer = make_layer(k, heights, tokens, adapters, width, slots=slots)
@@ -158,12 +159,7 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
             no_adapter, layer_decode_state(*shape, "cuda", len(heights), mixed_width), max_mixed_width=mixed_width
         ),
     }  # fmt: skip
-    table = cuda_table("cuda")
-    tile_plan = batch_plan(table, *shape, tokens, len(heights), mixed_width)
-    # main() lifts the mixed-adapter limit (unless --mixed-width) so that "one launch" times the kernel wherever it
-    # has a plan; the layer op's pick is the plugin's with its defaults (the table's measured rows, else the width)
-    served = one_launch_tokens(table.measured_rows(*shape[:3]), None, DEFAULT_MAX_MIXED_ADAPTERS, width, slots)
-    op_picks = tile_plan is not None and tokens <= served
+    tile_plan, op_picks = served_path(cuda_table("cuda"), *shape, tokens, len(heights), mixed_width)
     if breakdown and tile_plan is not None:
         paths.update(breakdown_paths(layer, tile_plan))
     row = {"tp": tp, "layer": name, "tokens": tokens, "adapters": adapters, "slots": slots, "K": k, "N": n,
@@ -185,6 +181,16 @@ def bench_point(tp, name, k, heights, tokens, adapters, copy_gbs, breakdown=Fals
     row["one_launch_speedup"] = round(row["three_kernels_us"] / row["one_launch_us"], 3)
     print(row, flush=True)
     return row
+
+
+def served_path(table, n, k, total_width, slots, tokens, slices, mixed_width) -> tuple[DecodePlan | None, bool]:
+    """A decode batch's plan under `mixed_width` (main() lifts the mixed-adapter limit, unless --mixed-width, so that
+    "one launch" times the kernel wherever it has a plan), and whether the layer op runs the one kernel for it with
+    the plugin's defaults (the table's measured row limit, else the width rule)."""
+    plan = batch_plan(table, n, k, total_width, slots, tokens, slices, mixed_width)
+    served = one_launch_tokens(table.measured_rows(n, k, total_width), None, DEFAULT_MAX_MIXED_ADAPTERS,
+                               total_width // slices, slots)  # fmt: skip
+    return plan, plan is not None and tokens <= served
 
 
 def shrink_beside(shrink: int, sms: int, gemv_blocks: int) -> int:
@@ -530,8 +536,6 @@ def adapters_label(row) -> str:
 def rule_picks_one(row) -> bool:
     """Whether the layer op runs a row's batch on the one kernel where the GPU's table has no measured row limit for
     its projection (the row-width rule, default settings)."""
-    from vllm_bdlora.kernels.plans import one_launch_tokens
-
     rule = one_launch_tokens(None, None, DEFAULT_MAX_MIXED_ADAPTERS, row["width"], row["slots"])
     return not row["plan"].startswith("none") and row["tokens"] <= rule
 

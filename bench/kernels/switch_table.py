@@ -249,16 +249,13 @@ def assemble(held: list, after_path: str, into_path: str) -> list[str]:
 
 
 def as_table_runs(row: dict, table) -> tuple[str, str]:
-    """(plan, path) of a timed batch's projection under `table`, as the layer op picks them (main() of
-    bench.kernels.decode_lora records the same for the table it ran with)."""
-    from bench.kernels.decode_lora import describe
-    from vllm_bdlora.kernels.plans import DEFAULT_MAX_MIXED_ADAPTERS, batch_plan, one_launch_tokens
+    """(plan, path) of a timed batch's projection under `table`, as bench.kernels.decode_lora records them for the
+    table it ran with."""
+    from bench.kernels.decode_lora import describe, served_path
 
-    shape = (row["N"], row["K"], row["width"] * row["slices"], row["slots"])
-    plan = batch_plan(table, *shape, row["tokens"], row["slices"], row["mixed_width"])
-    served = one_launch_tokens(table.measured_rows(*shape[:3]), None, DEFAULT_MAX_MIXED_ADAPTERS, row["width"],
-                               row["slots"])  # fmt: skip
-    return describe(plan), "one launch" if plan is not None and row["tokens"] <= served else "three kernels"
+    plan, one_kernel = served_path(table, row["N"], row["K"], row["width"] * row["slices"], row["slots"],
+                                   row["tokens"], row["slices"], row["mixed_width"])  # fmt: skip
+    return describe(plan), "one launch" if one_kernel else "three kernels"
 
 
 def table_tables(found: dict, keys: list, side_a: str, side_b: str, table_path: str) -> list[str]:
@@ -267,6 +264,8 @@ def table_tables(found: dict, keys: list, side_a: str, side_b: str, table_path: 
 
     with open(table_path) as f:
         table = PlanTable.from_json(f.read(), table_path)
+    keys = [k for k in keys if all("width" in row and "layer_op_picks" in row for side in (side_a, side_b)
+                                   for row in found[k][side].values())]  # fmt: skip
     by_layer = defaultdict(list)
     for key in keys:
         runs = as_table_runs(next(iter(found[key][side_a].values())), table)
