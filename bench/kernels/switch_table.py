@@ -184,9 +184,8 @@ def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain:
         row = next(iter(found[key][side_a].values()))
         total_width = row["width"] * row["slices"]
         sized = plan_adapters(row["slots"], row["width"], row["tokens"], row["mixed_width"])
-        table_key = decode_key(row["N"], row["K"], total_width, row["slots"], row_tile(row["tokens"]), sized)
         lookup = (row["N"], row["K"], total_width, row["slots"], row_tile(row["tokens"]), sized)
-        plan_keys[(key[0], key[1], key[2], key[3], ("decode", table_key, lookup))].append(key)
+        plan_keys[(key[0], key[1], key[2], key[3], ("decode", decode_key(*lookup), lookup))].append(key)
         if "layer_op_picks" in row and row["slots"] > 1:
             rows_key = ("mixed_rows", mixed_rows_key(row["N"], row["K"], total_width), None)
             limit_keys[(key[0], key[1], key[2], key[3], rows_key)].append(key)
