@@ -79,6 +79,7 @@ from vllm_bdlora.kernels.plans import (
     DecodePlan,
     batch_plan,
     default_decode_plan,
+    gathers_rows,
     make_plan,
     one_launch_tokens,
     plan_adapters,
@@ -308,7 +309,7 @@ def served_candidates(table, n, k, total_width, slots, tokens, width) -> ServedC
     adapters, whichever it holds)."""
     tile, sized = row_tile(tokens), plan_adapters(slots, width, tokens, LIFTED_WIDTH)
     incumbent = batch_plan(table, n, k, total_width, slots, tokens, total_width // width, LIFTED_WIDTH)
-    finish = {"row_gather": incumbent.row_gather} if incumbent else {"row_gather": slots > 1 and sized > 1}
+    finish = {"row_gather": gathers_rows(slots, sized)}  # as the table's lookup finishes the incumbent
     default = default_decode_plan(n, k, total_width, slots, table.sms, tile, sized)
     default = replace(default, **finish) if default else None
     plans = list(dict.fromkeys(replace(p, **finish) for p in candidate_plans(n, k, total_width, slots, sized,

@@ -401,7 +401,7 @@ class PlanTable:
             self._say_default(layer, decode_key(out_features, hidden, total_width, slots, block_m, adapters),
                               "decode_lora --configs")  # fmt: skip
             plan = default_decode_plan(out_features, hidden, total_width, slots, self.sms, block_m, adapters)
-        return replace(plan, row_gather=slots > 1 and adapters > 1) if plan is not None else None
+        return replace(plan, row_gather=gathers_rows(slots, adapters)) if plan is not None else None
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019
     def prefill_ranges(self, out_features: int, hidden: int, width: int, slices: int) -> tuple[PrefillRange, ...]:
@@ -487,6 +487,12 @@ def batch_plan(table: PlanTable, out_features: int, hidden: int, total_width: in
     the batch may mix (`plan_adapters`)."""
     adapters = plan_adapters(slots, total_width // slices, tokens, max_mixed_width)
     return table.decode_plan(out_features, hidden, total_width, slots, row_tile(tokens), adapters)
+
+
+def gathers_rows(slots: int, adapters: int) -> bool:
+    """Whether a plan sized for `adapters` in a layer of `slots` slots finishes with each row gathering its own
+    adapter's B (`DecodePlan.row_gather`): where the batch may mix adapters, whichever it holds."""
+    return slots > 1 and adapters > 1
 
 
 def plan_adapters(slots: int, width: int, tokens: int, max_mixed_width: int) -> int:
