@@ -126,6 +126,12 @@ def served_us(row: dict) -> float:
     return row["one_launch_us"] if row["layer_op_picks"] == "one launch" else row["three_kernels_us"]
 
 
+def _recording(found: dict, keys: list, sides: tuple, *fields: str) -> list:
+    """The keys whose rows on every side record `fields` (rows of older runs lack some)."""
+    return [k for k in keys if all(field in row for side in sides for row in found[k][side].values()
+                                   for field in fields)]  # fmt: skip
+
+
 def _median(rows: dict, time) -> float:
     return statistics.median(time(row) for row in rows.values())
 
@@ -143,8 +149,7 @@ def _change(a: float, b: float) -> str:
 
 def served_tables(found: dict, keys: list, side_a: str, side_b: str) -> list[str]:
     """Each decoder layer as the layer op serves it on each side, and the projections whose path changed."""
-    keys = [k for k in keys if all("layer_op_picks" in row for side in (side_a, side_b)
-                                   for row in found[k][side].values())]  # fmt: skip
+    keys = _recording(found, keys, (side_a, side_b), "layer_op_picks")
     if not keys:
         return []
     by_layer = defaultdict(list)
@@ -178,7 +183,7 @@ def change_verdicts(found: dict, keys: list, side_a: str, side_b: str, min_gain:
     the changes that held, as (section, table key, the key's `decode_plan` arguments or None)."""
     from vllm_bdlora.kernels.plans import decode_key, mixed_rows_key, plan_adapters, row_tile
 
-    keys = [k for k in keys if all("width" in row for side in (side_a, side_b) for row in found[k][side].values())]
+    keys = _recording(found, keys, (side_a, side_b), "width")
     plan_keys, limit_keys = defaultdict(list), defaultdict(list)
     for key in keys:
         row = next(iter(found[key][side_a].values()))
@@ -263,8 +268,7 @@ def table_tables(found: dict, keys: list, side_a: str, side_b: str, table_path: 
 
     with open(table_path) as f:
         table = PlanTable.from_json(f.read(), table_path)
-    keys = [k for k in keys if all("width" in row and "layer_op_picks" in row for side in (side_a, side_b)
-                                   for row in found[k][side].values())]  # fmt: skip
+    keys = _recording(found, keys, (side_a, side_b), "width", "layer_op_picks")
     by_layer = defaultdict(list)
     for key in keys:
         runs = as_table_runs(next(iter(found[key][side_a].values())), table)
